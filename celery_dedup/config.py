@@ -1,0 +1,120 @@
+"""Settings: read from ``app.conf`` once, validated once, kept on the app.
+
+Every setting is read here and nowhere else. With Django's
+``app.config_from_object("django.conf:settings", namespace="CELERY")`` each
+``dedup_x`` below is spelled ``CELERY_DEDUP_X``.
+
+=========================  ====================  ===============================================
+setting                    default               effect
+=========================  ====================  ===============================================
+``dedup_redis_url``        the broker URL        where keys and status records live
+``dedup_key_prefix``       ``"dedup"``           prefix of every Redis key celery-dedup writes
+``dedup_default_ttl``      ``3600``              seconds a key is held at most (plus countdown)
+``dedup_default_mode``     ``"until_executed"``  mode of tasks that do not set ``dedup_mode``
+``dedup_on_duplicate``     ``"return_existing"`` what duplicate callers get (or ``raise``/``drop``)
+``dedup_on_redis_error``   ``"fail_closed"``     ``fail_closed`` raises, ``fail_open`` publishes
+``dedup_max_key_length``   ``200``               longer business keys are hashed (prefix kept)
+``dedup_record_ttl``       ``86400``             seconds a finished key's status record is kept
+=========================  ====================  ===============================================
+"""
+
+from __future__ import annotations
+
+import difflib
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass
+from typing import Any
+
+from .exceptions import DedupConfigError
+from .modes import MODES, ON_DUPLICATE, ON_REDIS_ERROR
+
+_MISSING = object()
+
+
+def _positive_number(setting: str, value: Any, *, task: str | None = None) -> float:
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not value > 0:
+        raise DedupConfigError(setting, value, "must be a positive number of seconds", task=task)
+    return float(value)
+
+
+def _choice(choices: Mapping[str, Any] | frozenset[str]) -> Callable[..., str]:
+    def check(setting: str, value: Any, *, task: str | None = None) -> str:
+        if value not in choices:
+            allowed = ", ".join(sorted(choices))
+            raise DedupConfigError(setting, value, f"must be one of: {allowed}", task=task)
+        return str(value)
+
+    return check
+
+
+def _key_prefix(setting: str, value: Any, *, task: str | None = None) -> str:
+    if not isinstance(value, str) or not value or any(c.isspace() for c in value):
+        raise DedupConfigError(setting, value, "must be a non-empty string without whitespace")
+    return value
+
+
+def _optional_url(setting: str, value: Any, *, task: str | None = None) -> str | None:
+    if value is None:
+        return None
+    if not isinstance(value, str) or "://" not in value:
+        raise DedupConfigError(setting, value, "must be a redis:// rediss:// unix:// or sentinel:// URL")
+    return value
+
+
+def _key_length(setting: str, value: Any, *, task: str | None = None) -> int:
+    if isinstance(value, bool) or not isinstance(value, int) or value < 64:
+        raise DedupConfigError(setting, value, "must be an integer of at least 64")
+    return value
+
+
+check_mode = _choice(MODES)
+check_on_duplicate = _choice(ON_DUPLICATE)
+check_ttl = _positive_number
+
+#: setting name -> (default, validator)
+SETTINGS: dict[str, tuple[Any, Callable[..., Any]]] = {
+    "dedup_redis_url": (None, _optional_url),
+    "dedup_key_prefix": ("dedup", _key_prefix),
+    "dedup_default_ttl": (3600, _positive_number),
+    "dedup_default_mode": ("until_executed", check_mode),
+    "dedup_on_duplicate": ("return_existing", check_on_duplicate),
+    "dedup_on_redis_error": ("fail_closed", _choice(ON_REDIS_ERROR)),
+    "dedup_max_key_length": (200, _key_length),
+    "dedup_record_ttl": (86400, _positive_number),
+}
+
+
+@dataclass(frozen=True)
+class DedupConfig:
+    """The validated app-wide settings."""
+
+    redis_url: str | None
+    key_prefix: str
+    default_ttl: float
+    default_mode: str
+    on_duplicate: str
+    on_redis_error: str
+    max_key_length: int
+    record_ttl: float
+
+    @classmethod
+    def from_conf(cls, conf: Mapping[str, Any]) -> DedupConfig:
+        """Read and validate every ``dedup_*`` setting; reject unknown ones."""
+        _reject_unknown(conf)
+        values = {}
+        for setting, (default, check) in SETTINGS.items():
+            value = conf.get(setting, _MISSING)
+            values[setting.removeprefix("dedup_")] = default if value is _MISSING else check(setting, value)
+        return cls(**values)
+
+
+def _reject_unknown(conf: Mapping[str, Any]) -> None:
+    for name in list(conf.keys()):
+        lowered = str(name).lower()
+        for prefix in ("dedup_", "celery_dedup_"):
+            if lowered.startswith(prefix):
+                setting = "dedup_" + lowered.removeprefix(prefix)
+                if setting not in SETTINGS:
+                    close = difflib.get_close_matches(setting, SETTINGS, n=1)
+                    hint = f"; did you mean {close[0]!r}?" if close else ""
+                    raise DedupConfigError(name, conf[name], f"unknown celery-dedup setting{hint}")

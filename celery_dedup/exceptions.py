@@ -1,0 +1,86 @@
+"""The exception hierarchy: everything celery-dedup raises derives from DedupError."""
+
+from __future__ import annotations
+
+from typing import Any
+
+
+class DedupError(Exception):
+    """Root of every error raised by celery-dedup."""
+
+
+class DedupConfigError(DedupError):
+    """A setting or task option has a value celery-dedup cannot work with.
+
+    Raised at install or task registration, so misconfiguration fails at
+    start-up instead of at the first publish.
+    """
+
+    def __init__(self, setting: str, value: Any, reason: str, *, task: str | None = None) -> None:
+        self.setting = setting
+        self.value = value
+        self.reason = reason
+        self.task = task
+        where = f"task {task!r}: " if task else ""
+        super().__init__(f"{where}{setting}={value!r}: {reason}")
+
+
+class DedupKeyError(DedupError):
+    """A business key could not be derived from a call's arguments."""
+
+    def __init__(self, task: str, argument: str | None, value: Any, reason: str) -> None:
+        self.task = task
+        self.argument = argument
+        self.value = value
+        self.reason = reason
+        shown = _short_repr(value)
+        arg = f" argument {argument!r}" if argument else ""
+        super().__init__(f"task {task!r}{arg} (value {shown}): {reason}")
+
+
+class DuplicateTaskError(DedupError):
+    """A call was a duplicate of an accepted task (``dedup_on_duplicate="raise"``)."""
+
+    def __init__(self, task: str, key: str, task_id: str) -> None:
+        self.task = task
+        self.key = key
+        self.task_id = task_id
+        super().__init__(f"task {task!r} key {key!r} is already accepted as task id {task_id!r}")
+
+
+class DedupUnavailableError(DedupError):
+    """The dedup store could not be reached and ``dedup_on_redis_error="fail_closed"``.
+
+    Nothing was published.
+    """
+
+    def __init__(self, task: str, key: str, cause: BaseException) -> None:
+        self.task = task
+        self.key = key
+        self.cause = cause
+        super().__init__(
+            f"task {task!r} key {key!r}: dedup store unreachable ({type(cause).__name__}: {cause}); "
+            "nothing was published (dedup_on_redis_error='fail_closed')"
+        )
+
+
+class DedupRoutingError(DedupError):
+    """A keyed task was routed in a way the gate cannot make atomic.
+
+    For example to several queues at once, to a fanout exchange, or through
+    ``Producer.batch``.
+    """
+
+    def __init__(self, task: str, key: str, reason: str) -> None:
+        self.task = task
+        self.key = key
+        self.reason = reason
+        super().__init__(f"task {task!r} key {key!r}: {reason}")
+
+
+def _short_repr(value: Any, limit: int = 80) -> str:
+    try:
+        text = repr(value)
+    except Exception as exc:  # a hostile __repr__ must not hide the real error
+        text = f"<{type(value).__name__} with failing repr: {exc!r}>"
+    return text if len(text) <= limit else f"{text[: limit - 3]}..."

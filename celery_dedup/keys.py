@@ -1,0 +1,287 @@
+"""Business keys, task ids and Redis key names: the one place any of them is built.
+
+A **business key** names a unit of work (``order:42``). It is rendered from a
+task's bound arguments, so ``charge(42)``, ``charge(order_id=42)`` and
+``charge(42, amount=<default>)`` agree. Each argument value is rendered in a
+canonical, type-stable text form; characters that could blur the key's
+structure (``%``, ``:``, ``{``, ``}``, whitespace, control characters) are
+percent-escaped, so distinct arguments never render alike. Keys longer than
+``dedup_max_key_length`` keep a readable prefix followed by ``#`` and a hash
+of the whole key.
+
+Redis key schema (``P`` is ``dedup_key_prefix``; ``M`` a *member*: the escaped
+task name, ``:``, and the business key)::
+
+    P:held      SET of members whose key is currently held
+    P:rec:M     HASH, the member's status record (owner task id, state, times)
+"""
+
+from __future__ import annotations
+
+import datetime
+import decimal
+import enum
+import hashlib
+import inspect
+import json
+import secrets
+import string
+import uuid
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+from .exceptions import DedupConfigError, DedupKeyError
+
+KeyOption = str | Sequence[str] | Callable[..., Any] | None
+
+_UNSAFE_IN_VALUES = frozenset("%:{}")
+_UNSAFE_IN_LITERALS = frozenset("%{}")
+_HASH_CHARS = 32
+_ID_ALPHABET = "0123456789abcdefghjkmnpqrstvwxyz"  # Crockford base32: no i, l, o, u
+
+
+def _escape(text: str, unsafe: frozenset[str]) -> str:
+    if text.isprintable() and not any(c in unsafe or c.isspace() for c in text):
+        return text
+    out = []
+    for char in text:
+        if char in unsafe or char.isspace() or not char.isprintable():
+            out.append("".join(f"%{byte:02X}" for byte in char.encode("utf-8", "surrogatepass")))
+        else:
+            out.append(char)
+    return "".join(out)
+
+
+def escape_value(text: str) -> str:
+    """Escape one rendered value so it cannot look like key structure."""
+    return _escape(text, _UNSAFE_IN_VALUES)
+
+
+def escape_literal(text: str) -> str:
+    """Escape template text and callable results; ``:`` stays as a separator."""
+    return _escape(text, _UNSAFE_IN_LITERALS)
+
+
+def render_value(task: str, argument: str | None, value: Any) -> str:
+    """Render one argument value in its canonical text form (unescaped).
+
+    Raises:
+        DedupKeyError: the value has no stable text form.
+    """
+    if value is None:
+        return "null"
+    if isinstance(value, bool):
+        return "true" if value else "false"
+    if isinstance(value, enum.Enum):
+        return render_value(task, argument, value.value)
+    if isinstance(value, str):
+        return value
+    if isinstance(value, int):
+        return str(int(value))
+    if isinstance(value, float):
+        return repr(value)
+    if isinstance(value, (decimal.Decimal, uuid.UUID)):
+        return str(value)
+    if isinstance(value, (datetime.datetime, datetime.date, datetime.time)):
+        return value.isoformat()
+    if isinstance(value, (bytes, bytearray)):
+        return "0x" + bytes(value).hex()
+    if isinstance(value, (list, tuple, dict, set, frozenset)):
+        return json.dumps(_jsonable(task, argument, value), sort_keys=True, separators=(",", ":"))
+    raise DedupKeyError(
+        task,
+        argument,
+        value,
+        f"a {type(value).__name__} has no canonical text form for a business key; "
+        "pass primitives, or give dedup_key a callable that returns a string",
+    )
+
+
+def _jsonable(task: str, argument: str | None, value: Any) -> Any:
+    if isinstance(value, (set, frozenset)):
+        return sorted((_jsonable(task, argument, v) for v in value), key=repr)
+    if isinstance(value, (list, tuple)):
+        return [_jsonable(task, argument, v) for v in value]
+    if isinstance(value, dict):
+        return {render_value(task, argument, k): _jsonable(task, argument, v) for k, v in value.items()}
+    if value is None or isinstance(value, (bool, int, float, str)) and not isinstance(value, enum.Enum):
+        return value
+    return render_value(task, argument, value)
+
+
+def bound_key(key: str, max_length: int) -> str:
+    """Bound ``key`` to ``max_length`` characters: keep a prefix, append a hash."""
+    if len(key) <= max_length:
+        return key
+    digest = hashlib.sha256(key.encode("utf-8", "surrogatepass")).hexdigest()[:_HASH_CHARS]
+    prefix = key[: max_length - _HASH_CHARS - 1]
+    cut = prefix.rfind("%", len(prefix) - 2)  # never end inside a %XX escape
+    if cut != -1:
+        prefix = prefix[:cut]
+    return f"{prefix}#{digest}"
+
+
+def task_namespace(task_name: str) -> str:
+    """The escaped task name that prefixes every member of that task."""
+    return escape_value(task_name)
+
+
+def member_for(task_name: str, business_key: str) -> str:
+    """The set member and record suffix for a task's business key."""
+    return f"{task_namespace(task_name)}:{business_key}"
+
+
+def new_task_id(business_key: str) -> str:
+    """A readable task id for a new run of ``business_key``: the key and a run suffix.
+
+    The suffix makes each run's id unique, so a result backend never answers a
+    new run with an earlier run's result.
+    """
+    suffix = "".join(secrets.choice(_ID_ALPHABET) for _ in range(10))
+    return f"{business_key}~{suffix}"
+
+
+def new_nonce() -> str:
+    """A per-publish token; kombu's publish retries repeat it, new calls do not."""
+    return secrets.token_hex(8)
+
+
+@dataclass(frozen=True)
+class KeySchema:
+    """Every Redis key name celery-dedup uses, from one prefix."""
+
+    prefix: str
+
+    @property
+    def held(self) -> str:
+        return f"{self.prefix}:held"
+
+    def record(self, member: str) -> str:
+        return f"{self.prefix}:rec:{member}"
+
+
+class KeySpec:
+    """A task's compiled ``dedup_key`` option: turns call arguments into a business key.
+
+    ``dedup_key`` may be a format string over argument names
+    (``"order:{order_id}"``), a list of argument names (``["order_id"]``,
+    rendered ``order_id=42``), a callable taking the task's arguments and
+    returning the key, or ``None`` (every argument, in signature order).
+
+    Example:
+        >>> def charge(order_id, amount=0): ...
+        >>> spec = KeySpec("shop.charge", "order:{order_id}", inspect.signature(charge), 200)
+        >>> spec.business_key((42,), {"amount": 10})
+        'order:42'
+    """
+
+    def __init__(self, task: str, option: KeyOption, signature: inspect.Signature, max_length: int) -> None:
+        self.task = task
+        self.signature = signature
+        self.max_length = max_length
+        self._var_keyword = next(
+            (p.name for p in signature.parameters.values() if p.kind is p.VAR_KEYWORD), None
+        )
+        self._render: Callable[[Mapping[str, Any], tuple[Any, ...], dict[str, Any]], str]
+        if option is None:
+            self._render = self._render_all
+        elif isinstance(option, str):
+            self._parts = self._parse_template(option)
+            self._render = self._render_template
+        elif callable(option):
+            self._callable = option
+            self._render = self._render_callable
+        elif isinstance(option, Sequence) and option and all(isinstance(n, str) for n in option):
+            for name in option:
+                self._check_name(name, option)
+            self._names = tuple(option)
+            self._render = self._render_names
+        else:
+            raise DedupConfigError(
+                "dedup_key", option, "must be a format string, a list of argument names, or a callable", task=task
+            )
+
+    def business_key(self, args: Sequence[Any] | None, kwargs: Mapping[str, Any] | None) -> str:
+        """The canonical, bounded business key for one call.
+
+        Raises:
+            DedupKeyError: the arguments do not fit the task or cannot be rendered.
+        """
+        args = tuple(args or ())
+        kwargs = dict(kwargs or {})
+        try:
+            bound = self.signature.bind(*args, **kwargs)
+        except TypeError as exc:
+            raise DedupKeyError(self.task, None, (args, kwargs), f"arguments do not match the task: {exc}") from None
+        bound.apply_defaults()
+        arguments = dict(bound.arguments)
+        if self._var_keyword:
+            arguments.update(arguments.pop(self._var_keyword))
+        key = self._render(arguments, args, kwargs) or "*"
+        return bound_key(key, self.max_length)
+
+    def _check_name(self, name: str, option: Any) -> None:
+        params = self.signature.parameters
+        if name in params and params[name].kind not in (params[name].VAR_POSITIONAL, params[name].VAR_KEYWORD):
+            return
+        if self._var_keyword is None:
+            known = ", ".join(params) or "none"
+            raise DedupConfigError(
+                "dedup_key", option, f"names unknown argument {name!r} (the task takes: {known})", task=self.task
+            )
+
+    def _parse_template(self, template: str) -> list[tuple[str, str | None]]:
+        parts: list[tuple[str, str | None]] = []
+        try:
+            parsed = list(string.Formatter().parse(template))
+        except ValueError as exc:
+            raise DedupConfigError("dedup_key", template, f"is not a valid format string: {exc}", task=self.task) from None
+        for literal, field, spec, conversion in parsed:
+            if field is not None:
+                if not field.isidentifier() or spec or conversion:
+                    raise DedupConfigError(
+                        "dedup_key",
+                        template,
+                        f"field {{{field}}} must be a plain argument name (no index, attribute, "
+                        "conversion or format spec: values are rendered canonically)",
+                        task=self.task,
+                    )
+                self._check_name(field, template)
+            parts.append((escape_literal(literal), field))
+        return parts
+
+    def _value(self, arguments: Mapping[str, Any], name: str) -> Any:
+        try:
+            return arguments[name]
+        except KeyError:
+            raise DedupKeyError(self.task, name, None, "the key names this argument but the call did not pass it") from None
+
+    def _render_template(self, arguments: Mapping[str, Any], *_: Any) -> str:
+        out = []
+        for literal, field in self._parts:
+            out.append(literal)
+            if field is not None:
+                out.append(escape_value(render_value(self.task, field, self._value(arguments, field))))
+        return "".join(out)
+
+    def _render_names(self, arguments: Mapping[str, Any], *_: Any) -> str:
+        return ",".join(
+            f"{name}={escape_value(render_value(self.task, name, self._value(arguments, name)))}" for name in self._names
+        )
+
+    def _render_all(self, arguments: Mapping[str, Any], *_: Any) -> str:
+        return ",".join(
+            f"{name}={escape_value(render_value(self.task, name, value))}" for name, value in arguments.items()
+        )
+
+    def _render_callable(self, _: Mapping[str, Any], args: tuple[Any, ...], kwargs: dict[str, Any]) -> str:
+        try:
+            result = self._callable(*args, **kwargs)
+        except DedupKeyError:
+            raise
+        except Exception as exc:
+            raise DedupKeyError(
+                self.task, None, (args, kwargs), f"the dedup_key callable raised {type(exc).__name__}: {exc}"
+            ) from exc
+        return escape_literal(render_value(self.task, None, result))

@@ -1,0 +1,63 @@
+"""When a key is held (modes) and what a duplicate caller gets (conflict policies).
+
+Each mode is a small class answering the same questions; the worker-side
+hooks and the gate ask them instead of branching on mode names.
+"""
+
+from __future__ import annotations
+
+from types import MappingProxyType
+from typing import ClassVar
+
+
+class Mode:
+    """Base mode: the key is taken at enqueue and dropped at the final ending."""
+
+    name: ClassVar[str]
+    #: Whether ``apply_async`` runs the enqueue gate at all.
+    gates_enqueue: ClassVar[bool] = True
+    #: Release the key when the task body starts.
+    releases_on_start: ClassVar[bool] = False
+    #: Keep the key after success until its TTL runs out (an idempotency window).
+    holds_after_success: ClassVar[bool] = False
+
+
+class UntilExecuted(Mode):
+    """Held from enqueue until success or final failure (the default)."""
+
+    name = "until_executed"
+
+
+class UntilExecuting(Mode):
+    """Held from enqueue until the body starts; a new call may queue while it runs."""
+
+    name = "until_executing"
+    releases_on_start = True
+
+
+class UntilExpired(Mode):
+    """Held for the whole TTL, even after success: calls inside it are duplicates."""
+
+    name = "until_expired"
+    holds_after_success = True
+
+
+class WhileExecuting(Mode):
+    """No enqueue gate; only concurrent execution is prevented."""
+
+    name = "while_executing"
+    gates_enqueue = False
+
+
+MODES: MappingProxyType[str, type[Mode]] = MappingProxyType(
+    {mode.name: mode for mode in (UntilExecuted, UntilExecuting, UntilExpired, WhileExecuting)}
+)
+
+#: What a duplicate caller gets.
+#: ``return_existing``: an AsyncResult of the accepted task, marked deduplicated.
+#: ``raise``: DuplicateTaskError carrying the key and the accepted id.
+#: ``drop``: a marked AsyncResult, and an INFO log line saying the call was dropped.
+ON_DUPLICATE = frozenset({"return_existing", "raise", "drop"})
+
+#: What a publish does when the dedup store cannot be reached.
+ON_REDIS_ERROR = frozenset({"fail_closed", "fail_open"})

@@ -1,0 +1,67 @@
+-- gate: hold a business key and enqueue its message, or do neither.
+--
+-- KEYS[1]  held set (SET of members whose key is held)
+-- KEYS[2]  the member's status record (HASH)
+-- KEYS[3]  optional: the kombu queue list to LPUSH the message onto
+-- KEYS[4..] optional: queue lists to PEXPIRE (queues declared with x-expires)
+-- ARGV[1]  member (escaped task name ":" business key)
+-- ARGV[2]  task id of this run
+-- ARGV[3]  publish nonce (repeated by kombu's publish retries only)
+-- ARGV[4]  hold, ms: how long the key stays held if the run never finishes
+-- ARGV[5]  task name
+-- ARGV[6]  record grace, ms: the record outlives the hold by this much
+-- ARGV[7]  optional (with KEYS[3]): the serialized kombu message
+-- ARGV[8]  optional: PEXPIRE ms for KEYS[4..]
+--
+-- Returns {code, task id}:
+--   {1, ARGV[2]}  accepted: key held, message pushed (if given)
+--   {0, owner}    duplicate: the key is held by task id `owner`; nothing written
+--                 but the record's duplicate counter
+--   {2, ARGV[2]}  this very publish was accepted before (a kombu retry): nothing
+--                 pushed again
+-- Deadlines come from the server clock; a held member whose deadline passed, or
+-- whose record is gone, is stale and taken over.
+
+local held, record, queue = KEYS[1], KEYS[2], KEYS[3]
+local member, task_id, nonce = ARGV[1], ARGV[2], ARGV[3]
+local hold_ms, task_name, grace_ms = tonumber(ARGV[4]), ARGV[5], tonumber(ARGV[6])
+local message, expires_ms = ARGV[7], ARGV[8]
+
+local t = redis.call('TIME')
+local now = tonumber(t[1]) * 1000 + math.floor(tonumber(t[2]) / 1000)
+
+local fresh = redis.call('SADD', held, member) == 1
+local same_run = false
+if not fresh then
+  local owner = redis.call('HMGET', record, 'task_id', 'nonce', 'held_until')
+  if owner[1] and tonumber(owner[3] or 0) > now then
+    if owner[1] ~= task_id then
+      redis.call('HINCRBY', record, 'duplicates', 1)
+      return {0, owner[1]}
+    end
+    if owner[2] == nonce then
+      return {2, task_id}
+    end
+    same_run = true  -- the run re-publishes itself (Task.retry): accept again
+  end
+end
+
+if same_run then
+  redis.call('HSET', record, 'nonce', nonce, 'held_until', now + hold_ms, 'state', 'queued')
+else
+  redis.call('DEL', record)
+  redis.call('HSET', record,
+    'task_id', task_id, 'nonce', nonce, 'task', task_name, 'state', 'queued',
+    'held_until', now + hold_ms, 'queued_at', now, 'duplicates', 0)
+end
+redis.call('PEXPIRE', record, hold_ms + grace_ms)
+
+if queue then
+  redis.call('LPUSH', queue, message)
+  if expires_ms and expires_ms ~= '' then
+    for i = 4, #KEYS do
+      redis.call('PEXPIRE', KEYS[i], expires_ms)
+    end
+  end
+end
+return {1, task_id}

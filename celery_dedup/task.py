@@ -1,0 +1,255 @@
+"""DedupTask: a Celery task whose calls are gated by their business key."""
+
+from __future__ import annotations
+
+import datetime
+import inspect
+import logging
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any, ClassVar
+
+import redis
+from celery import Task
+from celery.result import AsyncResult
+from kombu.exceptions import OperationalError
+
+from . import runtime
+from .config import check_mode, check_on_duplicate, check_ttl
+from .exceptions import DedupConfigError, DedupUnavailableError, DuplicateTaskError
+from .gate import HEADER, GateHeader, Outcome, open_ticket
+from .keys import KeyOption, KeySpec, member_for, new_nonce, new_task_id
+from .modes import MODES, Mode
+from .store import DedupStore
+
+logger = logging.getLogger("celery_dedup")
+
+_RECOVERABLE = (OperationalError, redis.ConnectionError, redis.TimeoutError)
+_Publish = Callable[[dict[str, Any]], AsyncResult]
+
+
+@dataclass(frozen=True)
+class TaskPolicy:
+    """One task's options, resolved against the app's settings and validated."""
+
+    spec: KeySpec
+    mode: type[Mode]
+    ttl: float
+    on_duplicate: str
+
+
+def _run_signature(cls: type) -> inspect.Signature:
+    """The signature callers must match: ``run`` without ``self`` for methods."""
+    for klass in cls.__mro__:
+        if "run" in vars(klass):
+            attr = vars(klass)["run"]
+            break
+    else:  # pragma: no cover - celery.Task always defines run
+        raise TypeError(f"{cls!r} has no run method")
+    if isinstance(attr, staticmethod):
+        return inspect.signature(attr.__func__)
+    signature = inspect.signature(attr)
+    return signature.replace(parameters=list(signature.parameters.values())[1:])
+
+
+class DedupTask(Task):  # type: ignore[misc]
+    """A task whose calls are deduplicated by a business key derived from its arguments.
+
+    Options (class attributes, or keywords of ``@app.task``):
+
+    - ``dedup_key``: format string over argument names (``"order:{order_id}"``),
+      a list of argument names, a callable, or ``None`` (all arguments).
+    - ``dedup_mode``: ``until_executed`` (default), ``until_executing``,
+      ``until_expired`` or ``while_executing``.
+    - ``dedup_ttl``: seconds a key stays held at most (default ``dedup_default_ttl``).
+    - ``dedup_on_duplicate``: ``return_existing`` (default), ``raise`` or ``drop``.
+
+    Example:
+        >>> @app.task(base=DedupTask, dedup_key="order:{order_id}")
+        ... def charge(order_id, amount): ...
+        >>> r1, r2 = charge.delay(42, 10), charge.delay(42, 10)
+        >>> (r2.id == r1.id, r1.deduplicated, r2.deduplicated)
+        (True, False, True)
+    """
+
+    abstract = True
+    dedup_key: ClassVar[KeyOption] = None
+    dedup_mode: ClassVar[str | None] = None
+    dedup_ttl: ClassVar[float | None] = None
+    dedup_on_duplicate: ClassVar[str | None] = None
+
+    _dedup_policy: ClassVar[TaskPolicy | None] = None
+
+    @classmethod
+    def on_bound(cls, app: Any) -> None:
+        """Validate the task's dedup options when Celery binds it, i.e. at start-up."""
+        super().on_bound(app)
+        cls._dedup_policy = None
+        if cls.__dict__.get("abstract") or not getattr(cls, "name", None):
+            return
+        cls._dedup_policy = cls._resolve_policy(app)
+
+    @classmethod
+    def _resolve_policy(cls, app: Any) -> TaskPolicy:
+        config = runtime.config_for(app)
+        name = cls.name
+        mode_name = cls.dedup_mode if cls.dedup_mode is not None else config.default_mode
+        on_duplicate = cls.dedup_on_duplicate if cls.dedup_on_duplicate is not None else config.on_duplicate
+        ttl = cls.dedup_ttl if cls.dedup_ttl is not None else config.default_ttl
+        option = cls.__dict__.get("dedup_key", cls.dedup_key)
+        if isinstance(option, staticmethod):
+            option = option.__func__
+        try:
+            signature = _run_signature(cls)
+        except (TypeError, ValueError) as exc:
+            raise DedupConfigError("dedup_key", option, f"cannot read the task's signature: {exc}", task=name) from exc
+        return TaskPolicy(
+            spec=KeySpec(name, option, signature, config.max_key_length),
+            mode=MODES[check_mode("dedup_mode", mode_name, task=name)],
+            ttl=check_ttl("dedup_ttl", ttl, task=name),
+            on_duplicate=check_on_duplicate("dedup_on_duplicate", on_duplicate, task=name),
+        )
+
+    @property
+    def dedup_policy(self) -> TaskPolicy:
+        """This task's resolved options (resolved on first use if Celery has not bound it yet)."""
+        policy = type(self)._dedup_policy
+        if policy is None:
+            policy = type(self)._dedup_policy = self._resolve_policy(self._get_app())
+        return policy
+
+    def dedup_business_key(self, *args: Any, **kwargs: Any) -> str:
+        """The business key of a call with these arguments."""
+        return self.dedup_policy.spec.business_key(args, kwargs)
+
+    def dedup_status(self, *args: Any, **kwargs: Any) -> dict[str, str] | None:
+        """The status record of the key these arguments map to, or None."""
+        member = member_for(self.name, self.dedup_business_key(*args, **kwargs))
+        return runtime.store_for(self._get_app()).record(member)
+
+    def apply_async(
+        self,
+        args: Any = None,
+        kwargs: Any = None,
+        task_id: str | None = None,
+        producer: Any = None,
+        link: Any = None,
+        link_error: Any = None,
+        shadow: str | None = None,
+        **options: Any,
+    ) -> AsyncResult:
+        """Publish the task unless its business key is already held.
+
+        Returns the accepted run's result; ``result.deduplicated`` is True when
+        this call was a duplicate (no message published).
+
+        Raises:
+            DuplicateTaskError: a duplicate, with ``dedup_on_duplicate="raise"``.
+            DedupKeyError: the key cannot be derived from these arguments.
+            DedupUnavailableError: the dedup store is unreachable (``fail_closed``).
+        """
+        policy = self.dedup_policy
+        app = self._get_app()
+        if not policy.mode.gates_enqueue:
+            return super().apply_async(args, kwargs, task_id, producer, link, link_error, shadow, **options)
+        config = runtime.config_for(app)
+        headers = dict(options.pop("headers", None) or {})
+        previous = GateHeader.decode(headers)
+        if previous is not None and task_id is not None:
+            member = previous.member  # Task.retry: the run keeps its key, even if args changed
+        else:
+            member = member_for(self.name, policy.spec.business_key(args, kwargs))
+        business_key = member.split(":", 1)[1]
+        run_id = task_id or new_task_id(business_key)
+        gate = GateHeader(
+            prefix=config.key_prefix,
+            member=member,
+            nonce=new_nonce(),
+            hold_ms=int((policy.ttl + _delay_seconds(options)) * 1000),
+            grace_ms=int(config.record_ttl * 1000),
+        )
+        headers[HEADER] = gate.encode()
+
+        def publish(hdrs: dict[str, Any]) -> AsyncResult:
+            return super(DedupTask, self).apply_async(
+                args, kwargs, run_id, producer, link, link_error, shadow, headers=hdrs, **options
+            )
+
+        if runtime.is_atomic(app):
+            try:
+                with open_ticket(gate.nonce) as ticket:
+                    result = publish(headers)
+            except _RECOVERABLE as exc:
+                return self._store_unreachable(exc, business_key, run_id, headers, publish)
+            outcome = ticket.outcome or Outcome(True, run_id)
+        else:
+            store = runtime.store_for(app)
+            try:
+                outcome = store.gate(
+                    member, run_id, gate.nonce, hold_ms=gate.hold_ms, grace_ms=gate.grace_ms, task_name=self.name
+                )
+            except redis.RedisError as exc:
+                return self._store_unreachable(exc, business_key, run_id, headers, publish)
+            if outcome.accepted:
+                result = self._publish_or_unclaim(store, member, run_id, headers, publish)
+        if not outcome.accepted:
+            return self._on_duplicate(policy, business_key, outcome.task_id, options)
+        result.deduplicated = False
+        return result
+
+    def _publish_or_unclaim(
+        self, store: DedupStore, member: str, run_id: str, headers: dict[str, Any], publish: _Publish
+    ) -> AsyncResult:
+        """Second step of the non-atomic path: publish, and drop the key if that failed.
+
+        A crash between holding and publishing leaves the key held until its
+        TTL; see the guarantees doc.
+        """
+        try:
+            return publish(headers)
+        except BaseException:
+            try:
+                store.unclaim(member, run_id)
+            except redis.RedisError:
+                logger.exception("could not drop key %r after a failed publish; it expires by its TTL", member)
+            raise
+
+    def _store_unreachable(
+        self, exc: Exception, key: str, run_id: str, headers: dict[str, Any], publish: _Publish
+    ) -> AsyncResult:
+        app = self._get_app()
+        if runtime.config_for(app).on_redis_error == "fail_closed":
+            raise DedupUnavailableError(self.name, key, exc) from exc
+        runtime.count_fail_open(app, self.name)
+        logger.warning(
+            "dedup store unreachable, publishing %s[%s] key %r ungated (fail_open): %s", self.name, run_id, key, exc
+        )
+        headers.pop(HEADER, None)
+        result = publish(headers)
+        result.deduplicated = False
+        return result
+
+    def _on_duplicate(self, policy: TaskPolicy, key: str, existing_id: str, options: dict[str, Any]) -> AsyncResult:
+        # Canvas dispatch on a worker (chain/link callbacks) passes parent_id;
+        # raising there would fail the parent task, so it gets the result instead.
+        if policy.on_duplicate == "raise" and "parent_id" not in options:
+            raise DuplicateTaskError(self.name, key, existing_id)
+        log = logger.info if policy.on_duplicate == "drop" else logger.debug
+        log("duplicate %s key %r: already accepted as %s", self.name, key, existing_id)
+        result = self.AsyncResult(existing_id)
+        result.deduplicated = True
+        return result
+
+
+def _delay_seconds(options: dict[str, Any]) -> float:
+    """How far in the future a countdown/eta puts the run (the key is held that much longer)."""
+    countdown = options.get("countdown")
+    if countdown:
+        return max(float(countdown), 0.0)
+    eta = options.get("eta")
+    if eta is None:
+        return 0.0
+    if isinstance(eta, str):
+        eta = datetime.datetime.fromisoformat(eta)
+    now = datetime.datetime.now(eta.tzinfo or None)
+    return max((eta - now).total_seconds(), 0.0)

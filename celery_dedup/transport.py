@@ -1,0 +1,115 @@
+"""kombu Redis transports whose publish runs the gate.
+
+``celery_dedup.install`` selects these with Celery's ``broker_transport``
+setting while ``broker_url`` stays ``redis://`` (or ``sentinel://``). Messages
+without a ``dedup`` header are published exactly as kombu does; gated ones go
+through one Lua script that holds the key and LPUSHes the message together.
+"""
+
+from __future__ import annotations
+
+from functools import cached_property
+from typing import Any
+
+import redis
+from kombu.transport import redis as kombu_redis
+from kombu.utils.json import dumps
+
+from .exceptions import DedupRoutingError
+from .gate import GateHeader, report
+from .store import DedupStore, Scripts
+
+
+class GatedChannelMixin:
+    """Overrides ``basic_publish``: the single entry point of every publish.
+
+    The gate is not put in ``_put`` because kombu's restore path also calls
+    ``_put`` to re-queue a message, which must never be gated again.
+    """
+
+    # Provided by kombu's redis Channel.
+    pool: redis.ConnectionPool
+    global_keyprefix: str
+    priority_steps: list[int]
+    _expires: dict[str, int]
+
+    @cached_property
+    def _dedup_client(self) -> redis.Redis:
+        # A plain client: kombu's prefixing client would prefix only the first
+        # EVALSHA key, so the gate prefixes queue keys itself.
+        return redis.Redis(connection_pool=self.pool)
+
+    @cached_property
+    def _dedup_scripts(self) -> Scripts:
+        return Scripts(self._dedup_client)
+
+    def basic_publish(self, message: dict[str, Any], exchange: str, routing_key: str, **kwargs: Any) -> Any:
+        gate = GateHeader.decode(message.get("headers"))
+        if gate is None:
+            return super().basic_publish(message, exchange, routing_key, **kwargs)  # type: ignore[misc]
+        headers = message["headers"]
+        task_name = str(headers.get("task"))
+        if kwargs.get("_publish_batch") is not None:
+            raise DedupRoutingError(
+                task_name, gate.member, "Producer.batch cannot gate messages; use apply_async (or the bulk API)"
+            )
+        self._inplace_augment_message(message, exchange, routing_key)  # type: ignore[attr-defined]
+        queue = self._single_queue(task_name, gate, exchange, routing_key)
+        priority = self._get_message_priority(message, reverse=False)  # type: ignore[attr-defined]
+        prefix = self.global_keyprefix
+        expire: list[str] = []
+        expires_ms = None
+        if self._expires and queue in self._expires:
+            expire = [prefix + self._q_for_pri(queue, p) for p in self.priority_steps]  # type: ignore[attr-defined]
+            expires_ms = self._expires[queue]
+        store = DedupStore(self._dedup_client, gate.prefix, self._dedup_scripts)
+        outcome = store.gate(
+            gate.member,
+            str(headers["id"]),
+            gate.nonce,
+            hold_ms=gate.hold_ms,
+            grace_ms=gate.grace_ms,
+            task_name=task_name,
+            queue=prefix + self._q_for_pri(queue, priority),  # type: ignore[attr-defined]
+            message=dumps(message),
+            expire=expire,
+            expires_ms=expires_ms,
+        )
+        report(gate.nonce, outcome)
+        return None
+
+    def _single_queue(self, task_name: str, gate: GateHeader, exchange: str, routing_key: str) -> str:
+        if not exchange:
+            return routing_key or self.deadletter_queue  # type: ignore[attr-defined,no-any-return]
+        exchange_type = self.typeof(exchange)  # type: ignore[attr-defined]
+        if exchange_type.type == "fanout":
+            raise DedupRoutingError(task_name, gate.member, f"exchange {exchange!r} is fanout: one key, many queues")
+        queues = [q for q in self._lookup(exchange, routing_key) if q]  # type: ignore[attr-defined]
+        if len(queues) != 1:
+            raise DedupRoutingError(
+                task_name,
+                gate.member,
+                f"exchange {exchange!r} routes {routing_key!r} to {len(queues)} queues {queues}; "
+                "a keyed task must go to exactly one queue",
+            )
+        return str(queues[0])
+
+
+class Channel(GatedChannelMixin, kombu_redis.Channel):
+    """kombu's Redis channel with the gate."""
+
+
+class Transport(kombu_redis.Transport):
+    """kombu's Redis transport with the gate (``broker_url="redis://..."``)."""
+
+    Channel = Channel
+
+
+class SentinelChannel(GatedChannelMixin, kombu_redis.SentinelChannel):
+    """kombu's Sentinel channel with the gate."""
+
+
+class SentinelTransport(kombu_redis.SentinelTransport):
+    """kombu's Sentinel transport with the gate (``broker_url="sentinel://..."``)."""
+
+    Channel = SentinelChannel
