@@ -25,7 +25,7 @@ from .exceptions import (
     DuplicateTaskError,
 )
 from .gate import Outcome, last_outcome
-from .task import DedupTask
+from .task import DedupResult, DedupTask
 
 __version__ = "0.1.0"
 
@@ -33,6 +33,7 @@ __all__ = [
     "DedupConfigError",
     "DedupError",
     "DedupKeyError",
+    "DedupResult",
     "DedupRoutingError",
     "DedupTask",
     "DedupUnavailableError",

@@ -29,8 +29,13 @@ class GateHeader:
     grace_ms: int
 
     def encode(self) -> dict[str, Any]:
-        return {"prefix": self.prefix, "member": self.member, "nonce": self.nonce,
-                "hold_ms": self.hold_ms, "grace_ms": self.grace_ms}
+        return {
+            "prefix": self.prefix,
+            "member": self.member,
+            "nonce": self.nonce,
+            "hold_ms": self.hold_ms,
+            "grace_ms": self.grace_ms,
+        }
 
     @classmethod
     def decode(cls, headers: Mapping[str, Any] | None) -> GateHeader | None:
@@ -38,8 +43,7 @@ class GateHeader:
         raw = (headers or {}).get(HEADER)
         if not isinstance(raw, Mapping):
             return None
-        return cls(str(raw["prefix"]), str(raw["member"]), str(raw["nonce"]),
-                   int(raw["hold_ms"]), int(raw["grace_ms"]))
+        return cls(str(raw["prefix"]), str(raw["member"]), str(raw["nonce"]), int(raw["hold_ms"]), int(raw["grace_ms"]))
 
 
 @dataclass(frozen=True)

@@ -105,7 +105,7 @@ def _jsonable(task: str, argument: str | None, value: Any) -> Any:
         return [_jsonable(task, argument, v) for v in value]
     if isinstance(value, dict):
         return {render_value(task, argument, k): _jsonable(task, argument, v) for k, v in value.items()}
-    if value is None or isinstance(value, (bool, int, float, str)) and not isinstance(value, enum.Enum):
+    if value is None or (isinstance(value, (bool, int, float, str)) and not isinstance(value, enum.Enum)):
         return value
     return render_value(task, argument, value)
 
@@ -130,6 +130,12 @@ def task_namespace(task_name: str) -> str:
 def member_for(task_name: str, business_key: str) -> str:
     """The set member and record suffix for a task's business key."""
     return f"{task_namespace(task_name)}:{business_key}"
+
+
+def split_member(member: str) -> tuple[str, str]:
+    """``(escaped task name, business key)`` of a member: the name holds no ``:``."""
+    namespace, _, business_key = member.partition(":")
+    return namespace, business_key
 
 
 def new_task_id(business_key: str) -> str:
@@ -180,9 +186,7 @@ class KeySpec:
         self.task = task
         self.signature = signature
         self.max_length = max_length
-        self._var_keyword = next(
-            (p.name for p in signature.parameters.values() if p.kind is p.VAR_KEYWORD), None
-        )
+        self._var_keyword = next((p.name for p in signature.parameters.values() if p.kind is p.VAR_KEYWORD), None)
         self._render: Callable[[Mapping[str, Any], tuple[Any, ...], dict[str, Any]], str]
         if option is None:
             self._render = self._render_all
@@ -236,7 +240,9 @@ class KeySpec:
         try:
             parsed = list(string.Formatter().parse(template))
         except ValueError as exc:
-            raise DedupConfigError("dedup_key", template, f"is not a valid format string: {exc}", task=self.task) from None
+            raise DedupConfigError(
+                "dedup_key", template, f"is not a valid format string: {exc}", task=self.task
+            ) from None
         for literal, field, spec, conversion in parsed:
             if field is not None:
                 if not field.isidentifier() or spec or conversion:
@@ -255,7 +261,9 @@ class KeySpec:
         try:
             return arguments[name]
         except KeyError:
-            raise DedupKeyError(self.task, name, None, "the key names this argument but the call did not pass it") from None
+            raise DedupKeyError(
+                self.task, name, None, "the key names this argument but the call did not pass it"
+            ) from None
 
     def _render_template(self, arguments: Mapping[str, Any], *_: Any) -> str:
         out = []
@@ -267,7 +275,8 @@ class KeySpec:
 
     def _render_names(self, arguments: Mapping[str, Any], *_: Any) -> str:
         return ",".join(
-            f"{name}={escape_value(render_value(self.task, name, self._value(arguments, name)))}" for name in self._names
+            f"{name}={escape_value(render_value(self.task, name, self._value(arguments, name)))}"
+            for name in self._names
         )
 
     def _render_all(self, arguments: Mapping[str, Any], *_: Any) -> str:

