@@ -21,6 +21,7 @@ setting                    default               effect
 from __future__ import annotations
 
 import difflib
+import math
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from typing import Any
@@ -32,14 +33,14 @@ _MISSING = object()
 
 
 def _positive_number(setting: str, value: Any, *, task: str | None = None) -> float:
-    if isinstance(value, bool) or not isinstance(value, (int, float)) or not value > 0:
-        raise DedupConfigError(setting, value, "must be a positive number of seconds", task=task)
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not 0 < value < math.inf:
+        raise DedupConfigError(setting, value, "must be a positive, finite number of seconds", task=task)
     return float(value)
 
 
 def _choice(choices: Mapping[str, Any] | frozenset[str]) -> Callable[..., str]:
     def check(setting: str, value: Any, *, task: str | None = None) -> str:
-        if value not in choices:
+        if not isinstance(value, str) or value not in choices:
             allowed = ", ".join(sorted(choices))
             raise DedupConfigError(setting, value, f"must be one of: {allowed}", task=task)
         return str(value)

@@ -24,6 +24,7 @@ import enum
 import hashlib
 import inspect
 import json
+import re
 import secrets
 import string
 import uuid
@@ -35,8 +36,12 @@ from .exceptions import DedupConfigError, DedupKeyError
 
 KeyOption = str | Sequence[str] | Callable[..., Any] | None
 
-_UNSAFE_IN_VALUES = frozenset("%:{}")
-_UNSAFE_IN_LITERALS = frozenset("%{}")
+# ``,`` and ``=`` separate ``name=value`` pairs, ``#`` starts the hash of a
+# bounded key and a lone ``*`` is the key of a call with no key parts: none of
+# them may appear unescaped in a value, or two calls could render alike.
+_UNSAFE_IN_VALUES = frozenset("%:{}#*,=")
+_UNSAFE_IN_LITERALS = frozenset("%{}#*")
+_ESCAPE_RUN = re.compile(r"(?:%[0-9A-F]{2})+$")
 _HASH_CHARS = 32
 _ID_ALPHABET = "0123456789abcdefghjkmnpqrstvwxyz"  # Crockford base32: no i, l, o, u
 
@@ -63,32 +68,49 @@ def escape_literal(text: str) -> str:
     return _escape(text, _UNSAFE_IN_LITERALS)
 
 
+def _render_int(value: int) -> str:
+    try:
+        return str(int(value))
+    except ValueError:  # beyond sys.get_int_max_str_digits()
+        return hex(value)
+
+
+def _render_datetime(value: datetime.datetime) -> str:
+    if value.utcoffset() is not None:
+        value = value.astimezone(datetime.timezone.utc)  # one instant, one key
+    return value.isoformat()
+
+
+#: Scalar types and their canonical text, checked in order (bool before int).
+_SCALARS: tuple[tuple[type | tuple[type, ...], Callable[[Any], str]], ...] = (
+    (type(None), lambda _: "null"),
+    (bool, lambda v: "true" if v else "false"),
+    (str, str),
+    (int, _render_int),
+    (float, repr),
+    ((decimal.Decimal, uuid.UUID), str),
+    (datetime.datetime, _render_datetime),
+    ((datetime.date, datetime.time), lambda v: v.isoformat()),
+    ((bytes, bytearray), lambda v: "0x" + bytes(v).hex()),
+)
+
+
 def render_value(task: str, argument: str | None, value: Any) -> str:
     """Render one argument value in its canonical text form (unescaped).
 
     Raises:
         DedupKeyError: the value has no stable text form.
     """
-    if value is None:
-        return "null"
-    if isinstance(value, bool):
-        return "true" if value else "false"
     if isinstance(value, enum.Enum):
         return render_value(task, argument, value.value)
-    if isinstance(value, str):
-        return value
-    if isinstance(value, int):
-        return str(int(value))
-    if isinstance(value, float):
-        return repr(value)
-    if isinstance(value, (decimal.Decimal, uuid.UUID)):
-        return str(value)
-    if isinstance(value, (datetime.datetime, datetime.date, datetime.time)):
-        return value.isoformat()
-    if isinstance(value, (bytes, bytearray)):
-        return "0x" + bytes(value).hex()
+    for types, render in _SCALARS:
+        if isinstance(value, types):
+            return render(value)
     if isinstance(value, (list, tuple, dict, set, frozenset)):
-        return json.dumps(_jsonable(task, argument, value), sort_keys=True, separators=(",", ":"))
+        try:
+            return json.dumps(_jsonable(task, argument, value), sort_keys=True, separators=(",", ":"))
+        except (RecursionError, ValueError) as exc:
+            raise DedupKeyError(task, argument, value, f"cannot be rendered canonically: {exc}") from None
     raise DedupKeyError(
         task,
         argument,
@@ -115,11 +137,25 @@ def bound_key(key: str, max_length: int) -> str:
     if len(key) <= max_length:
         return key
     digest = hashlib.sha256(key.encode("utf-8", "surrogatepass")).hexdigest()[:_HASH_CHARS]
-    prefix = key[: max_length - _HASH_CHARS - 1]
-    cut = prefix.rfind("%", len(prefix) - 2)  # never end inside a %XX escape
+    return f"{_whole_chars(key[: max_length - _HASH_CHARS - 1])}#{digest}"
+
+
+def _whole_chars(prefix: str) -> str:
+    """``prefix`` without a trailing partial ``%XX`` escape or partial UTF-8 character."""
+    cut = prefix.rfind("%", len(prefix) - 2)
     if cut != -1:
         prefix = prefix[:cut]
-    return f"{prefix}#{digest}"
+    run = _ESCAPE_RUN.search(prefix)
+    if run is None:
+        return prefix
+    raw = bytes.fromhex(run.group(0).replace("%", ""))
+    for keep in range(len(raw), max(len(raw) - 4, -1), -1):
+        try:
+            raw[:keep].decode("utf-8")
+        except UnicodeDecodeError:
+            continue
+        return prefix[: run.start() + 3 * keep]
+    return prefix[: run.start()]
 
 
 def task_namespace(task_name: str) -> str:
@@ -144,7 +180,8 @@ def new_task_id(business_key: str) -> str:
     The suffix makes each run's id unique, so a result backend never answers a
     new run with an earlier run's result.
     """
-    suffix = "".join(secrets.choice(_ID_ALPHABET) for _ in range(10))
+    bits = int.from_bytes(secrets.token_bytes(7), "big")  # 56 random bits; 10 base32 chars use 50
+    suffix = "".join(_ID_ALPHABET[(bits >> shift) & 31] for shift in range(0, 50, 5))
     return f"{business_key}~{suffix}"
 
 
@@ -280,8 +317,11 @@ class KeySpec:
         )
 
     def _render_all(self, arguments: Mapping[str, Any], *_: Any) -> str:
+        named = [n for n in self.signature.parameters if n in arguments]
+        extra = sorted(n for n in arguments if n not in self.signature.parameters)  # **kwargs: any order
         return ",".join(
-            f"{name}={escape_value(render_value(self.task, name, value))}" for name, value in arguments.items()
+            f"{escape_value(name)}={escape_value(render_value(self.task, name, arguments[name]))}"
+            for name in named + extra
         )
 
     def _render_callable(self, _: Mapping[str, Any], args: tuple[Any, ...], kwargs: dict[str, Any]) -> str:

@@ -11,6 +11,8 @@ import threading
 from collections import Counter
 from typing import Any
 
+from kombu.transport import TRANSPORT_ALIASES
+
 from .config import DedupConfig
 from .exceptions import DedupConfigError
 from .store import DedupStore, client_from_url
@@ -18,9 +20,10 @@ from .store import DedupStore, client_from_url
 logger = logging.getLogger("celery_dedup")
 
 _ATTR = "_celery_dedup_runtime"
-_REDIS_SCHEMES = {"redis", "rediss", "unix", "socket"}
+#: URL scheme -> the gated transport kombu resolves it to once installed.
 TRANSPORTS = {
     "redis": "celery_dedup.transport:Transport",
+    "rediss": "celery_dedup.transport:Transport",
     "sentinel": "celery_dedup.transport:SentinelTransport",
 }
 
@@ -50,6 +53,7 @@ class Runtime:
 
 
 def _broker_url(app: Any) -> str:
+    """The first URL of the broker (failover lists and Sentinel lists share a scheme)."""
     url = app.conf.broker_write_url or app.conf.broker_url or "amqp://"
     if isinstance(url, (list, tuple)):
         url = url[0]
@@ -61,23 +65,22 @@ def _scheme(url: str) -> str:
 
 
 def install(app: Any) -> Runtime:
-    """Validate settings, choose the gated transport, and keep the state on ``app``."""
+    """Validate settings, gate the Redis transports, and keep the state on ``app``."""
     config = DedupConfig.from_conf(app.conf)
+    if app.conf.task_protocol == 1:
+        raise DedupConfigError("task_protocol", 1, "celery-dedup needs task message protocol 2 (the default)")
     runtime = Runtime(app, config, installed=True)
     broker = _broker_url(app)
     scheme = _scheme(broker)
-    family = "sentinel" if scheme == "sentinel" else "redis" if scheme in _REDIS_SCHEMES else None
-    if family is not None:
-        wanted = TRANSPORTS[family]
+    if scheme in TRANSPORTS:
         current = app.conf.broker_transport
-        if current not in (None, wanted, scheme):
+        if current not in (None, scheme, TRANSPORTS[scheme]):
             raise DedupConfigError(
-                "broker_transport", current, f"celery-dedup needs {wanted!r} to gate a {scheme}:// broker"
+                "broker_transport", current, f"celery-dedup gates a {scheme}:// broker with {TRANSPORTS[scheme]!r}"
             )
-        app.conf.broker_transport = wanted
-        same_server = config.redis_url is None or config.redis_url == broker
-        runtime.atomic = same_server
-        if not same_server:
+        _register_transports()
+        runtime.atomic = config.redis_url is None or config.redis_url == broker
+        if not runtime.atomic:
             logger.warning(
                 "dedup_redis_url differs from the broker URL: keys and messages live apart, so the gate is "
                 "not atomic (hold, publish, drop-on-failure); see the guarantees doc"
@@ -90,6 +93,17 @@ def install(app: Any) -> Runtime:
         )
     setattr(app, _ATTR, runtime)
     return runtime
+
+
+def _register_transports() -> None:
+    """Resolve kombu's Redis schemes to the gated transports.
+
+    Through kombu's alias table rather than ``broker_transport``: kombu
+    re-resolves the URL scheme when it fails over to another broker URL (or
+    Sentinel), and its ``rediss`` TLS defaults key on the scheme name. The
+    gated transports publish un-keyed messages exactly as kombu's do.
+    """
+    TRANSPORT_ALIASES.update(TRANSPORTS)
 
 
 def runtime_for(app: Any) -> Runtime:

@@ -9,10 +9,11 @@ limits, where the body never returned.
 
 from __future__ import annotations
 
-import functools
 import logging
+import weakref
 from typing import Any
 
+import celery
 from celery import signals
 
 from . import runtime
@@ -43,20 +44,40 @@ def on_revoked(sender: Any = None, request: Any = None, **_: Any) -> None:
         )
 
 
+_installed: weakref.WeakSet[Any] = weakref.WeakSet()
+
+
+def _publishing_task(name: str) -> DedupTask | None:
+    """The DedupTask ``name`` in the publishing app.
+
+    The signal does not say which app publishes: the current app is asked
+    first, then every installed app (ambiguous only if several installed apps
+    register the same task name with different options).
+    """
+    current = celery.current_app
+    for app in (current, *(a for a in list(_installed) if a is not current)):
+        if app in _installed:
+            task = app.tasks.get(name)
+            if isinstance(task, DedupTask):
+                return task
+    return None
+
+
 def on_before_publish(
-    app: Any, sender: str | None = None, headers: dict[str, Any] | None = None, body: Any = None, **_: Any
+    sender: str | None = None, headers: dict[str, Any] | None = None, body: Any = None, **_: Any
 ) -> None:
     """Gate ``app.send_task`` by name: add the ``dedup`` header the transport acts on.
 
     ``DedupTask.apply_async`` has added it already; only publishes that bypass
     it (``send_task``, canvas fallbacks) need it here. Only tasks registered in
-    the publishing app can be keyed.
+    an installed app can be keyed.
     """
     if headers is None or HEADER in headers or sender is None:
         return
-    task = app.tasks.get(sender)
-    if not isinstance(task, DedupTask) or not task.dedup_policy.mode.gates_enqueue:
+    task = _publishing_task(sender)
+    if task is None or not task.dedup_policy.mode.gates_enqueue:
         return
+    app = task.app
     if not runtime.runtime_for(app).atomic:
         logger.warning("%s published by name on a non-Redis broker: not gated", sender)
         return
@@ -77,9 +98,8 @@ def on_before_publish(
 
 
 def connect(app: Any) -> None:
-    """Connect every receiver once (idempotent); the publish hook once per app."""
-    signals.before_task_publish.connect(
-        functools.partial(on_before_publish, app), weak=False, dispatch_uid=f"celery_dedup.publish.{id(app)}"
-    )
+    """Register ``app`` for the publish hook and connect every receiver once (idempotent)."""
+    _installed.add(app)
+    signals.before_task_publish.connect(on_before_publish, weak=False, dispatch_uid="celery_dedup.on_before_publish")
     signals.task_failure.connect(on_failure, weak=False, dispatch_uid="celery_dedup.on_failure")
     signals.task_revoked.connect(on_revoked, weak=False, dispatch_uid="celery_dedup.on_revoked")

@@ -248,6 +248,7 @@ class DedupTask(_TaskBase):
         """
         policy = self.dedup_policy
         app = self.app
+        atomic = runtime.is_atomic(app)  # also refuses an app that was never installed
         if not policy.mode.gates_enqueue:
             plain = super().apply_async(args, kwargs, task_id, producer, link, link_error, shadow, **options)
             return cast(DedupResult, plain)
@@ -275,7 +276,7 @@ class DedupTask(_TaskBase):
             )
             return cast(DedupResult, result)  # Celery builds it with self.AsyncResult
 
-        if runtime.is_atomic(app):
+        if atomic:
             try:
                 with open_ticket(gate.nonce) as ticket:
                     result: DedupResult = publish(headers)

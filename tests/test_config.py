@@ -1,0 +1,492 @@
+"""Settings and task options: defaults, validation at start-up, and how install() gates the broker.
+
+All but the last test run without a server: install() and task binding only
+read configuration, and nothing here opens a connection.
+"""
+
+from __future__ import annotations
+
+import inspect
+from collections.abc import Callable, Iterator
+from typing import Any
+
+import pytest
+import redis
+from celery import Celery
+
+import celery_dedup
+from celery_dedup import DedupConfigError, DedupTask
+from celery_dedup.config import SETTINGS, DedupConfig
+from celery_dedup.keys import KeySchema
+from celery_dedup.modes import MODES
+from celery_dedup.runtime import config_for, runtime_for
+from celery_dedup.transport import SentinelTransport, Transport
+
+from .conftest import AppFactory, queued_messages
+
+# Never contacted: these tests only read configuration.
+REDIS = "redis://127.0.0.1:6379/15"
+GATED = f"{Transport.__module__}:{Transport.__qualname__}"
+
+BareApp = Callable[..., Celery]
+
+
+@pytest.fixture
+def bare_app() -> Iterator[BareApp]:
+    """Build an un-installed Celery app that never connects; ``conf`` overrides settings."""
+    apps: list[Celery] = []
+
+    def factory(broker: str | None = REDIS, **conf: Any) -> Celery:
+        app = Celery("cfg", set_as_current=False, broker=broker)
+        app.conf.update(conf)
+        apps.append(app)
+        return app
+
+    yield factory
+    for app in apps:
+        app.close()
+
+
+# --- app settings -----------------------------------------------------------------------------------
+
+
+def test_defaults(bare_app: BareApp) -> None:
+    """An app with no dedup_* settings gets the documented defaults, and every setting is covered."""
+    app = bare_app()
+    celery_dedup.install(app)
+    config = config_for(app)
+    assert config == DedupConfig(
+        redis_url=None,
+        key_prefix="dedup",
+        default_ttl=3600,
+        default_mode="until_executed",
+        on_duplicate="return_existing",
+        on_redis_error="fail_closed",
+        max_key_length=200,
+        record_ttl=86400,
+    )
+    assert {f"dedup_{field}" for field in vars(config)} == set(SETTINGS)
+
+
+def test_good_values_are_kept(bare_app: BareApp) -> None:
+    """Valid non-default values pass validation unchanged (the checks are not over-strict)."""
+    app = bare_app(
+        dedup_redis_url="unix:///tmp/dedup.sock",
+        dedup_key_prefix="svc:dedup",
+        dedup_default_ttl=0.5,
+        dedup_default_mode="until_expired",
+        dedup_on_duplicate="raise",
+        dedup_on_redis_error="fail_open",
+        dedup_max_key_length=64,
+        dedup_record_ttl=60,
+    )
+    celery_dedup.install(app)
+    config = config_for(app)
+    assert (config.redis_url, config.key_prefix, config.default_ttl) == ("unix:///tmp/dedup.sock", "svc:dedup", 0.5)
+    assert (config.default_mode, config.on_duplicate, config.on_redis_error) == ("until_expired", "raise", "fail_open")
+    assert (config.max_key_length, config.record_ttl) == (64, 60)
+
+
+BAD_SETTINGS = [
+    ("dedup_redis_url", 6379),
+    ("dedup_redis_url", b"redis://127.0.0.1"),
+    ("dedup_redis_url", "127.0.0.1:6379"),
+    ("dedup_redis_url", ""),
+    ("dedup_key_prefix", "my prefix"),
+    ("dedup_key_prefix", "dedup\n"),
+    ("dedup_key_prefix", ""),
+    ("dedup_key_prefix", 7),
+    ("dedup_key_prefix", None),
+    ("dedup_default_ttl", -1),
+    ("dedup_default_ttl", 0),
+    ("dedup_default_ttl", True),
+    ("dedup_default_ttl", "60"),
+    ("dedup_default_ttl", None),
+    ("dedup_default_ttl", float("nan")),
+    ("dedup_default_ttl", float("inf")),
+    ("dedup_record_ttl", -5),
+    ("dedup_record_ttl", False),
+    ("dedup_record_ttl", "1d"),
+    ("dedup_record_ttl", float("inf")),
+    ("dedup_default_mode", "forever"),
+    ("dedup_default_mode", "UNTIL_EXECUTED"),
+    ("dedup_default_mode", 1),
+    ("dedup_default_mode", ["until_executed"]),
+    ("dedup_on_duplicate", "ignore"),
+    ("dedup_on_duplicate", None),
+    ("dedup_on_duplicate", ["raise"]),
+    ("dedup_on_redis_error", "retry"),
+    ("dedup_on_redis_error", True),
+    ("dedup_on_redis_error", {"fail_open"}),
+    ("dedup_max_key_length", 63),
+    ("dedup_max_key_length", 0),
+    ("dedup_max_key_length", -1),
+    ("dedup_max_key_length", True),
+    ("dedup_max_key_length", 200.0),
+    ("dedup_max_key_length", "200"),
+    ("dedup_max_key_length", None),
+]
+
+
+@pytest.mark.parametrize(("setting", "value"), BAD_SETTINGS, ids=[f"{s}={v!r}" for s, v in BAD_SETTINGS])
+def test_bad_setting_is_refused_at_install(bare_app: BareApp, setting: str, value: Any) -> None:
+    """install() refuses a bad value with DedupConfigError naming the setting and the value, and changes nothing."""
+    app = bare_app(**{setting: value})
+    with pytest.raises(DedupConfigError) as info:
+        celery_dedup.install(app)
+    assert info.value.setting == setting
+    assert info.value.value is value
+    assert setting in str(info.value)
+    assert repr(value) in str(info.value)
+    assert app.conf.broker_transport is None, "a refused install must not half-configure the app"
+
+
+@pytest.mark.parametrize(
+    ("typo", "meant"),
+    [
+        ("dedup_defualt_ttl", "dedup_default_ttl"),
+        ("dedup_max_key_len", "dedup_max_key_length"),
+        ("dedup_on_duplicates", "dedup_on_duplicate"),
+        ("dedup_redis", "dedup_redis_url"),
+    ],
+)
+def test_unknown_setting_suggests_the_right_name(bare_app: BareApp, typo: str, meant: str) -> None:
+    """A misspelt dedup_* setting is an error (not silently ignored) that suggests the real name."""
+    app = bare_app(**{typo: 30})
+    with pytest.raises(DedupConfigError) as info:
+        celery_dedup.install(app)
+    assert info.value.setting == typo
+    assert typo in str(info.value)
+    assert meant in str(info.value)
+
+
+class DjangoSettings:
+    """What ``django.conf:settings`` looks like to Celery with ``namespace="CELERY"``."""
+
+    CELERY_BROKER_URL = REDIS
+    CELERY_DEDUP_DEFAULT_TTL = 30
+    CELERY_DEDUP_ON_DUPLICATE = "raise"
+    CELERY_DEDUP_KEY_PREFIX = "shop"
+    INSTALLED_APPS = ("shop",)  # non-Celery settings must not disturb anything
+
+
+def test_django_style_namespaced_settings_are_read(bare_app: BareApp) -> None:
+    """CELERY_DEDUP_X settings loaded with namespace="CELERY" configure celery-dedup and its tasks."""
+    app = bare_app(broker=None)
+    app.config_from_object(DjangoSettings, namespace="CELERY")
+    assert app.conf.broker_url == REDIS
+    celery_dedup.install(app)
+    config = config_for(app)
+    assert config.default_ttl == 30
+    assert config.on_duplicate == "raise"
+    assert config.key_prefix == "shop"
+    with app.connection_for_write() as conn:
+        assert type(conn.transport) is Transport
+
+    @app.task(base=DedupTask, dedup_key="order:{order_id}", shared=False, name="django.charge")
+    def charge(order_id: int) -> None: ...
+
+    app.finalize()
+    assert charge.dedup_policy.ttl == 30
+    assert charge.dedup_policy.on_duplicate == "raise"
+
+
+def test_django_style_typo_and_bad_value_are_refused(bare_app: BareApp) -> None:
+    """Namespaced settings are validated like plain ones: typos get a suggestion, bad values an error."""
+
+    class Typo:
+        CELERY_BROKER_URL = REDIS
+        CELERY_DEDUP_DEFUALT_TTL = 30
+
+    class Negative:
+        CELERY_BROKER_URL = REDIS
+        CELERY_DEDUP_DEFAULT_TTL = -30
+
+    typo = bare_app(broker=None)
+    typo.config_from_object(Typo, namespace="CELERY")
+    with pytest.raises(DedupConfigError) as info:
+        celery_dedup.install(typo)
+    assert "CELERY_DEDUP_DEFUALT_TTL" in str(info.value)
+    assert "default_ttl" in str(info.value).lower()
+
+    negative = bare_app(broker=None)
+    negative.config_from_object(Negative, namespace="CELERY")
+    with pytest.raises(DedupConfigError) as info:
+        celery_dedup.install(negative)
+    assert "default_ttl" in info.value.setting.lower()
+    assert info.value.value == -30
+
+
+# --- task options -----------------------------------------------------------------------------------
+
+BAD_OPTIONS = [
+    pytest.param({"dedup_mode": "forever"}, "dedup_mode", id="mode-unknown"),
+    pytest.param({"dedup_ttl": -1}, "dedup_ttl", id="ttl-negative"),
+    pytest.param({"dedup_ttl": 0}, "dedup_ttl", id="ttl-zero"),
+    pytest.param({"dedup_ttl": "10"}, "dedup_ttl", id="ttl-str"),
+    pytest.param({"dedup_ttl": True}, "dedup_ttl", id="ttl-bool"),
+    pytest.param({"dedup_on_duplicate": "ignore"}, "dedup_on_duplicate", id="on-duplicate-unknown"),
+    pytest.param({"dedup_key": "order:{id}"}, "dedup_key", id="key-unknown-argument"),
+    pytest.param({"dedup_key": "order:{self}"}, "dedup_key", id="key-names-self"),
+    pytest.param({"dedup_key": "order:{order_id!r}"}, "dedup_key", id="key-conversion"),
+    pytest.param({"dedup_key": []}, "dedup_key", id="key-empty-list"),
+]
+
+
+def _run(self: Any, order_id: int, amount: int = 0) -> int:
+    return order_id
+
+
+def _define(app: Celery, style: str, name: str, **options: Any) -> Any:
+    """Declare the same task in one of the four ways users write DedupTasks."""
+    if style == "class":
+        cls = type("Charge", (DedupTask,), {"name": name, "run": _run, **options})
+        return app.register_task(cls())
+    if style == "bind":
+
+        @app.task(base=DedupTask, bind=True, shared=False, name=name, **options)
+        def bound(self: Any, order_id: int, amount: int = 0) -> int:
+            return order_id
+
+        return bound
+
+    @app.task(base=DedupTask, shared=False, name=name, **options)
+    def plain(order_id: int, amount: int = 0) -> int:
+        return order_id
+
+    return plain
+
+
+@pytest.mark.parametrize(("options", "setting"), BAD_OPTIONS)
+@pytest.mark.parametrize("style", ["plain", "bind", "class"])
+def test_bad_task_option_fails_when_defined_on_a_finalized_app(
+    bare_app: BareApp, style: str, options: dict[str, Any], setting: str
+) -> None:
+    """On a finalized app a bad option fails at the decorator / register_task, naming task and option."""
+    app = bare_app()
+    celery_dedup.install(app)
+    app.finalize()
+    with pytest.raises(DedupConfigError) as info:
+        _define(app, style, "shop.bad", **{"dedup_key": "order:{order_id}", **options})
+    assert info.value.task == "shop.bad"
+    assert info.value.setting == setting
+    assert "shop.bad" in str(info.value) and setting in str(info.value)
+
+
+@pytest.mark.parametrize(("options", "setting"), BAD_OPTIONS)
+@pytest.mark.parametrize("style", ["plain", "bind"])
+def test_bad_task_option_fails_at_app_finalization(
+    bare_app: BareApp, style: str, options: dict[str, Any], setting: str
+) -> None:
+    """Before finalization decorators are lazy; the bad option surfaces when the app finalizes (start-up)."""
+    app = bare_app()
+    celery_dedup.install(app)
+    # Reaching the next line shows the decorator itself did not check anything yet.
+    _define(app, style, "shop.bad", **{"dedup_key": "order:{order_id}", **options})
+    with pytest.raises(DedupConfigError) as info:
+        app.finalize()
+    assert info.value.task == "shop.bad"
+    assert info.value.setting == setting
+
+
+@pytest.mark.parametrize(
+    ("option", "value"),
+    [("dedup_mode", ["until_executed"]), ("dedup_on_duplicate", {"raise": True}), ("dedup_ttl", float("inf"))],
+    ids=["mode-list", "on-duplicate-dict", "ttl-inf"],
+)
+def test_unusable_task_option_values_are_config_errors(bare_app: BareApp, option: str, value: Any) -> None:
+    """Unhashable choices and an infinite TTL are refused at definition, not met later as TypeError/OverflowError."""
+    app = bare_app()
+    celery_dedup.install(app)
+    app.finalize()
+    with pytest.raises(DedupConfigError) as info:
+        _define(app, "plain", "shop.bad", dedup_key="order:{order_id}", **{option: value})
+    assert info.value.task == "shop.bad"
+    assert info.value.setting == option
+
+
+def test_good_task_options_resolve_against_app_settings(bare_app: BareApp) -> None:
+    """Task options override app settings; omitted ones fall back to them."""
+    app = bare_app(dedup_default_mode="until_executing", dedup_default_ttl=12, dedup_on_duplicate="drop")
+    celery_dedup.install(app)
+    app.finalize()
+    inherits = _define(app, "plain", "shop.inherits", dedup_key="order:{order_id}")
+    overrides = _define(
+        app,
+        "class",
+        "shop.overrides",
+        dedup_key="order:{order_id}",
+        dedup_mode="until_expired",
+        dedup_ttl=0.25,
+        dedup_on_duplicate="raise",
+    )
+    got = inherits.dedup_policy
+    assert (got.mode, got.ttl, got.on_duplicate) == (MODES["until_executing"], 12, "drop")
+    got = overrides.dedup_policy
+    assert (got.mode, got.ttl, got.on_duplicate) == (MODES["until_expired"], 0.25, "raise")
+
+
+def test_class_bind_and_plain_tasks_derive_the_same_keys(bare_app: BareApp) -> None:
+    """A class-based task, a bind=True task and a plain decorator task key the same calls identically."""
+    app = bare_app()
+    celery_dedup.install(app)
+
+    class Charge(DedupTask):
+        name = "shop.charge_cls"
+        dedup_key = "order:{order_id}"
+
+        def run(self, order_id: int, amount: int = 0) -> int:
+            return order_id
+
+    tasks = [
+        app.register_task(Charge()),
+        _define(app, "bind", "shop.charge_bind", dedup_key="order:{order_id}"),
+        _define(app, "plain", "shop.charge_plain", dedup_key="order:{order_id}"),
+    ]
+    app.finalize()
+    calls: list[tuple[tuple[Any, ...], dict[str, Any]]] = [
+        ((42,), {}),
+        ((), {"order_id": 42}),
+        ((42, 7), {}),
+        ((), {"amount": 7, "order_id": 42}),
+        ((43,), {}),
+    ]
+    keyed = [[task.dedup_business_key(*args, **kwargs) for args, kwargs in calls] for task in tasks]
+    assert keyed[0] == keyed[1] == keyed[2]
+    assert len(set(keyed[0][:4])) == 1
+    assert keyed[0][4] != keyed[0][0]
+    for task in tasks:
+        assert list(inspect.signature(task.run).parameters)[-2:] == ["order_id", "amount"]
+        with pytest.raises(celery_dedup.DedupKeyError):
+            task.dedup_business_key(42, 7, "extra")
+
+
+def test_class_based_task_with_callable_key(bare_app: BareApp) -> None:
+    """A class-based task may declare its key as a method-like callable in the class body."""
+    app = bare_app()
+    celery_dedup.install(app)
+
+    class Refund(DedupTask):
+        name = "shop.refund"
+
+        @staticmethod
+        def dedup_key(order_id: int, amount: int = 0) -> str:
+            return f"refund:{order_id}"
+
+        def run(self, order_id: int, amount: int = 0) -> int:
+            return order_id
+
+    task = app.register_task(Refund())
+    assert task.dedup_business_key(5) == task.dedup_business_key(order_id=5, amount=9)
+    assert "refund:5" in task.dedup_business_key(5)
+
+
+# --- install() --------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    ("broker", "expected"),
+    [
+        ("redis://127.0.0.1:6379/0", Transport),
+        ("redis://:secret@127.0.0.1:6379/3", Transport),
+        ("rediss://127.0.0.1:6380/0", Transport),
+        ("sentinel://127.0.0.1:26379;sentinel://127.0.0.1:26380", SentinelTransport),
+    ],
+)
+def test_install_selects_the_gated_transport(bare_app: BareApp, broker: str, expected: type[Any]) -> None:
+    """After install() kombu resolves the broker's scheme to the gated class, also after a failover switch."""
+    app = bare_app(broker=broker)
+    celery_dedup.install(app)
+    with app.connection_for_write() as conn:
+        assert type(conn.transport) is expected
+        conn.switch(broker.rsplit(";", maxsplit=1)[-1])  # what kombu does on a connection error with alternates
+        assert conn.transport_cls in ("redis", "rediss", "sentinel")
+        assert type(conn.transport) is expected, "a failover switch must not drop the gate"
+    assert runtime_for(app).atomic, "broker and dedup store are one server: the gate is atomic"
+    assert app.conf.broker_url == broker, "the broker URL itself is left alone"
+
+
+def test_install_keeps_tls_of_a_rediss_broker(bare_app: BareApp) -> None:
+    """Swapping the transport class must not turn a rediss:// broker connection into plain TCP."""
+    untouched = bare_app(broker="rediss://127.0.0.1:6380/0")
+    with untouched.connection_for_write() as conn:
+        tls_without_dedup = conn.ssl
+    assert tls_without_dedup, "premise: kombu uses TLS for rediss:// on its own"
+    app = bare_app(broker="rediss://127.0.0.1:6380/0")
+    celery_dedup.install(app)
+    with app.connection_for_write() as conn:
+        assert conn.ssl == tls_without_dedup
+
+
+@pytest.mark.parametrize(
+    ("broker", "transport"),
+    [("redis://127.0.0.1:6379/0", "redis"), ("sentinel://127.0.0.1:26379", "sentinel"), (REDIS, GATED)],
+)
+def test_install_accepts_the_plain_alias_or_its_own_class(bare_app: BareApp, broker: str, transport: str) -> None:
+    """broker_transport naming the stock alias (or the gated class already) is accepted, and gated."""
+    app = bare_app(broker=broker, broker_transport=transport)
+    celery_dedup.install(app)
+    with app.connection_for_write() as conn:
+        assert type(conn.transport) in (Transport, SentinelTransport)
+
+
+@pytest.mark.parametrize(
+    ("broker", "custom"),
+    [
+        (REDIS, "myproj.transport:Custom"),
+        (REDIS, "kombu.transport.redis:Transport"),
+        ("sentinel://127.0.0.1:26379", "redis"),
+    ],
+)
+def test_install_refuses_a_conflicting_custom_transport(bare_app: BareApp, broker: str, custom: str) -> None:
+    """A custom broker_transport would bypass the gate, so install() refuses it instead of overriding it."""
+    app = bare_app(broker=broker, broker_transport=custom)
+    with pytest.raises(DedupConfigError) as info:
+        celery_dedup.install(app)
+    assert info.value.setting == "broker_transport"
+    assert info.value.value == custom
+    assert custom in str(info.value)
+    assert app.conf.broker_transport == custom, "the user's choice is left as it was"
+
+
+@pytest.mark.parametrize("broker", ["memory://", "amqp://guest@127.0.0.1:5672//"])
+def test_install_on_a_non_redis_broker_keeps_its_transport(bare_app: BareApp, broker: str) -> None:
+    """On memory:// (or RabbitMQ) the transport is untouched and the non-atomic path is used."""
+    app = bare_app(broker=broker)
+    celery_dedup.install(app)
+    assert app.conf.broker_transport is None
+    state = runtime_for(app)
+    assert state.installed
+    assert not state.atomic
+    with app.connection_for_write() as conn:
+        assert type(conn.transport) not in (Transport, SentinelTransport)
+
+
+def test_separate_dedup_store_makes_the_gate_non_atomic(bare_app: BareApp) -> None:
+    """With dedup_redis_url on another server the transport is still gated, but not atomically."""
+    app = bare_app(broker=REDIS, dedup_redis_url="redis://127.0.0.1:6390/0")
+    celery_dedup.install(app)
+    with app.connection_for_write() as conn:
+        assert type(conn.transport) is Transport
+    assert not runtime_for(app).atomic
+
+
+# --- needs the server ---------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("mode", sorted(MODES))
+def test_dedup_task_on_an_app_without_install_is_refused(make_app: AppFactory, r: redis.Redis, mode: str) -> None:
+    """Publishing a DedupTask before install() raises DedupConfigError and publishes nothing."""
+    app = make_app("noinstall", install=False)
+
+    @app.task(base=DedupTask, dedup_key="order:{order_id}", dedup_mode=mode, shared=False, name="noinstall.charge")
+    def charge(order_id: int) -> int:
+        return order_id
+
+    with pytest.raises(DedupConfigError) as info:
+        charge.delay(1)
+    assert "install" in str(info.value)
+    with pytest.raises(DedupConfigError):
+        charge.apply_async((2,), countdown=1)
+    assert queued_messages(r) == []
+    assert r.exists(KeySchema("dedup").held) == 0
