@@ -33,8 +33,16 @@ def ensure_venv() -> Path:
         venv.create(VENV, with_pip=True)
     print(f"installing celery-dedup[{EXTRAS}] into {VENV}", file=sys.stderr)
     subprocess.check_call(
-        [str(venv_python()), "-m", "pip", "install", "--quiet", "--disable-pip-version-check",
-         "-e", f"{ROOT}[{EXTRAS}]"]
+        [
+            str(venv_python()),
+            "-m",
+            "pip",
+            "install",
+            "--quiet",
+            "--disable-pip-version-check",
+            "-e",
+            f"{ROOT}[{EXTRAS}]",
+        ]
     )
     stamp.write_text(wanted)
     return venv_python()
