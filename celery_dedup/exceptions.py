@@ -49,18 +49,21 @@ class DuplicateTaskError(DedupError):
 
 
 class DedupUnavailableError(DedupError):
-    """The dedup store could not be reached and ``dedup_on_redis_error="fail_closed"``.
+    """The dedup store (on a Redis broker: the broker) could not be reached.
 
-    Nothing was published.
+    ``published`` is False when nothing was published, None when the
+    connection broke at a point where that cannot be known (the key's record
+    tells once the server answers again).
     """
 
-    def __init__(self, task: str, key: str, cause: BaseException) -> None:
+    def __init__(self, task: str, key: str, cause: BaseException, *, published: bool | None) -> None:
         self.task = task
         self.key = key
         self.cause = cause
+        self.published = published
+        outcome = "nothing was published" if published is False else "whether it was published is unknown"
         super().__init__(
-            f"task {task!r} key {key!r}: dedup store unreachable ({type(cause).__name__}: {cause}); "
-            "nothing was published (dedup_on_redis_error='fail_closed')"
+            f"task {task!r} key {key!r}: dedup store unreachable ({type(cause).__name__}: {cause}); {outcome}"
         )
 
 

@@ -16,6 +16,8 @@ from dataclasses import dataclass
 from typing import Any
 
 HEADER = "dedup"
+#: ``dedup`` header value of a keyed task published ungated (``fail_open``).
+UNGATED = "ungated"
 
 
 @dataclass(frozen=True)
@@ -41,7 +43,7 @@ class GateHeader:
     def decode(cls, headers: Mapping[str, Any] | None) -> GateHeader | None:
         """The header of a message or request, or None when it carries none."""
         raw = (headers or {}).get(HEADER)
-        if not isinstance(raw, Mapping):
+        if not isinstance(raw, Mapping) or "member" not in raw:
             return None
         return cls(str(raw["prefix"]), str(raw["member"]), str(raw["nonce"]), int(raw["hold_ms"]), int(raw["grace_ms"]))
 

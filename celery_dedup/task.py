@@ -18,7 +18,7 @@ from kombu.exceptions import OperationalError
 from . import runtime
 from .config import check_mode, check_on_duplicate, check_ttl
 from .exceptions import DedupConfigError, DedupError, DedupUnavailableError, DuplicateTaskError
-from .gate import HEADER, GateHeader, Outcome, open_ticket
+from .gate import HEADER, UNGATED, GateHeader, Outcome, open_ticket
 from .keys import KeyOption, KeySpec, member_for, new_nonce, new_task_id, split_member
 from .modes import MODES, Mode
 from .store import DedupStore
@@ -281,7 +281,7 @@ class DedupTask(_TaskBase):
                 with open_ticket(gate.nonce) as ticket:
                     result: DedupResult = publish(headers)
             except _RECOVERABLE as exc:
-                return self._store_unreachable(exc, business_key, run_id, headers, publish)
+                return self._after_lost_reply(exc, gate, business_key)
             if ticket.outcome is None:
                 logger.warning("%s[%s] was published without passing the gate (another transport?)", self.name, run_id)
             outcome = ticket.outcome or Outcome(True, run_id)
@@ -316,17 +316,36 @@ class DedupTask(_TaskBase):
                 logger.exception("could not drop key %r after a failed publish; it expires by its TTL", member)
             raise
 
+    def _after_lost_reply(self, exc: Exception, gate: GateHeader, key: str) -> DedupResult:
+        """The gated publish failed on the Redis broker: find out whether the gate ran.
+
+        A connection can break after the script ran but before its reply
+        arrived. The record then carries this publish's nonce, and the caller
+        gets the accepted run. The broker is the store here, so there is no
+        ungated fallback (``dedup_on_redis_error`` governs a separate store).
+        """
+        store = runtime.store_for(self.app).with_prefix(gate.prefix)
+        try:
+            record = store.record(gate.member)
+        except redis.RedisError:
+            raise DedupUnavailableError(self.name, key, exc, published=None) from exc
+        if record is not None and record.get("nonce") == gate.nonce:
+            logger.info("%s key %r: publish reply lost, but the gate accepted %s", self.name, key, record["task_id"])
+            return self.AsyncResult(record["task_id"])
+        raise DedupUnavailableError(self.name, key, exc, published=False) from exc
+
     def _store_unreachable(
         self, exc: Exception, key: str, run_id: str, headers: dict[str, Any], publish: _Publish
     ) -> DedupResult:
+        """The separate dedup store is unreachable: ``dedup_on_redis_error`` decides."""
         app = self.app
         if runtime.config_for(app).on_redis_error == "fail_closed":
-            raise DedupUnavailableError(self.name, key, exc) from exc
+            raise DedupUnavailableError(self.name, key, exc, published=False) from exc
         runtime.count_fail_open(app, self.name)
         logger.warning(
             "dedup store unreachable, publishing %s[%s] key %r ungated (fail_open): %s", self.name, run_id, key, exc
         )
-        headers.pop(HEADER, None)
+        headers[HEADER] = UNGATED  # not a gate header, and tells the publish hook to leave it alone
         return publish(headers)
 
     def AsyncResult(self, task_id: str, **kwargs: Any) -> DedupResult:
