@@ -80,7 +80,7 @@ class Bench:
     """The app, its two tasks and the producer every call goes through."""
 
     app: Celery
-    client: redis.Redis[bytes]
+    client: redis.Redis
     plain: Any
     keyed: Any
     producer: Any
@@ -222,8 +222,8 @@ class CommandLog:
     """
 
     def __init__(self, url: str) -> None:
-        self._client: redis.Redis[bytes] = redis.Redis.from_url(url)
-        self._monitor = self._client.monitor()
+        self._client: redis.Redis = redis.Redis.from_url(url)
+        self._monitor = self._client.monitor()  # type: ignore[no-untyped-call]
         self._monitor.__enter__()
         self.entries: list[dict[str, Any]] = []
         self.complete = False
@@ -241,7 +241,7 @@ class CommandLog:
                 return
             self.entries.append(entry)
 
-    def close(self, admin: redis.Redis[bytes]) -> list[dict[str, Any]]:
+    def close(self, admin: redis.Redis) -> list[dict[str, Any]]:
         admin.echo(self._marker)
         self._thread.join(30)
         if not self.complete:
@@ -251,14 +251,14 @@ class CommandLog:
         return self.entries
 
 
-def commandstats(client: redis.Redis[bytes]) -> Counter[str]:
+def commandstats(client: redis.Redis) -> Counter[str]:
     stats = client.info("commandstats")
     return Counter({name.removeprefix("cmdstat_"): int(value["calls"]) for name, value in stats.items()})
 
 
 def count_round_trips(url: str, case: Case, calls: int) -> dict[str, Any]:
     """Commands per call of ``case``: sent by clients (round trips) and run inside Lua."""
-    admin: redis.Redis[bytes] = redis.Redis.from_url(url)
+    admin: redis.Redis = redis.Redis.from_url(url)
     admin_port = str(admin.client_info()["addr"]).rsplit(":", 1)[1]
     # MONITOR first: its own connection set-up (HELLO, CLIENT SETINFO, MONITOR) is then outside the delta.
     log = CommandLog(url)
@@ -378,7 +378,7 @@ def measure(args: argparse.Namespace) -> Run:
         print(f"load average before: {load_before:.2f} (cpus: {os.cpu_count()})", flush=True)
         app = build_app(server.url)
         plain, keyed = make_tasks(app)
-        client: redis.Redis[bytes] = redis.Redis.from_url(server.url)
+        client: redis.Redis = redis.Redis.from_url(server.url)
         try:
             with app.producer_or_acquire() as producer:
                 bench = Bench(app, client, plain, keyed, producer)

@@ -15,6 +15,11 @@ setting                    default               effect
 ``dedup_on_redis_error``   ``"fail_closed"``     ``fail_closed`` raises, ``fail_open`` publishes
 ``dedup_max_key_length``   ``200``               longer business keys are hashed (prefix kept)
 ``dedup_record_ttl``       ``86400``             seconds a finished key's status record is kept
+``dedup_lock_ttl``         ``60``                execution lock TTL (renewed at a third of it)
+``dedup_on_locked``        ``"skip"``            a run finding another run's lock: ``skip`` or
+                                                 ``reschedule`` (after that lock's TTL)
+``dedup_record_args``      ``True``              keep argsrepr/kwargsrepr in records (PII: off)
+``dedup_history_length``   ``10``                transitions kept per key
 =========================  ====================  ===============================================
 """
 
@@ -27,7 +32,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from .exceptions import DedupConfigError
-from .modes import MODES, ON_DUPLICATE, ON_REDIS_ERROR
+from .modes import MODES, ON_DUPLICATE, ON_LOCKED, ON_REDIS_ERROR
 
 _MISSING = object()
 
@@ -68,8 +73,21 @@ def _key_length(setting: str, value: Any, *, task: str | None = None) -> int:
     return value
 
 
+def _flag(setting: str, value: Any, *, task: str | None = None) -> bool:
+    if not isinstance(value, bool):
+        raise DedupConfigError(setting, value, "must be True or False", task=task)
+    return value
+
+
+def _count(setting: str, value: Any, *, task: str | None = None) -> int:
+    if isinstance(value, bool) or not isinstance(value, int) or not 0 <= value <= 1000:
+        raise DedupConfigError(setting, value, "must be an integer from 0 to 1000", task=task)
+    return value
+
+
 check_mode = _choice(MODES)
 check_on_duplicate = _choice(ON_DUPLICATE)
+check_on_locked = _choice(ON_LOCKED)
 check_ttl = _positive_number
 
 #: setting name -> (default, validator)
@@ -82,6 +100,10 @@ SETTINGS: dict[str, tuple[Any, Callable[..., Any]]] = {
     "dedup_on_redis_error": ("fail_closed", _choice(ON_REDIS_ERROR)),
     "dedup_max_key_length": (200, _key_length),
     "dedup_record_ttl": (86400, _positive_number),
+    "dedup_lock_ttl": (60, _positive_number),
+    "dedup_on_locked": ("skip", check_on_locked),
+    "dedup_record_args": (True, _flag),
+    "dedup_history_length": (10, _count),
 }
 
 
@@ -97,6 +119,10 @@ class DedupConfig:
     on_redis_error: str
     max_key_length: int
     record_ttl: float
+    lock_ttl: float
+    on_locked: str
+    record_args: bool
+    history_length: int
 
     @classmethod
     def from_conf(cls, conf: Mapping[str, Any]) -> DedupConfig:

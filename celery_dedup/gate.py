@@ -22,13 +22,19 @@ UNGATED = "ungated"
 
 @dataclass(frozen=True)
 class GateHeader:
-    """What the gate holds for one message; travels in the message's ``dedup`` header."""
+    """What the gate holds for one message; travels in the message's ``dedup`` header.
+
+    The message carries everything the gate and the worker need (prefix,
+    TTLs), so a transport needs no access to the publishing app's settings.
+    """
 
     prefix: str
     member: str
     nonce: str
     hold_ms: int
     grace_ms: int
+    history: int = 10
+    record_args: bool = True
 
     def encode(self) -> dict[str, Any]:
         return {
@@ -37,6 +43,8 @@ class GateHeader:
             "nonce": self.nonce,
             "hold_ms": self.hold_ms,
             "grace_ms": self.grace_ms,
+            "history": self.history,
+            "record_args": self.record_args,
         }
 
     @classmethod
@@ -45,7 +53,15 @@ class GateHeader:
         raw = (headers or {}).get(HEADER)
         if not isinstance(raw, Mapping) or "member" not in raw:
             return None
-        return cls(str(raw["prefix"]), str(raw["member"]), str(raw["nonce"]), int(raw["hold_ms"]), int(raw["grace_ms"]))
+        return cls(
+            str(raw["prefix"]),
+            str(raw["member"]),
+            str(raw["nonce"]),
+            int(raw["hold_ms"]),
+            int(raw["grace_ms"]),
+            int(raw.get("history", 10)),
+            bool(raw.get("record_args", True)),
+        )
 
 
 @dataclass(frozen=True)

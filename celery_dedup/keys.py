@@ -14,6 +14,9 @@ task name, ``:``, and the business key)::
 
     P:held      SET of members whose key is currently held
     P:rec:M     HASH, the member's status record (owner task id, state, times)
+    P:lock:M    STRING, the execution lock: the running delivery's token
+    P:hist:M    LIST, the member's recent transitions, newest first
+    P:idx...    indexes over the records (see scripts/lib.lua)
 """
 
 from __future__ import annotations
@@ -202,6 +205,28 @@ class KeySchema:
 
     def record(self, member: str) -> str:
         return f"{self.prefix}:rec:{member}"
+
+    def lock(self, member: str) -> str:
+        return f"{self.prefix}:lock:{member}"
+
+    def history(self, member: str) -> str:
+        return f"{self.prefix}:hist:{member}"
+
+    @property
+    def index(self) -> str:
+        """ZSET of every member with a record, scored by last update (ms)."""
+        return f"{self.prefix}:idx"
+
+    def state_index(self, state: str) -> str:
+        return f"{self.prefix}:idx:state:{state}"
+
+    def task_index(self, task_name: str) -> str:
+        return f"{self.prefix}:idx:task:{task_name}"
+
+    @property
+    def name_index(self) -> str:
+        """ZSET of every member with score 0, for prefix search with ZRANGEBYLEX."""
+        return f"{self.prefix}:idx:name"
 
 
 class KeySpec:

@@ -16,10 +16,13 @@ class Mode:
     name: ClassVar[str]
     #: Whether ``apply_async`` runs the enqueue gate at all.
     gates_enqueue: ClassVar[bool] = True
-    #: Release the key when the task body starts.
-    releases_on_start: ClassVar[bool] = False
     #: Keep the key after success until its TTL runs out (an idempotency window).
     holds_after_success: ClassVar[bool] = False
+    #: What happens to the key when the body starts (see ``start.lua``): ``lock``
+    #: keeps it as long as the execution lock lives, so a crashed run frees it
+    #: within one lock TTL; ``release`` drops it; ``window`` keeps the enqueue
+    #: deadline if that is later.
+    key_on_start: ClassVar[str] = "lock"
 
 
 class UntilExecuted(Mode):
@@ -32,7 +35,7 @@ class UntilExecuting(Mode):
     """Held from enqueue until the body starts; a new call may queue while it runs."""
 
     name = "until_executing"
-    releases_on_start = True
+    key_on_start = "release"
 
 
 class UntilExpired(Mode):
@@ -40,6 +43,7 @@ class UntilExpired(Mode):
 
     name = "until_expired"
     holds_after_success = True
+    key_on_start = "window"
 
 
 class WhileExecuting(Mode):
@@ -58,6 +62,11 @@ MODES: MappingProxyType[str, type[Mode]] = MappingProxyType(
 #: ``raise``: DuplicateTaskError carrying the key and the accepted id.
 #: ``drop``: a marked AsyncResult, and an INFO log line saying the call was dropped.
 ON_DUPLICATE = frozenset({"return_existing", "raise", "drop"})
+
+#: What a run does when another run of its key holds the execution lock.
+#: ``skip``: acknowledge and record it as skipped; ``reschedule``: publish it
+#: again to arrive when that lock would have expired.
+ON_LOCKED = frozenset({"skip", "reschedule"})
 
 #: What a publish does when the dedup store cannot be reached.
 ON_REDIS_ERROR = frozenset({"fail_closed", "fail_open"})

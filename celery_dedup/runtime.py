@@ -48,7 +48,7 @@ class Runtime:
                     conf = self.app.conf
                     url = self.config.redis_url or _broker_url(self.app)
                     client = client_from_url(url, conf.broker_transport_options)
-                    self._store = DedupStore(client, self.config.key_prefix)
+                    self._store = DedupStore(client, self.config.key_prefix, history_length=self.config.history_length)
         return self._store
 
 

@@ -14,33 +14,70 @@ import weakref
 from typing import Any
 
 import celery
+import redis
+from billiard.exceptions import WorkerLostError
 from celery import signals
 
 from . import runtime
 from .gate import HEADER, GateHeader
+from .guard import FAILED, LOST, REJECTED, REVOKED, settle_elsewhere
 from .keys import member_for, new_nonce
-from .task import FAILED, REVOKED, DedupTask
+from .task import DedupTask
 
 logger = logging.getLogger("celery_dedup")
 
 
-def on_failure(sender: Any = None, task_id: str | None = None, args: Any = None, kwargs: Any = None, **_: Any) -> None:
-    if not isinstance(sender, DedupTask) or getattr(sender.request, "dedup_settled", False):
+def on_failure(
+    sender: Any = None,
+    task_id: str | None = None,
+    exception: BaseException | None = None,
+    args: Any = None,
+    kwargs: Any = None,
+    **_: Any,
+) -> None:
+    """Failures raised outside the body: the worker process died, or a hard time limit killed it."""
+    if not isinstance(sender, DedupTask) or getattr(sender.request, "dedup_settled", False) or task_id is None:
         return
     headers = sender.request.headers if sender.request.id == task_id else None
-    sender.dedup_settle(FAILED, drop=True, task_id=task_id, headers=headers, args=args, kwargs=kwargs)
+    state = LOST if isinstance(exception, WorkerLostError) else FAILED
+    settle_elsewhere(sender, state, task_id, headers, args, kwargs, worker_gone=True)
 
 
-def on_revoked(sender: Any = None, request: Any = None, **_: Any) -> None:
+def on_revoked(sender: Any = None, request: Any = None, terminated: bool = False, **_: Any) -> None:
     # ``request`` is the worker's Request: its request_dict holds the message headers.
     if isinstance(sender, DedupTask) and request is not None:
-        sender.dedup_settle(
+        settle_elsewhere(
+            sender,
             REVOKED,
-            drop=True,
-            task_id=request.id,
-            headers=request.request_dict,
-            args=request.args,
-            kwargs=request.kwargs,
+            request.id,
+            request.request_dict,
+            request.args,
+            request.kwargs,
+            worker_gone=bool(terminated),
+        )
+
+
+def on_unrunnable(
+    sender: Any = None, message: Any = None, name: str | None = None, id: str | None = None, **_: Any
+) -> None:
+    """A gated message the worker cannot run (unknown task, rejected message): free its key."""
+    headers = getattr(message, "headers", None)
+    gate = GateHeader.decode(headers)
+    if gate is None or headers is None:
+        return
+    app = next(iter(_installed), None)
+    if app is None:
+        return
+    task_id = id or headers.get("id")
+    store = runtime.store_for(app).with_prefix(gate.prefix)
+    record_ms = int(runtime.config_for(app).record_ttl * 1000)
+    try:
+        store.finish(gate.member, str(task_id), REJECTED, drop=True, record_ms=record_ms)
+    except redis.RedisError:
+        logger.exception("could not free the key %r of unrunnable message %s", gate.member, task_id)
+    else:
+        logger.warning(
+            "message %s (%s) cannot run here: key %r released", task_id, name or headers.get("task"), gate.member
         )
 
 
@@ -94,6 +131,8 @@ def on_before_publish(
         nonce=new_nonce(),
         hold_ms=int(task.dedup_policy.ttl * 1000),
         grace_ms=int(config.record_ttl * 1000),
+        history=config.history_length,
+        record_args=config.record_args,
     ).encode()
 
 
@@ -103,3 +142,5 @@ def connect(app: Any) -> None:
     signals.before_task_publish.connect(on_before_publish, weak=False, dispatch_uid="celery_dedup.on_before_publish")
     signals.task_failure.connect(on_failure, weak=False, dispatch_uid="celery_dedup.on_failure")
     signals.task_revoked.connect(on_revoked, weak=False, dispatch_uid="celery_dedup.on_revoked")
+    signals.task_unknown.connect(on_unrunnable, weak=False, dispatch_uid="celery_dedup.on_unknown")
+    signals.task_rejected.connect(on_unrunnable, weak=False, dispatch_uid="celery_dedup.on_rejected")

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
 from importlib import resources
 from typing import Any
 from urllib.parse import unquote, urlparse
@@ -15,39 +16,76 @@ from .exceptions import DedupConfigError
 from .gate import Outcome
 from .keys import KeySchema
 
+#: Scripts that change status records get the shared helpers of ``lib.lua`` first.
+_WITH_LIB = frozenset({"gate", "start", "finish"})
+
 
 def load_script(name: str) -> str:
-    """The source of ``scripts/<name>.lua`` shipped in the package."""
-    return resources.files("celery_dedup").joinpath("scripts").joinpath(f"{name}.lua").read_text(encoding="utf-8")
+    """The source of ``scripts/<name>.lua`` as it is sent to Redis."""
+    folder = resources.files("celery_dedup").joinpath("scripts")
+    body = folder.joinpath(f"{name}.lua").read_text(encoding="utf-8")
+    if name in _WITH_LIB:
+        return folder.joinpath("lib.lua").read_text(encoding="utf-8") + body
+    return body
 
 
 class Scripts:
-    """The gate's Lua scripts registered once with one client; run them with ``client=``."""
+    """Every Lua script, registered once with one client; run them with ``client=``."""
 
-    def __init__(self, client: redis.Redis[bytes]) -> None:
+    def __init__(self, client: redis.Redis) -> None:
         self.gate: Script = client.register_script(load_script("gate"))
+        self.start: Script = client.register_script(load_script("start"))
         self.finish: Script = client.register_script(load_script("finish"))
+        self.renew: Script = client.register_script(load_script("renew"))
 
 
 def _text(value: Any) -> str:
     return value.decode("utf-8", "surrogateescape") if isinstance(value, bytes) else str(value)
 
 
+@dataclass(frozen=True)
+class StartDecision:
+    """What the delivery guard decided for one delivery (see ``start.lua``)."""
+
+    RUN, LOCKED, DONE, SUPERSEDED, LOCKED_BY_OTHER_RUN = 1, 0, 2, 3, 4
+
+    code: int
+    detail: str
+
+    @property
+    def run(self) -> bool:
+        return self.code == self.RUN
+
+
+@dataclass(frozen=True)
+class LockRef:
+    """One held execution lock, as the renewer sees it."""
+
+    lock_key: str
+    record_key: str
+    token: str
+
+
 class DedupStore:
     """Dedup state for one key prefix on one Redis server.
 
-    Every method takes an optional ``client`` so the broker transport can run
-    the same scripts on its own connection pool.
+    Methods that run on the publish path take an optional ``client`` so the
+    broker transport can run the same scripts on its own connection pool.
     """
 
-    def __init__(self, client: redis.Redis[bytes], prefix: str, scripts: Scripts | None = None) -> None:
+    def __init__(
+        self, client: redis.Redis, prefix: str, scripts: Scripts | None = None, *, history_length: int = 10
+    ) -> None:
         self.client = client
         self.schema = KeySchema(prefix)
         self.scripts = scripts or Scripts(client)
+        self.history_length = history_length
 
     def with_prefix(self, prefix: str) -> DedupStore:
         """The same server and scripts under another key prefix (a message's own)."""
-        return self if prefix == self.schema.prefix else DedupStore(self.client, prefix, self.scripts)
+        if prefix == self.schema.prefix:
+            return self
+        return DedupStore(self.client, prefix, self.scripts, history_length=self.history_length)
 
     def gate(
         self,
@@ -58,23 +96,71 @@ class DedupStore:
         hold_ms: int,
         grace_ms: int,
         task_name: str,
+        argsrepr: str = "",
+        kwargsrepr: str = "",
         queue: str | None = None,
         message: str | None = None,
         expire: Sequence[str] = (),
         expires_ms: int | None = None,
-        client: redis.Redis[bytes] | None = None,
+        client: redis.Redis | None = None,
     ) -> Outcome:
         """Hold ``member`` for ``task_id`` and push ``message`` onto ``queue``, or neither.
 
         Without a queue this only holds the key (the non-atomic fallback).
         """
         keys = [self.schema.held, self.schema.record(member)]
-        args: list[Any] = [member, task_id, nonce, hold_ms, task_name, grace_ms]
+        args: list[Any] = [
+            member,
+            task_id,
+            nonce,
+            hold_ms,
+            task_name,
+            grace_ms,
+            self.schema.prefix,
+            self.history_length,
+            argsrepr,
+            kwargsrepr,
+        ]
         if queue is not None:
             keys += [queue, *expire]
             args += [message, "" if expires_ms is None else expires_ms]
         code, owner = self.scripts.gate(keys, args, client=client or self.client)
         return Outcome(accepted=int(code) != 0, task_id=_text(owner))
+
+    def start(
+        self,
+        member: str,
+        task_id: str,
+        token: str,
+        *,
+        lock_ms: int,
+        gated: bool,
+        key_mode: str,
+        hostname: str,
+        pid: int,
+        retries: int,
+        task_name: str,
+        record_ms: int,
+    ) -> StartDecision:
+        """The delivery guard: may this delivery run? If so the lock is taken (one round trip)."""
+        keys = [self.schema.held, self.schema.record(member), self.schema.lock(member)]
+        args: list[Any] = [
+            member,
+            task_id,
+            token,
+            lock_ms,
+            "1" if gated else "0",
+            key_mode,
+            hostname,
+            pid,
+            retries,
+            task_name,
+            self.schema.prefix,
+            self.history_length,
+            record_ms,
+        ]
+        code, detail = self.scripts.start(keys, args)
+        return StartDecision(int(code), _text(detail))
 
     def finish(
         self,
@@ -84,27 +170,66 @@ class DedupStore:
         *,
         drop: bool,
         record_ms: int,
-        client: redis.Redis[bytes] | None = None,
-    ) -> bool:
-        """Record ``state`` for the run ``task_id``; drop its key if ``drop``. Owner only."""
-        keys = [self.schema.held, self.schema.record(member)]
-        args = [member, task_id, state, "1" if drop else "0", record_ms]
-        return bool(self.scripts.finish(keys, args, client=client or self.client))
+        token: str = "",
+        error: str = "",
+    ) -> tuple[bool, bool]:
+        """Record ``state`` for the run ``task_id``, release its lock, drop its key if ``drop``.
+
+        Returns ``(owned, lock_kept)``: whether the record named this run, and
+        whether the run still held its lock (False: it was lost meanwhile).
+        """
+        keys = [self.schema.held, self.schema.record(member), self.schema.lock(member)]
+        args = [
+            member,
+            task_id,
+            state,
+            "1" if drop else "0",
+            record_ms,
+            token,
+            self.schema.prefix,
+            self.history_length,
+            error,
+        ]
+        owned, lock_kept = self.scripts.finish(keys, args)
+        return bool(owned), bool(lock_kept)
 
     def unclaim(self, member: str, task_id: str) -> bool:
         """Undo a hold whose message was never published (owner only)."""
-        return self.finish(member, task_id, "", drop=True, record_ms=0)
+        return self.finish(member, task_id, "", drop=True, record_ms=0)[0]
+
+    def renew(self, locks: Sequence[LockRef], *, lock_ms: int, record_ms: int) -> list[LockRef]:
+        """Extend every lock in one call; returns the ones no longer held by their token."""
+        if not locks:
+            return []
+        keys = [k for ref in locks for k in (ref.lock_key, ref.record_key)]
+        lost = self.scripts.renew(keys, [lock_ms, record_ms, *(ref.token for ref in locks)])
+        return [locks[int(i) - 1] for i in lost]
+
+    def lock_ref(self, member: str, token: str) -> LockRef:
+        return LockRef(self.schema.lock(member), self.schema.record(member), token)
 
     def record(self, member: str) -> dict[str, str] | None:
         """The member's status record, or None if there is none."""
         raw = self.client.hgetall(self.schema.record(member))
         return {_text(k): _text(v) for k, v in raw.items()} or None
 
+    def history(self, member: str) -> list[str]:
+        """The member's recent transitions, newest first: ``"<ms> <state> <task id> [note]"``."""
+        return [_text(entry) for entry in self.client.lrange(self.schema.history(member), 0, -1)]
+
+    def lock_holder(self, member: str) -> tuple[str, int] | None:
+        """``(token, remaining ms)`` of the member's execution lock, or None."""
+        with self.client.pipeline(transaction=False) as pipe:
+            pipe.get(self.schema.lock(member))
+            pipe.pttl(self.schema.lock(member))
+            token, ttl = pipe.execute()
+        return None if token is None else (_text(token), int(ttl))
+
     def is_held(self, member: str) -> bool:
         return bool(self.client.sismember(self.schema.held, member))
 
 
-def client_from_url(url: str, transport_options: Mapping[str, Any] | None = None) -> redis.Redis[bytes]:
+def client_from_url(url: str, transport_options: Mapping[str, Any] | None = None) -> redis.Redis:
     """A redis-py client for a ``redis://``, ``rediss://``, ``unix://`` or ``sentinel://`` URL.
 
     Sentinel URLs take ``master_name`` (and optional ``sentinel_kwargs``) from
@@ -125,6 +250,6 @@ def client_from_url(url: str, transport_options: Mapping[str, Any] | None = None
     master_name = options.get("master_name")
     if not master_name:
         raise DedupConfigError("broker_transport_options", options, "a sentinel:// URL needs 'master_name'")
-    sentinel = Sentinel(sentinels, sentinel_kwargs=options.get("sentinel_kwargs"))
-    client: redis.Redis[bytes] = sentinel.master_for(master_name, db=db, password=password)
+    sentinel = Sentinel(sentinels, sentinel_kwargs=options.get("sentinel_kwargs"))  # type: ignore[no-untyped-call]
+    client: redis.Redis = sentinel.master_for(master_name, db=db, password=password)  # type: ignore[no-untyped-call]
     return client

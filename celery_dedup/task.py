@@ -11,14 +11,15 @@ from typing import TYPE_CHECKING, Any, ClassVar, cast
 
 import redis
 from celery import Task
-from celery.exceptions import Ignore, Reject, Retry
 from celery.result import AsyncResult
+from celery.utils.saferepr import saferepr
 from kombu.exceptions import OperationalError
 
 from . import runtime
-from .config import check_mode, check_on_duplicate, check_ttl
-from .exceptions import DedupConfigError, DedupError, DedupUnavailableError, DuplicateTaskError
+from .config import check_mode, check_on_duplicate, check_on_locked, check_ttl
+from .exceptions import DedupConfigError, DedupUnavailableError, DuplicateTaskError
 from .gate import HEADER, UNGATED, GateHeader, Outcome, open_ticket
+from .guard import guarded_call
 from .keys import KeyOption, KeySpec, member_for, new_nonce, new_task_id, split_member
 from .modes import MODES, Mode
 from .store import DedupStore
@@ -27,16 +28,6 @@ logger = logging.getLogger("celery_dedup")
 
 _RECOVERABLE = (OperationalError, redis.ConnectionError, redis.TimeoutError)
 _Publish = Callable[[dict[str, Any]], "DedupResult"]
-
-#: Ending states recorded in a key's status record.
-SUCCEEDED, FAILED, REVOKED, STARTED, REJECTED, IGNORED = (
-    "succeeded",
-    "failed",
-    "revoked",
-    "started",
-    "rejected",
-    "ignored",
-)
 
 
 @dataclass(frozen=True)
@@ -47,6 +38,8 @@ class TaskPolicy:
     mode: type[Mode]
     ttl: float
     on_duplicate: str
+    lock_ttl: float
+    on_locked: str
 
 
 def _run_signature(cls: type) -> inspect.Signature:
@@ -101,6 +94,8 @@ class DedupTask(_TaskBase):
     dedup_mode: ClassVar[str | None] = None
     dedup_ttl: ClassVar[float | None] = None
     dedup_on_duplicate: ClassVar[str | None] = None
+    dedup_lock_ttl: ClassVar[float | None] = None
+    dedup_on_locked: ClassVar[str | None] = None
 
     _dedup_policy: ClassVar[TaskPolicy | None] = None
 
@@ -120,6 +115,8 @@ class DedupTask(_TaskBase):
         mode_name = cls.dedup_mode if cls.dedup_mode is not None else config.default_mode
         on_duplicate = cls.dedup_on_duplicate if cls.dedup_on_duplicate is not None else config.on_duplicate
         ttl = cls.dedup_ttl if cls.dedup_ttl is not None else config.default_ttl
+        lock_ttl = cls.dedup_lock_ttl if cls.dedup_lock_ttl is not None else config.lock_ttl
+        on_locked = cls.dedup_on_locked if cls.dedup_on_locked is not None else config.on_locked
         option = cls.__dict__.get("dedup_key", cls.dedup_key)
         if isinstance(option, staticmethod):
             option = option.__func__
@@ -132,6 +129,8 @@ class DedupTask(_TaskBase):
             mode=MODES[check_mode("dedup_mode", mode_name, task=name)],
             ttl=check_ttl("dedup_ttl", ttl, task=name),
             on_duplicate=check_on_duplicate("dedup_on_duplicate", on_duplicate, task=name),
+            lock_ttl=check_ttl("dedup_lock_ttl", lock_ttl, task=name),
+            on_locked=check_on_locked("dedup_on_locked", on_locked, task=name),
         )
 
     @property
@@ -152,78 +151,22 @@ class DedupTask(_TaskBase):
         return runtime.store_for(self.app).record(member)
 
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
-        """Run the body, then settle the key before Celery stores the result.
+        """Run the body under the execution guard (see :mod:`celery_dedup.guard`).
 
-        Settling here, not in ``task_success``, closes a race: a caller who sees
-        the result and calls again must start a new run, never be handed the
-        finished one.
+        The key is settled here, before Celery stores the result: a caller who
+        sees the result and calls again starts a new run, never the finished one.
         """
-        if not self.dedup_policy.mode.gates_enqueue:
-            return super().__call__(*args, **kwargs)
-        mode = self.dedup_policy.mode
-        if mode.releases_on_start:
-            self.dedup_settle(STARTED, drop=True)
-        try:
-            result = super().__call__(*args, **kwargs)
-        except Retry:
-            raise  # the retry was published under this run's key, which it keeps
-        except Reject as exc:
-            if not exc.requeue:  # type: ignore[attr-defined]
-                self.dedup_settle(REJECTED, drop=True)
-            raise
-        except Ignore:
-            self.dedup_settle(IGNORED, drop=True)
-            raise
-        except BaseException:
-            self.dedup_settle(FAILED, drop=True)
-            raise
-        self.dedup_settle(SUCCEEDED, drop=not mode.holds_after_success)
-        return result
+        return guarded_call(self, lambda: super(DedupTask, self).__call__(*args, **kwargs))
 
-    def dedup_settle(
-        self,
-        state: str,
-        *,
-        drop: bool,
-        task_id: str | None = None,
-        headers: Any = None,
-        args: Any = None,
-        kwargs: Any = None,
-    ) -> bool:
-        """Record the ending ``state`` of a run; drop its key if ``drop``. Owner only.
+    @property
+    def dedup_lock_lost(self) -> bool:
+        """True once the running delivery has lost its execution lock.
 
-        The run is the current request unless ``task_id`` is given; its key
-        comes from the message header, or else from ``args``/``kwargs``.
-        Store errors are logged, not raised: the key then expires by its TTL.
+        Long tasks should check it between steps: another delivery may be
+        running the same key now.
         """
-        if task_id is None:
-            request = self.request
-            request.dedup_settled = True  # type: ignore[attr-defined]
-            task_id, headers = request.id, request.headers
-            if task_id is None or GateHeader.decode(headers) is None:
-                return False  # called directly, or published ungated (fail_open)
-        gate = GateHeader.decode(headers)
-        app = self.app
-        config = runtime.config_for(app)
-        if gate is not None:
-            member = gate.member
-            store = runtime.store_for(app).with_prefix(gate.prefix)
-        else:
-            try:
-                member = member_for(self.name, self.dedup_policy.spec.business_key(args, kwargs))
-            except DedupError:
-                return False
-            store = runtime.store_for(app)
-        try:
-            owned = store.finish(member, task_id, state, drop=drop, record_ms=int(config.record_ttl * 1000))
-        except redis.RedisError:
-            logger.exception(
-                "could not record %s for %s[%s] key %r; it expires by its TTL", state, self.name, task_id, member
-            )
-            return False
-        if not owned:
-            logger.info("%s[%s] ended (%s) but key %r belongs to another run", self.name, task_id, state, member)
-        return owned
+        lost = getattr(self.request, "dedup_lock_lost", None)
+        return bool(lost is not None and lost.is_set())
 
     def apply_async(
         self,
@@ -250,6 +193,7 @@ class DedupTask(_TaskBase):
         app = self.app
         atomic = runtime.is_atomic(app)  # also refuses an app that was never installed
         if not policy.mode.gates_enqueue:
+            policy.spec.business_key(args, kwargs)  # a bad key fails here, not on the worker
             plain = super().apply_async(args, kwargs, task_id, producer, link, link_error, shadow, **options)
             return cast(DedupResult, plain)
         config = runtime.config_for(app)
@@ -267,6 +211,8 @@ class DedupTask(_TaskBase):
             nonce=new_nonce(),
             hold_ms=int((policy.ttl + _delay_seconds(options)) * 1000),
             grace_ms=int(config.record_ttl * 1000),
+            history=config.history_length,
+            record_args=config.record_args,
         )
         headers[HEADER] = gate.encode()
 
@@ -274,7 +220,9 @@ class DedupTask(_TaskBase):
             result = super(DedupTask, self).apply_async(
                 args, kwargs, run_id, producer, link, link_error, shadow, headers=hdrs, **options
             )
-            return cast(DedupResult, result)  # Celery builds it with self.AsyncResult
+            if not isinstance(result, DedupResult):  # an EagerResult (task_always_eager)
+                setattr(result, "deduplicated", False)  # noqa: B010 - not declared on EagerResult
+            return cast(DedupResult, result)  # otherwise Celery built it with self.AsyncResult
 
         if atomic:
             try:
@@ -289,7 +237,14 @@ class DedupTask(_TaskBase):
             store = runtime.store_for(app)
             try:
                 outcome = store.gate(
-                    member, run_id, gate.nonce, hold_ms=gate.hold_ms, grace_ms=gate.grace_ms, task_name=self.name
+                    member,
+                    run_id,
+                    gate.nonce,
+                    hold_ms=gate.hold_ms,
+                    grace_ms=gate.grace_ms,
+                    task_name=self.name,
+                    argsrepr=saferepr(args) if config.record_args and args else "",
+                    kwargsrepr=saferepr(kwargs) if config.record_args and kwargs else "",
                 )
             except redis.RedisError as exc:
                 return self._store_unreachable(exc, business_key, run_id, headers, publish)

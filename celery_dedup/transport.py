@@ -34,7 +34,7 @@ class GatedChannelMixin:
     _expires: dict[str, int]
 
     @cached_property
-    def _dedup_client(self) -> redis.Redis[bytes]:
+    def _dedup_client(self) -> redis.Redis:
         # A plain client: kombu's prefixing client would prefix only the first
         # EVALSHA key, so the gate prefixes queue keys itself.
         return redis.Redis(connection_pool=self.pool)
@@ -62,7 +62,7 @@ class GatedChannelMixin:
         if self._expires and queue in self._expires:
             expire = [prefix + self._q_for_pri(queue, p) for p in self.priority_steps]  # type: ignore[attr-defined]
             expires_ms = self._expires[queue]
-        store = DedupStore(self._dedup_client, gate.prefix, self._dedup_scripts)
+        store = DedupStore(self._dedup_client, gate.prefix, self._dedup_scripts, history_length=gate.history)
         outcome = store.gate(
             gate.member,
             str(headers["id"]),
@@ -70,6 +70,8 @@ class GatedChannelMixin:
             hold_ms=gate.hold_ms,
             grace_ms=gate.grace_ms,
             task_name=task_name,
+            argsrepr=str(headers.get("argsrepr") or "") if gate.record_args else "",
+            kwargsrepr=str(headers.get("kwargsrepr") or "") if gate.record_args else "",
             queue=prefix + self._q_for_pri(queue, priority),  # type: ignore[attr-defined]
             message=dumps(message),
             expire=expire,

@@ -64,6 +64,10 @@ def test_defaults(bare_app: BareApp) -> None:
         on_redis_error="fail_closed",
         max_key_length=200,
         record_ttl=86400,
+        lock_ttl=60,
+        on_locked="skip",
+        record_args=True,
+        history_length=10,
     )
     assert {f"dedup_{field}" for field in vars(config)} == set(SETTINGS)
 

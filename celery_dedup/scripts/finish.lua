@@ -1,41 +1,78 @@
--- finish: record a run's ending and drop its key, only if this run owns it.
+-- finish: record how a run ended, release its execution lock, and drop its key;
+-- each only where this run owns it (compare-and-delete by task id and token).
 --
 -- KEYS[1]  held set
 -- KEYS[2]  the member's status record (HASH)
+-- KEYS[3]  the member's execution lock
 -- ARGV[1]  member
--- ARGV[2]  task id that claims ownership (compare-and-delete: no other run's key
---          is ever dropped)
--- ARGV[3]  state to record (succeeded, failed, revoked, started, ...)
+-- ARGV[2]  task id of the run
+-- ARGV[3]  state to record (succeeded, failed, retry, revoked, lost, ...)
 -- ARGV[4]  "1" to drop the key now, "0" to keep it held until its deadline
---          (an idempotency window)
--- ARGV[5]  record TTL after release, ms; "0" deletes the record outright (its
+--          (an idempotency window, or a retry that keeps its key)
+-- ARGV[5]  record TTL after the ending, ms; "0" deletes the record outright (its
 --          message was never enqueued)
+-- ARGV[6]  the run's lock token; "" if it holds none; "*" for whatever lock the
+--          record says this run holds (its worker is known to be dead)
+-- ARGV[7]  key prefix
+-- ARGV[8]  history length
+-- ARGV[9]  error summary, "" for none
 --
--- Returns 1 if this run owned the key, 0 if another run (or none) does; nothing
--- is changed then.
+-- Returns {owned, lock_kept}: owned is 1 if the record names this run (else
+-- nothing but the lock is touched); lock_kept is 0 if the run held a token but
+-- the lock was no longer its own (expired or taken over; recorded as
+-- lock_lost_at), 1 otherwise.
 
-local held, record = KEYS[1], KEYS[2]
+local held, record, lock = KEYS[1], KEYS[2], KEYS[3]
 local member, task_id, state = ARGV[1], ARGV[2], ARGV[3]
-local drop, record_ms = ARGV[4] == '1', tonumber(ARGV[5])
+local drop, record_ms, token = ARGV[4] == '1', tonumber(ARGV[5]), ARGV[6]
+local prefix, history_len, err = ARGV[7], tonumber(ARGV[8]), ARGV[9]
 
-if redis.call('HGET', record, 'task_id') ~= task_id then
-  return 0
+local current = redis.call('HMGET', record, 'task_id', 'lock')
+if token == '*' then
+  token = current[1] == task_id and current[2] or ''
+end
+local lock_kept = 1
+if token ~= '' then
+  if redis.call('GET', lock) == token then
+    redis.call('DEL', lock)
+  else
+    lock_kept = 0
+  end
+end
+if current[1] ~= task_id then
+  return {0, lock_kept}
+end
+if token ~= '' and current[2] and current[2] ~= token then
+  -- Another delivery of this run took over (after this one lost its lock):
+  -- the record is that delivery's to finish.
+  return {1, lock_kept}
 end
 if drop and record_ms == 0 then
   redis.call('SREM', held, member)
-  redis.call('DEL', record)
-  return 1
+  forget(prefix, record, member)
+  return {1, lock_kept}
 end
 
-local t = redis.call('TIME')
-local now = tonumber(t[1]) * 1000 + math.floor(tonumber(t[2]) / 1000)
-redis.call('HSET', record, 'state', state, 'updated_at', now)
+local now = now_ms()
+if state ~= 'retry' then
+  redis.call('HSET', record, 'finished_at', now)
+end
+if err ~= '' then
+  redis.call('HSET', record, 'error', err)
+end
+if lock_kept == 0 then
+  redis.call('HSETNX', record, 'lock_lost_at', now)
+end
+if token ~= '' then
+  redis.call('HDEL', record, 'lock')
+end
+transition(prefix, record, member, state, now, task_id, lock_kept == 0 and 'lock lost' or '', history_len)
 if drop then
   redis.call('SREM', held, member)
   redis.call('HSET', record, 'held_until', 0)
-  redis.call('PEXPIRE', record, record_ms)
+  expire_record(prefix, record, member, record_ms)
 else
-  local until_ms = tonumber(redis.call('HGET', record, 'held_until') or 0)
-  redis.call('PEXPIRE', record, math.max(until_ms - now, 0) + record_ms)
+  local held_until = tonumber(redis.call('HGET', record, 'held_until') or 0)
+  expire_record(prefix, record, member, math.max(held_until - now, 0) + record_ms)
 end
-return 1
+return {1, lock_kept}

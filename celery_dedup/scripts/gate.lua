@@ -10,8 +10,12 @@
 -- ARGV[4]  hold, ms: how long the key stays held if the run never finishes
 -- ARGV[5]  task name
 -- ARGV[6]  record grace, ms: the record outlives the hold by this much
--- ARGV[7]  optional (with KEYS[3]): the serialized kombu message
--- ARGV[8]  optional: PEXPIRE ms for KEYS[4..]
+-- ARGV[7]  key prefix (for the indexes and history, see lib)
+-- ARGV[8]  history length
+-- ARGV[9]  argsrepr ("" to record none)
+-- ARGV[10] kwargsrepr ("" to record none)
+-- ARGV[11] optional (with KEYS[3]): the serialized kombu message
+-- ARGV[12] optional: PEXPIRE ms for KEYS[4..]
 --
 -- Returns {code, task id}:
 --   {1, ARGV[2]}  accepted: key held, message pushed (if given)
@@ -25,11 +29,11 @@
 local held, record, queue = KEYS[1], KEYS[2], KEYS[3]
 local member, task_id, nonce = ARGV[1], ARGV[2], ARGV[3]
 local hold_ms, task_name, grace_ms = tonumber(ARGV[4]), ARGV[5], tonumber(ARGV[6])
-local message, expires_ms = ARGV[7], ARGV[8]
+local prefix, history_len = ARGV[7], tonumber(ARGV[8])
+local argsrepr, kwargsrepr = ARGV[9], ARGV[10]
+local message, expires_ms = ARGV[11], ARGV[12]
 
-local t = redis.call('TIME')
-local now = tonumber(t[1]) * 1000 + math.floor(tonumber(t[2]) / 1000)
-
+local now = now_ms()
 local fresh = redis.call('SADD', held, member) == 1
 local same_run = false
 if not fresh then
@@ -47,14 +51,21 @@ if not fresh then
 end
 
 if same_run then
-  redis.call('HSET', record, 'nonce', nonce, 'held_until', now + hold_ms, 'state', 'queued')
+  redis.call('HSET', record, 'nonce', nonce, 'held_until', now + hold_ms)
 else
   redis.call('DEL', record)
   redis.call('HSET', record,
-    'task_id', task_id, 'nonce', nonce, 'task', task_name, 'state', 'queued',
-    'held_until', now + hold_ms, 'queued_at', now, 'duplicates', 0)
+    'task_id', task_id, 'nonce', nonce, 'task', task_name,
+    'held_until', now + hold_ms, 'queued_at', now, 'duplicates', 0, 'attempts', 0)
+  if argsrepr ~= '' or kwargsrepr ~= '' then
+    redis.call('HSET', record, 'args', argsrepr, 'kwargs', kwargsrepr)
+  end
 end
-redis.call('PEXPIRE', record, hold_ms + grace_ms)
+if not same_run then
+  -- A run re-publishing itself keeps its state: its ending (retry) records it.
+  transition(prefix, record, member, 'queued', now, task_id, '', history_len)
+end
+expire_record(prefix, record, member, hold_ms + grace_ms)
 
 if queue then
   redis.call('LPUSH', queue, message)

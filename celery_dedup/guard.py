@@ -1,0 +1,227 @@
+"""The execution guard: whether a delivery may run, the lock while it runs, how it ends.
+
+Two round trips per execution: ``start`` (decide, take the lock, mark the
+record started) and ``finish`` (record the ending, release the lock, drop or
+keep the key), plus one renewal call per lock TTL fraction for long runs.
+
+A delivery that may not run is acknowledged (``Ignore``: no result is stored
+over the real run's), counted in the record's ``skipped`` field, and logged;
+one that finds another delivery of the same run holding the lock is deferred
+until that lock would have expired, so a copy is never lost to a worker that
+died while holding it.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import random
+import socket
+from collections.abc import Callable
+from typing import TYPE_CHECKING, Any
+
+import redis
+from celery.exceptions import Ignore, Reject, Retry
+
+from . import runtime
+from .exceptions import DedupError, DedupUnavailableError
+from .gate import GateHeader
+from .keys import member_for
+from .lock import ExecutionLock, new_token, renewer
+from .store import DedupStore, StartDecision
+
+if TYPE_CHECKING:
+    from .task import DedupTask
+
+logger = logging.getLogger("celery_dedup")
+
+SUCCEEDED, FAILED, RETRY, REVOKED = "succeeded", "failed", "retry", "revoked"
+REJECTED, IGNORED, LOST, SKIPPED = "rejected", "ignored", "lost", "skipped"
+_ERROR_LIMIT = 500
+
+
+def error_summary(exc: BaseException) -> str:
+    """``Type: message`` of an exception, truncated for the status record."""
+    text = f"{type(exc).__name__}: {exc}"
+    return text if len(text) <= _ERROR_LIMIT else text[: _ERROR_LIMIT - 3] + "..."
+
+
+def locate(task: DedupTask, headers: Any, args: Any, kwargs: Any) -> tuple[str, DedupStore, bool] | None:
+    """``(member, store, gated)`` of a delivery: from its ``dedup`` header, else from its arguments."""
+    store = runtime.store_for(task.app)
+    gate = GateHeader.decode(headers)
+    if gate is not None:
+        return gate.member, store.with_prefix(gate.prefix), True
+    try:
+        return member_for(task.name, task.dedup_policy.spec.business_key(args, kwargs)), store, False
+    except DedupError:
+        logger.exception("%s: cannot derive the key of this delivery; it runs unguarded", task.name)
+        return None
+
+
+def guarded_call(task: DedupTask, body: Callable[[], Any]) -> Any:
+    """Run ``body`` for the current request under the guard."""
+    request = task.request
+    task_id = request.id
+    if task_id is None or request.called_directly:
+        return body()
+    located = locate(task, request.headers, request.args, request.kwargs)
+    if located is None:
+        return body()
+    member, store, gated = located
+    policy = task.dedup_policy
+    config = runtime.config_for(task.app)
+    token = new_token(task_id)
+    lock_ms = int(policy.lock_ttl * 1000)
+    record_ms = int(config.record_ttl * 1000)
+    try:
+        decision = store.start(
+            member,
+            task_id,
+            token,
+            lock_ms=lock_ms,
+            gated=gated,
+            key_mode=policy.mode.key_on_start,
+            hostname=request.hostname or socket.gethostname(),
+            pid=os.getpid(),
+            retries=request.retries or 0,
+            task_name=task.name,
+            record_ms=record_ms,
+        )
+    except redis.RedisError as exc:
+        return store_unreachable(task, member, exc, body)
+    if not decision.run:
+        refuse(task, store, member, decision)
+    keeper = renewer()
+    lock = ExecutionLock(store, member, token, lock_ms, record_ms, now=keeper.clock())
+    request.dedup_lock_lost = lock.lost  # type: ignore[attr-defined]
+    keeper.add(lock)
+
+    def end(state: str, *, drop: bool, error: str = "") -> None:
+        keeper.remove(lock)
+        request.dedup_settled = True  # type: ignore[attr-defined]
+        finish(task, store, member, task_id, state, drop=drop, token=token, error=error, record_ms=record_ms)
+
+    try:
+        result = body()
+    except Retry:
+        end(RETRY, drop=False)  # the retry was published under this run's key
+        raise
+    except Reject as exc:
+        requeue = bool(getattr(exc, "requeue", False))
+        end(RETRY if requeue else REJECTED, drop=not requeue)
+        raise
+    except Ignore:
+        end(IGNORED, drop=True)
+        raise
+    except BaseException as exc:
+        end(FAILED, drop=True, error=error_summary(exc))
+        raise
+    end(SUCCEEDED, drop=not policy.mode.holds_after_success)
+    return result
+
+
+def store_unreachable(task: DedupTask, member: str, exc: Exception, body: Callable[[], Any]) -> Any:
+    """The store is down when a delivery starts: ``dedup_on_redis_error`` decides.
+
+    ``fail_open`` runs the body unguarded (logged, counted); ``fail_closed``
+    retries the delivery later instead of running it without a lock.
+    """
+    app = task.app
+    if runtime.config_for(app).on_redis_error == "fail_open":
+        runtime.count_fail_open(app, task.name)
+        logger.warning(
+            "%s[%s] key %r: dedup store unreachable, running unguarded (fail_open): %s",
+            task.name,
+            task.request.id,
+            member,
+            exc,
+        )
+        return body()
+    unavailable = DedupUnavailableError(task.name, member, exc, published=False)
+    raise task.retry(exc=unavailable, countdown=max(task.dedup_policy.lock_ttl / 3, 1.0))
+
+
+def refuse(task: DedupTask, store: DedupStore, member: str, decision: StartDecision) -> None:
+    """Acknowledge a delivery that may not run (raises Ignore), deferring it where it might be needed."""
+    request = task.request
+    code = decision.code
+    if code == StartDecision.DONE:
+        logger.info(
+            "%s[%s] key %r: skipped delivery, the run already %s", task.name, request.id, member, decision.detail
+        )
+    elif code == StartDecision.SUPERSEDED:
+        logger.info(
+            "%s[%s] key %r: skipped delivery, the key belongs to run %s now",
+            task.name,
+            request.id,
+            member,
+            decision.detail,
+        )
+    elif code == StartDecision.LOCKED or task.dedup_policy.on_locked == "reschedule":
+        defer(task, int(decision.detail))
+    else:
+        logger.info("%s[%s] key %r: skipped, another run holds the execution lock", task.name, request.id, member)
+        record_ms = int(runtime.config_for(task.app).record_ttl * 1000)
+        finish(task, store, member, str(request.id), SKIPPED, drop=True, token="", record_ms=record_ms)
+    raise Ignore()
+
+
+def defer(task: DedupTask, lock_pttl_ms: int) -> None:
+    """Re-publish this run to arrive once the lock that blocks it would have expired.
+
+    If the holder is alive it will have finished (the copy is then skipped as
+    done); if it died, the copy runs. ``retries`` is unchanged: this is not a
+    retry of the run.
+    """
+    request = task.request
+    countdown = max(lock_pttl_ms, 0) / 1000 + random.uniform(0.2, 1.0)
+    logger.info(
+        "%s[%s]: execution lock held elsewhere, deferring this delivery by %.1fs", task.name, request.id, countdown
+    )
+    task.signature_from_request(request, countdown=countdown).apply_async()
+
+
+def finish(
+    task: DedupTask,
+    store: DedupStore,
+    member: str,
+    task_id: str,
+    state: str,
+    *,
+    drop: bool,
+    token: str,
+    record_ms: int,
+    error: str = "",
+) -> bool:
+    """Record a run's ending; store errors are logged (the key then expires by its TTL)."""
+    try:
+        owned, lock_kept = store.finish(
+            member, task_id, state, drop=drop, record_ms=record_ms, token=token, error=error
+        )
+    except redis.RedisError:
+        logger.exception(
+            "could not record %s for %s[%s] key %r; it expires by its TTL", state, task.name, task_id, member
+        )
+        return False
+    if not lock_kept:
+        logger.error("%s[%s] key %r ended (%s) after losing its execution lock", task.name, task_id, member, state)
+    if not owned:
+        logger.info("%s[%s] ended (%s) but key %r belongs to another run", task.name, task_id, state, member)
+    return owned
+
+
+def settle_elsewhere(
+    task: DedupTask, state: str, task_id: str, headers: Any, args: Any, kwargs: Any, *, worker_gone: bool
+) -> bool:
+    """Record an ending the body never returned from (revoked, lost worker, hard time limit).
+
+    With ``worker_gone`` the run's lock is released too: the process that held
+    it is known to be dead.
+    """
+    located = locate(task, headers, args, kwargs)
+    if located is None:
+        return False
+    member, store, _ = located
+    record_ms = int(runtime.config_for(task.app).record_ttl * 1000)
+    return finish(task, store, member, task_id, state, drop=True, token="*" if worker_gone else "", record_ms=record_ms)

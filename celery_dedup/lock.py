@@ -1,0 +1,146 @@
+"""Renewable execution locks: an owner token, a TTL, one renewer thread per process.
+
+A running keyed task holds its key's lock. The process's :class:`Renewer`
+extends every lock it holds in one Redis call at a fraction of the shortest
+TTL. A lock is *lost* when renewal finds it expired or taken over, or cannot
+reach Redis before the lock's TTL would have run out; the task sees that
+through ``lock.lost`` (an Event, also at ``self.request.dedup_lock_lost``).
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import secrets
+import socket
+import threading
+import time
+from collections import defaultdict
+from collections.abc import Callable
+
+import redis
+
+from .store import DedupStore, LockRef
+
+logger = logging.getLogger("celery_dedup")
+
+#: Renew when this fraction of the TTL has passed since the last renewal.
+RENEW_FRACTION = 1 / 3
+
+
+def new_token(task_id: str) -> str:
+    """A token unique to one delivery: which host and process run it, and a random part."""
+    return f"{socket.gethostname()}:{os.getpid()}:{secrets.token_hex(4)}:{task_id}"
+
+
+class ExecutionLock:
+    """One delivery's hold on a key's execution."""
+
+    def __init__(self, store: DedupStore, member: str, token: str, ttl_ms: int, record_ms: int, *, now: float) -> None:
+        self.store = store
+        self.member = member
+        self.token = token
+        self.ttl_ms = ttl_ms
+        self.record_ms = record_ms
+        self.ref: LockRef = store.lock_ref(member, token)
+        self.lost = threading.Event()
+        #: Local (monotonic) time until which the lock is surely still ours.
+        self.valid_until = now + ttl_ms / 1000
+
+    def __repr__(self) -> str:
+        return f"<ExecutionLock {self.member!r} token={self.token!r} lost={self.lost.is_set()}>"
+
+
+class Renewer:
+    """Keeps every lock of this process alive; one daemon thread, started on first use.
+
+    ``clock`` is the seam tests use to control time.
+    """
+
+    def __init__(self, clock: Callable[[], float] = time.monotonic) -> None:
+        self.clock = clock
+        self._locks: set[ExecutionLock] = set()
+        self._cond = threading.Condition()
+        self._thread: threading.Thread | None = None
+
+    def add(self, lock: ExecutionLock) -> None:
+        with self._cond:
+            self._locks.add(lock)
+            if self._thread is None or not self._thread.is_alive():
+                self._thread = threading.Thread(target=self._run, name="celery-dedup-renewer", daemon=True)
+                self._thread.start()
+            self._cond.notify()
+
+    def remove(self, lock: ExecutionLock) -> None:
+        with self._cond:
+            self._locks.discard(lock)
+
+    def held(self) -> list[ExecutionLock]:
+        with self._cond:
+            return list(self._locks)
+
+    def _interval(self) -> float:
+        shortest = min((lock.ttl_ms for lock in self._locks), default=30_000)
+        return max(shortest / 1000 * RENEW_FRACTION, 0.05)
+
+    def _run(self) -> None:
+        while True:
+            with self._cond:
+                self._cond.wait(self._interval())
+                locks = list(self._locks)
+            if locks:
+                self.renew(locks)
+
+    def renew(self, locks: list[ExecutionLock]) -> None:
+        """Renew ``locks`` now (grouped per server and TTL: one call each)."""
+        groups: dict[tuple[int, int, int], list[ExecutionLock]] = defaultdict(list)
+        for lock in locks:
+            groups[(id(lock.store.client), lock.ttl_ms, lock.record_ms)].append(lock)
+        for (_, ttl_ms, record_ms), group in groups.items():
+            started = self.clock()
+            try:
+                lost = group[0].store.renew([lock.ref for lock in group], lock_ms=ttl_ms, record_ms=record_ms)
+            except redis.RedisError as exc:
+                self._unreachable(group, exc)
+                continue
+            lost_refs = set(lost)
+            for lock in group:
+                if lock.ref in lost_refs:
+                    self._lose(lock, "taken over or expired")
+                else:
+                    lock.valid_until = started + ttl_ms / 1000
+
+    def _unreachable(self, group: list[ExecutionLock], exc: Exception) -> None:
+        now = self.clock()
+        for lock in group:
+            if now >= lock.valid_until:
+                self._lose(lock, f"Redis unreachable past the lock TTL ({type(exc).__name__}: {exc})")
+            else:
+                logger.warning("could not renew %r, retrying: %s", lock, exc)
+
+    def _lose(self, lock: ExecutionLock, why: str) -> None:
+        if not lock.lost.is_set():
+            lock.lost.set()
+            logger.error("execution lock lost for key %r (%s): another delivery may run it now", lock.member, why)
+        self.remove(lock)
+
+
+_renewer: Renewer | None = None
+_renewer_lock = threading.Lock()
+
+
+def renewer() -> Renewer:
+    """This process's renewer."""
+    global _renewer  # noqa: PLW0603 - one renewer per process is the point
+    with _renewer_lock:
+        if _renewer is None:
+            _renewer = Renewer()
+        return _renewer
+
+
+def _forget_after_fork() -> None:
+    global _renewer  # noqa: PLW0603
+    _renewer = None  # the parent's thread does not exist in the child
+
+
+os.register_at_fork(after_in_child=_forget_after_fork)

@@ -1,0 +1,34 @@
+-- renew: extend every execution lock this worker process holds, in one call.
+--
+-- KEYS     pairs: KEYS[2i-1] a lock, KEYS[2i] its member's status record
+-- ARGV[1]  lock TTL, ms
+-- ARGV[2]  record TTL, ms (how long a record outlives its hold)
+-- ARGV[3..] the tokens, one per pair, in order
+--
+-- Returns the 1-based pair numbers whose lock is no longer this token's (lost:
+-- expired or taken over); their records get `lock_lost_at`. A renewed lock's
+-- key stays held at least as long as the lock.
+
+local lock_ms, record_ms = tonumber(ARGV[1]), tonumber(ARGV[2])
+local t = redis.call('TIME')
+local now = tonumber(t[1]) * 1000 + math.floor(tonumber(t[2]) / 1000)
+local lost = {}
+for i = 1, #KEYS / 2 do
+  local lock, record, token = KEYS[2 * i - 1], KEYS[2 * i], ARGV[2 + i]
+  if redis.call('GET', lock) == token then
+    redis.call('PEXPIRE', lock, lock_ms)
+    local held_until = tonumber(redis.call('HGET', record, 'held_until') or 0)
+    if held_until > 0 and held_until < now + lock_ms then
+      redis.call('HSET', record, 'held_until', now + lock_ms)
+    end
+    if redis.call('PTTL', record) < lock_ms + record_ms then
+      redis.call('PEXPIRE', record, lock_ms + record_ms)
+    end
+  else
+    lost[#lost + 1] = i
+    if redis.call('HGET', record, 'lock') == token then
+      redis.call('HSETNX', record, 'lock_lost_at', now)
+    end
+  end
+end
+return lost

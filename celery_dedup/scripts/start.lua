@@ -1,0 +1,89 @@
+-- start: the delivery guard. Decide whether this delivery may run its body and,
+-- if so, take the execution lock and mark the record started; one round trip.
+--
+-- KEYS[1]  held set
+-- KEYS[2]  the member's status record (HASH)
+-- KEYS[3]  the member's execution lock (STRING holding the owner token)
+-- ARGV[1]  member
+-- ARGV[2]  task id of this delivery
+-- ARGV[3]  lock token (unique per delivery)
+-- ARGV[4]  lock TTL, ms
+-- ARGV[5]  "1" if the key was gated at enqueue (the record names its owner run)
+-- ARGV[6]  what happens to the key now: "release" (until_executing), "window"
+--          (until_expired: keep the enqueue deadline if it is later), or
+--          "lock" (held as long as the lock lives: a crashed run frees it
+--          within one lock TTL)
+-- ARGV[7]  worker hostname
+-- ARGV[8]  worker pid
+-- ARGV[9]  retries of this delivery (request.retries)
+-- ARGV[10] task name
+-- ARGV[11] key prefix
+-- ARGV[12] history length
+-- ARGV[13] record TTL, ms (for records this script creates)
+--
+-- Returns {code, detail}:
+--   {1, attempts}   run: lock taken, record says started (attempts counts starts)
+--   {0, pttl}       locked by another delivery of this same run (a redelivered
+--                   copy); detail: the lock's remaining ms
+--   {2, state}      done: this run already ended (succeeded, failed, revoked)
+--   {3, owner}      superseded: the key belongs to another run now
+--   {4, pttl}       locked by another run (while_executing, until_executing)
+-- Every refusal increments the record's `skipped` counter.
+
+local held, record, lock = KEYS[1], KEYS[2], KEYS[3]
+local member, task_id, token, lock_ms = ARGV[1], ARGV[2], ARGV[3], tonumber(ARGV[4])
+local gated, key_mode = ARGV[5] == '1', ARGV[6]
+local hostname, pid, retries, task_name = ARGV[7], ARGV[8], ARGV[9], ARGV[10]
+local prefix, history_len, record_ms = ARGV[11], tonumber(ARGV[12]), tonumber(ARGV[13])
+
+local now = now_ms()
+local current = redis.call('HMGET', record, 'task_id', 'state', 'held_until')
+local owner, state = current[1], current[2]
+
+if owner == task_id and (state == 'succeeded' or state == 'failed' or state == 'revoked') then
+  redis.call('HINCRBY', record, 'skipped', 1)
+  return {2, state}
+end
+if gated and owner and owner ~= task_id then
+  redis.call('HINCRBY', record, 'skipped', 1)
+  return {3, owner}
+end
+local holder = redis.call('GET', lock)
+if holder then
+  if owner then
+    redis.call('HINCRBY', record, 'skipped', 1)
+  end
+  local same = owner == task_id and redis.call('HGET', record, 'lock') == holder
+  return {same and 0 or 4, redis.call('PTTL', lock)}
+end
+
+redis.call('SET', lock, token, 'PX', lock_ms)
+if owner == task_id and state == 'started' then
+  -- Started before, lock gone, never finished: that delivery's worker died.
+  transition(prefix, record, member, 'lost', now, task_id, 'lock expired', history_len)
+end
+if owner ~= task_id then
+  -- No record for this run (ungated, or the record expired): start one.
+  redis.call('DEL', record)
+  redis.call('HSET', record, 'task_id', task_id, 'task', task_name, 'duplicates', 0, 'attempts', 0,
+    'held_until', 0)
+end
+local attempts = redis.call('HINCRBY', record, 'attempts', 1)
+redis.call('HSET', record, 'started_at', now, 'worker', hostname, 'pid', pid, 'retries', retries,
+  'lock', token)
+redis.call('HDEL', record, 'finished_at', 'lock_lost_at')
+local held_until = tonumber(redis.call('HGET', record, 'held_until') or 0)
+if key_mode == 'release' then
+  redis.call('SREM', held, member)
+  held_until = 0
+elseif held_until > 0 and (key_mode == 'lock' or held_until < now + lock_ms) then
+  held_until = now + lock_ms  -- renewals extend it while the run lives
+end
+redis.call('HSET', record, 'held_until', held_until)
+local note = ''
+if attempts > 1 then
+  note = 'attempt ' .. attempts
+end
+transition(prefix, record, member, 'started', now, task_id, note, history_len)
+expire_record(prefix, record, member, math.max(held_until - now, lock_ms) + record_ms)
+return {1, attempts}
