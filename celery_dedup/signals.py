@@ -1,4 +1,4 @@
-"""Celery signal wiring: the publish hook, and the endings that bypass ``DedupTask.__call__``.
+"""Celery wiring: the publish-by-name hook, and the endings that bypass ``DedupTask.__call__``.
 
 Celery's ``Signal.send`` swallows receiver exceptions, so nothing here can
 stop a publish; receivers only add headers or record what happened.
@@ -10,10 +10,8 @@ limits, where the body never returned.
 from __future__ import annotations
 
 import logging
-import weakref
 from typing import Any
 
-import celery
 import redis
 from billiard.exceptions import WorkerLostError
 from celery import signals
@@ -63,10 +61,8 @@ def on_unrunnable(
     """A gated message the worker cannot run (unknown task, rejected message): free its key."""
     headers = getattr(message, "headers", None)
     gate = GateHeader.decode(headers)
-    if gate is None or headers is None:
-        return
-    app = next(iter(_installed), None)
-    if app is None:
+    app = getattr(sender, "app", None)  # the worker's consumer
+    if gate is None or headers is None or app is None:
         return
     task_id = id or headers.get("id")
     store = runtime.store_for(app).with_prefix(gate.prefix)
@@ -81,48 +77,19 @@ def on_unrunnable(
         )
 
 
-_installed: weakref.WeakSet[Any] = weakref.WeakSet()
-
-
-def _publishing_task(name: str) -> DedupTask | None:
-    """The DedupTask ``name`` in the publishing app.
-
-    The signal does not say which app publishes: the current app is asked
-    first, then every installed app (ambiguous only if several installed apps
-    register the same task name with different options).
-    """
-    current = celery.current_app
-    for app in (current, *(a for a in list(_installed) if a is not current)):
-        if app in _installed:
-            task = app.tasks.get(name)
-            if isinstance(task, DedupTask):
-                return task
-    return None
-
-
-def on_before_publish(
-    sender: str | None = None, headers: dict[str, Any] | None = None, body: Any = None, **_: Any
-) -> None:
-    """Gate ``app.send_task`` by name: add the ``dedup`` header the transport acts on.
-
-    ``DedupTask.apply_async`` has added it already; only publishes that bypass
-    it (``send_task``, canvas fallbacks) need it here. Only tasks registered in
-    an installed app can be keyed.
-    """
-    if headers is None or HEADER in headers or sender is None:
+def _add_gate_header(app: Any, name: str, headers: dict[str, Any], body: Any) -> None:
+    """Give a message published by name the ``dedup`` header its task would have added."""
+    task = app.tasks.get(name)
+    if not isinstance(task, DedupTask) or not task.dedup_policy.mode.gates_enqueue:
         return
-    task = _publishing_task(sender)
-    if task is None or not task.dedup_policy.mode.gates_enqueue:
-        return
-    app = task.app
     if not runtime.runtime_for(app).atomic:
-        logger.warning("%s published by name on a non-Redis broker: not gated", sender)
+        logger.warning("%s published by name on a non-Redis broker: not gated", name)
         return
     try:
         args, kwargs = body[0], body[1]
         business_key = task.dedup_policy.spec.business_key(args, kwargs)
     except Exception:
-        logger.exception("could not derive the key of %s published by name: not gated", sender)
+        logger.exception("could not derive the key of %s published by name: not gated", name)
         return
     config = runtime.config_for(app)
     headers[HEADER] = GateHeader(
@@ -136,10 +103,31 @@ def on_before_publish(
     ).encode()
 
 
+def gate_send_task(app: Any) -> None:
+    """Gate ``app.send_task`` by name, for this app's DedupTasks.
+
+    ``DedupTask.apply_async`` adds the header itself; ``send_task`` and canvas
+    fallbacks bypass it. Celery's ``before_task_publish`` signal could add the
+    header but does not say which app publishes, so the app's own message
+    sender (a per-app cached property) is wrapped instead.
+    """
+    amqp = app.amqp
+    send = amqp.send_task_message
+    if getattr(send, "celery_dedup", False):
+        return
+
+    def send_task_message(producer: Any, name: str, message: Any, **options: Any) -> Any:
+        if HEADER not in message.headers:
+            _add_gate_header(app, name, message.headers, message.body)
+        return send(producer, name, message, **options)
+
+    send_task_message.celery_dedup = True  # type: ignore[attr-defined]
+    amqp.send_task_message = send_task_message
+
+
 def connect(app: Any) -> None:
-    """Register ``app`` for the publish hook and connect every receiver once (idempotent)."""
-    _installed.add(app)
-    signals.before_task_publish.connect(on_before_publish, weak=False, dispatch_uid="celery_dedup.on_before_publish")
+    """Gate ``app``'s publishes by name and connect every receiver once (idempotent)."""
+    gate_send_task(app)
     signals.task_failure.connect(on_failure, weak=False, dispatch_uid="celery_dedup.on_failure")
     signals.task_revoked.connect(on_revoked, weak=False, dispatch_uid="celery_dedup.on_revoked")
     signals.task_unknown.connect(on_unrunnable, weak=False, dispatch_uid="celery_dedup.on_unknown")

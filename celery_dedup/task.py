@@ -312,6 +312,15 @@ class DedupTask(_TaskBase):
         # raising there would fail the parent task, so it gets the result instead.
         if policy.on_duplicate == "raise" and "parent_id" not in options:
             raise DuplicateTaskError(self.name, key, existing_id)
+        if options.get("group_id") or options.get("chord"):
+            # Celery fixed this member's id before publishing and waits for it.
+            logger.warning(
+                "duplicate %s key %r inside a group/chord: the member's result will never resolve "
+                "(the run is %s); give group members distinct keys",
+                self.name,
+                key,
+                existing_id,
+            )
         log = logger.info if policy.on_duplicate == "drop" else logger.debug
         log("duplicate %s key %r: already accepted as %s", self.name, key, existing_id)
         result = self.AsyncResult(existing_id)
