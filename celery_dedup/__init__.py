@@ -25,6 +25,7 @@ from .exceptions import (
     DuplicateTaskError,
 )
 from .gate import Outcome, last_outcome
+from .store import Page, ReapReport, Record
 from .task import DedupResult, DedupTask
 
 __version__ = "0.1.0"
@@ -39,9 +40,43 @@ __all__ = [
     "DedupUnavailableError",
     "DuplicateTaskError",
     "Outcome",
+    "Page",
+    "ReapReport",
+    "Record",
     "install",
     "last_outcome",
+    "reap",
+    "records",
 ]
+
+
+def records(
+    app: Any,
+    *,
+    state: str | None = None,
+    task: str | None = None,
+    prefix: str | None = None,
+    cursor: str | None = None,
+    limit: int = 50,
+) -> Page:
+    """A page of status records, newest update first; pass ``page.cursor`` back for the next.
+
+    Filters: ``state`` (queued, started, retry, succeeded, failed, revoked,
+    rejected, ignored, lost, skipped), ``task`` (a task name) and ``prefix``
+    (of the business key, e.g. ``"order:4"``; results then come in key order).
+    """
+    store = runtime.store_for(app)
+    return store.records(state=state, task=task, prefix=prefix, cursor=cursor, limit=limit)
+
+
+def reap(app: Any, *, budget: int = 500) -> ReapReport:
+    """One bounded clean-up pass: expired holds, runs of dead workers, stale index entries.
+
+    Workers run it every ``dedup_reap_interval`` seconds; call it from cron or
+    beat where no worker runs.
+    """
+    record_ms = int(runtime.config_for(app).record_ttl * 1000)
+    return runtime.store_for(app).reap(budget=budget, record_ms=record_ms)
 
 
 def install(app: Any) -> None:
@@ -52,3 +87,4 @@ def install(app: Any) -> None:
     """
     runtime.install(app)
     signals.connect(app)
+    app.steps["worker"].add(signals.ReaperStep)

@@ -20,6 +20,7 @@ setting                    default               effect
                                                  ``reschedule`` (after that lock's TTL)
 ``dedup_record_args``      ``True``              keep argsrepr/kwargsrepr in records (PII: off)
 ``dedup_history_length``   ``10``                transitions kept per key
+``dedup_reap_interval``    ``60``                seconds between a worker's reaper passes (0: off)
 =========================  ====================  ===============================================
 """
 
@@ -85,6 +86,12 @@ def _count(setting: str, value: Any, *, task: str | None = None) -> int:
     return value
 
 
+def _interval(setting: str, value: Any, *, task: str | None = None) -> float:
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not 0 <= value < math.inf:
+        raise DedupConfigError(setting, value, "must be a finite number of seconds, 0 to turn it off")
+    return float(value)
+
+
 check_mode = _choice(MODES)
 check_on_duplicate = _choice(ON_DUPLICATE)
 check_on_locked = _choice(ON_LOCKED)
@@ -104,6 +111,7 @@ SETTINGS: dict[str, tuple[Any, Callable[..., Any]]] = {
     "dedup_on_locked": ("skip", check_on_locked),
     "dedup_record_args": (True, _flag),
     "dedup_history_length": (10, _count),
+    "dedup_reap_interval": (60, _interval),
 }
 
 
@@ -123,6 +131,7 @@ class DedupConfig:
     on_locked: str
     record_args: bool
     history_length: int
+    reap_interval: float
 
     @classmethod
     def from_conf(cls, conf: Mapping[str, Any]) -> DedupConfig:

@@ -14,10 +14,10 @@ from redis.sentinel import Sentinel
 
 from .exceptions import DedupConfigError
 from .gate import Outcome
-from .keys import KeySchema
+from .keys import KeySchema, split_member, task_namespace
 
 #: Scripts that change status records get the shared helpers of ``lib.lua`` first.
-_WITH_LIB = frozenset({"gate", "start", "finish"})
+_WITH_LIB = frozenset({"gate", "start", "finish", "reap"})
 
 
 def load_script(name: str) -> str:
@@ -37,6 +37,7 @@ class Scripts:
         self.start: Script = client.register_script(load_script("start"))
         self.finish: Script = client.register_script(load_script("finish"))
         self.renew: Script = client.register_script(load_script("renew"))
+        self.reap: Script = client.register_script(load_script("reap"))
 
 
 def _text(value: Any) -> str:
@@ -55,6 +56,51 @@ class StartDecision:
     @property
     def run(self) -> bool:
         return self.code == self.RUN
+
+
+@dataclass(frozen=True)
+class Record:
+    """One key's status record as read from Redis."""
+
+    member: str
+    fields: dict[str, str]
+
+    @property
+    def key(self) -> str:
+        """The business key."""
+        return split_member(self.member)[1]
+
+    @property
+    def task(self) -> str:
+        return self.fields.get("task", "")
+
+    @property
+    def state(self) -> str:
+        return self.fields.get("state", "")
+
+    @property
+    def task_id(self) -> str:
+        return self.fields.get("task_id", "")
+
+
+@dataclass(frozen=True)
+class Page:
+    """One page of records, newest update first (key order for a prefix search)."""
+
+    records: list[Record]
+    #: Pass back as ``cursor`` for the next page; None on the last page.
+    cursor: str | None
+    #: Entries in the index the page was read from (an upper bound on matches).
+    total: int
+
+
+@dataclass(frozen=True)
+class ReapReport:
+    """What one reaper call did."""
+
+    released: int
+    lost: int
+    stale: int
 
 
 @dataclass(frozen=True)
@@ -227,6 +273,73 @@ class DedupStore:
 
     def is_held(self, member: str) -> bool:
         return bool(self.client.sismember(self.schema.held, member))
+
+    def records(
+        self,
+        *,
+        state: str | None = None,
+        task: str | None = None,
+        prefix: str | None = None,
+        cursor: str | None = None,
+        limit: int = 50,
+    ) -> Page:
+        """A page of records filtered by state, task name and business-key prefix.
+
+        Reads one index (never the keyspace) and at most ``20 * limit`` of its
+        entries per page; entries whose record expired are skipped (the reaper
+        removes them).
+        """
+        namespace = task_namespace(task) if task is not None else None
+        offset = int(cursor or 0)
+        found: list[Record] = []
+        budget = 20 * limit
+        total = 0
+        while len(found) < limit and budget > 0:
+            batch = min(limit * 2, budget)
+            members, total = self._index_slice(state, namespace, prefix, offset, batch)
+            offset += len(members)
+            budget -= len(members)
+            wanted = [m for m in members if namespace is None or split_member(m)[0] == namespace]
+            for member, fields in zip(wanted, self._fetch(wanted), strict=True):
+                if fields and (state is None or fields.get("state") == state) and len(found) < limit:
+                    found.append(Record(member, fields))
+            if len(members) < batch:
+                return Page(found, None, total)
+        return Page(found, str(offset), total)
+
+    def _index_slice(
+        self, state: str | None, namespace: str | None, prefix: str | None, offset: int, count: int
+    ) -> tuple[list[str], int]:
+        schema = self.schema
+        if prefix is not None:
+            low, high = f"[{prefix}".encode(), f"[{prefix}".encode() + b"\xff"
+            entries = self.client.zrangebylex(schema.name_index, low, high, start=offset, num=count)
+            total = int(self.client.zlexcount(schema.name_index, low, high))
+            members = []
+            for entry in entries:
+                key, _, ns = _text(entry).rpartition("\0")
+                members.append(f"{ns}:{key}")
+            return members, total
+        index = schema.state_index(state) if state else schema.task_index(namespace) if namespace else schema.index
+        with self.client.pipeline(transaction=False) as pipe:
+            pipe.zrevrange(index, offset, offset + count - 1)
+            pipe.zcard(index)
+            members, total = pipe.execute()
+        return [_text(m) for m in members], int(total)
+
+    def _fetch(self, members: Sequence[str]) -> list[dict[str, str]]:
+        with self.client.pipeline(transaction=False) as pipe:
+            for member in members:
+                pipe.hgetall(self.schema.record(member))
+            raw = pipe.execute()
+        return [{_text(k): _text(v) for k, v in item.items()} for item in raw]
+
+    def reap(self, *, budget: int = 500, record_ms: int) -> ReapReport:
+        """One bounded clean-up pass (see ``reap.lua``)."""
+        released, lost, stale = self.scripts.reap(
+            [self.schema.held], [self.schema.prefix, budget, record_ms, self.history_length]
+        )
+        return ReapReport(int(released), int(lost), int(stale))
 
 
 def client_from_url(url: str, transport_options: Mapping[str, Any] | None = None) -> redis.Redis:

@@ -68,6 +68,7 @@ def test_defaults(bare_app: BareApp) -> None:
         on_locked="skip",
         record_args=True,
         history_length=10,
+        reap_interval=60,
     )
     assert {f"dedup_{field}" for field in vars(config)} == set(SETTINGS)
 

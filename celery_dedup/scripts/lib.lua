@@ -3,30 +3,36 @@
 -- schema in keys.py (P = prefix, M = member):
 --   P:idx            ZSET M -> last update (ms)       all records, newest first
 --   P:idx:state:S    ZSET M -> last update            records in state S
---   P:idx:task:T     ZSET M -> last update            records of task T
---   P:idx:name       ZSET M -> 0                      prefix search (ZRANGEBYLEX)
+--   P:idx:task:N     ZSET M -> last update            records of the task whose
+--                                                     escaped name is N
+--   P:idx:name       ZSET "K\0N" -> 0                 business key K first, for
+--                                                     key-prefix search (ZRANGEBYLEX)
 --   P:hist:M         LIST of "ms state task_id [note]", newest first, capped
+-- A member M is N ":" K, and N holds no ":".
 
 local function now_ms()
   local t = redis.call('TIME')
   return tonumber(t[1]) * 1000 + math.floor(tonumber(t[2]) / 1000)
 end
 
+local function split_member(member)
+  local colon = string.find(member, ':', 1, true)
+  return string.sub(member, 1, colon - 1), string.sub(member, colon + 1)
+end
+
 -- Move M's record to `state`: fields, indexes and history, in one place.
 local function transition(prefix, record, member, state, now, task_id, note, history_len)
-  local current = redis.call('HMGET', record, 'state', 'task')
-  local old, task = current[1], current[2]
+  local old = redis.call('HGET', record, 'state')
+  local ns, key = split_member(member)
   redis.call('HSET', record, 'state', state, 'updated_at', now)
   local idx = prefix .. ':idx'
   redis.call('ZADD', idx, now, member)
-  redis.call('ZADD', idx .. ':name', 0, member)
+  redis.call('ZADD', idx .. ':name', 0, key .. '\0' .. ns)
   if old and old ~= state then
     redis.call('ZREM', idx .. ':state:' .. old, member)
   end
   redis.call('ZADD', idx .. ':state:' .. state, now, member)
-  if task then
-    redis.call('ZADD', idx .. ':task:' .. task, now, member)
-  end
+  redis.call('ZADD', idx .. ':task:' .. ns, now, member)
   if history_len > 0 then
     local entry = now .. ' ' .. state .. ' ' .. task_id
     if note and note ~= '' then
@@ -44,18 +50,24 @@ local function expire_record(prefix, record, member, ms)
   redis.call('PEXPIRE', prefix .. ':hist:' .. member, ms)
 end
 
--- Delete M's record, its history and its index entries.
-local function forget(prefix, record, member)
-  local current = redis.call('HMGET', record, 'state', 'task')
+-- The states a record can be in (reap and forget clear every state index).
+local STATES = {'queued', 'started', 'retry', 'succeeded', 'failed', 'revoked', 'rejected', 'ignored',
+  'lost', 'skipped'}
+
+-- Remove M from every index (its record is gone or going).
+local function unindex(prefix, member)
+  local ns, key = split_member(member)
   local idx = prefix .. ':idx'
   redis.call('ZREM', idx, member)
-  redis.call('ZREM', idx .. ':name', member)
-  if current[1] then
-    redis.call('ZREM', idx .. ':state:' .. current[1], member)
+  redis.call('ZREM', idx .. ':name', key .. '\0' .. ns)
+  redis.call('ZREM', idx .. ':task:' .. ns, member)
+  for _, state in ipairs(STATES) do
+    redis.call('ZREM', idx .. ':state:' .. state, member)
   end
-  if current[2] then
-    redis.call('ZREM', idx .. ':task:' .. current[2], member)
-  end
-  redis.call('DEL', record, prefix .. ':hist:' .. member)
 end
 
+-- Delete M's record, its history and its index entries.
+local function forget(prefix, record, member)
+  unindex(prefix, member)
+  redis.call('DEL', record, prefix .. ':hist:' .. member)
+end
