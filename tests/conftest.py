@@ -106,12 +106,16 @@ def queued_messages(client: redis.Redis, queue: str = "celery") -> list[dict[str
 
 
 class WorkerProcess:
-    """``celery -A tests.proj worker`` in a subprocess, for tests that kill workers."""
+    """``celery -A <app> worker`` in a subprocess (default ``tests.proj``), for tests that kill workers.
+
+    The app module reads its broker from ``CELERY_DEDUP_TEST_BROKER``, as tests/proj.py does.
+    """
 
     def __init__(
         self,
         broker: str,
         *,
+        app: str = "tests.proj",
         pool: str = "prefork",
         concurrency: int = 2,
         transport_options: dict[str, Any] | None = None,
@@ -129,7 +133,7 @@ class WorkerProcess:
                 "-m",
                 "celery",
                 "-A",
-                "tests.proj",
+                app,
                 "worker",
                 "--pool",
                 pool,
