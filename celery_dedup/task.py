@@ -80,6 +80,9 @@ class DedupTask(_TaskBase):
       ``until_expired`` or ``while_executing``.
     - ``dedup_ttl``: seconds a key stays held at most (default ``dedup_default_ttl``).
     - ``dedup_on_duplicate``: ``return_existing`` (default), ``raise`` or ``drop``.
+    - ``dedup_lock_ttl``: seconds the execution lock lives unrenewed (default ``dedup_lock_ttl``).
+    - ``dedup_on_locked``: ``skip`` (default) or ``reschedule`` a run that finds
+      another run of its key executing.
 
     Example:
         >>> @app.task(base=DedupTask, dedup_key="order:{order_id}")
