@@ -46,6 +46,8 @@ class ExecutionLock:
         self.lost = threading.Event()
         #: Local (monotonic) time until which the lock is surely still ours.
         self.valid_until = now + ttl_ms / 1000
+        #: When the renewer should extend it next.
+        self.renew_at = now + ttl_ms / 1000 * RENEW_FRACTION
 
     def __repr__(self) -> str:
         return f"<ExecutionLock {self.member!r} token={self.token!r} lost={self.lost.is_set()}>"
@@ -79,17 +81,17 @@ class Renewer:
         with self._cond:
             return list(self._locks)
 
-    def _interval(self) -> float:
-        shortest = min((lock.ttl_ms for lock in self._locks), default=30_000)
-        return max(shortest / 1000 * RENEW_FRACTION, 0.05)
-
     def _run(self) -> None:
         while True:
             with self._cond:
-                self._cond.wait(self._interval())
-                locks = list(self._locks)
-            if locks:
-                self.renew(locks)
+                now = self.clock()
+                due = [lock for lock in self._locks if lock.renew_at <= now]
+                if not due:
+                    # A new lock only wakes us to recompute the wait: it is not due yet.
+                    next_due = min((lock.renew_at for lock in self._locks), default=now + 60)
+                    self._cond.wait(max(next_due - now, 0.01))
+                    continue
+            self.renew(due)
 
     def renew(self, locks: list[ExecutionLock]) -> None:
         """Renew ``locks`` now (grouped per server and TTL: one call each)."""
@@ -109,6 +111,7 @@ class Renewer:
                     self._lose(lock, "taken over or expired")
                 else:
                     lock.valid_until = started + ttl_ms / 1000
+                    lock.renew_at = started + ttl_ms / 1000 * RENEW_FRACTION
 
     def _unreachable(self, group: list[ExecutionLock], exc: Exception) -> None:
         now = self.clock()
@@ -116,6 +119,7 @@ class Renewer:
             if now >= lock.valid_until:
                 self._lose(lock, f"Redis unreachable past the lock TTL ({type(exc).__name__}: {exc})")
             else:
+                lock.renew_at = now + min(0.5, (lock.valid_until - now) / 2)  # retry soon, before it expires
                 logger.warning("could not renew %r, retrying: %s", lock, exc)
 
     def _lose(self, lock: ExecutionLock, why: str) -> None:
