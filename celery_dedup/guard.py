@@ -94,16 +94,22 @@ def guarded_call(task: DedupTask, body: Callable[[], Any]) -> Any:
         refuse(task, store, member, decision)
     keeper = renewer()
     lock = ExecutionLock(store, member, token, lock_ms, record_ms, now=keeper.clock())
-    request.dedup_lock_lost = lock.lost  # type: ignore[attr-defined]
     keeper.add(lock)
+    _running[task_id] = lock
 
     def end(state: str, *, drop: bool, error: str = "") -> None:
         keeper.remove(lock)
-        request.dedup_settled = True  # type: ignore[attr-defined]
+        _running.pop(task_id, None)
         finish(task, store, member, task_id, state, drop=drop, token=token, error=error, record_ms=record_ms)
 
     try:
         result = body()
+    except (SystemExit, KeyboardInterrupt):
+        # The process is being torn down (hard time limit, terminate, shutdown):
+        # the worker's main process reports how this run ended, releasing the lock.
+        keeper.remove(lock)
+        _running.pop(task_id, None)
+        raise
     except Retry:
         end(RETRY, drop=False)  # the retry was published under this run's key
         raise
@@ -140,6 +146,17 @@ def store_unreachable(task: DedupTask, member: str, exc: Exception, body: Callab
         return body()
     unavailable = DedupUnavailableError(task.name, member, exc, published=False)
     raise task.retry(exc=unavailable, countdown=max(task.dedup_policy.lock_ttl / 3, 1.0))
+
+
+#: The lock of each run executing in this process, by task id. Kept off the
+#: request: Celery copies request attributes into a retry's headers.
+_running: dict[str, ExecutionLock] = {}
+
+
+def lock_lost(task_id: str | None) -> bool:
+    """Whether the run ``task_id`` executing in this process has lost its lock."""
+    lock = _running.get(task_id) if task_id is not None else None
+    return lock is not None and lock.lost.is_set()
 
 
 def refuse(task: DedupTask, store: DedupStore, member: str, decision: StartDecision) -> None:

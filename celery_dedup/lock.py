@@ -4,7 +4,7 @@ A running keyed task holds its key's lock. The process's :class:`Renewer`
 extends every lock it holds in one Redis call at a fraction of the shortest
 TTL. A lock is *lost* when renewal finds it expired or taken over, or cannot
 reach Redis before the lock's TTL would have run out; the task sees that
-through ``lock.lost`` (an Event, also at ``self.request.dedup_lock_lost``).
+through ``lock.lost`` (an Event; tasks ask ``self.dedup_lock_lost``).
 """
 
 from __future__ import annotations

@@ -15,6 +15,7 @@ from typing import Any
 import redis
 from billiard.exceptions import WorkerLostError
 from celery import bootsteps, signals
+from celery.exceptions import Reject
 
 from . import runtime
 from .gate import HEADER, GateHeader
@@ -33,8 +34,13 @@ def on_failure(
     kwargs: Any = None,
     **_: Any,
 ) -> None:
-    """Failures raised outside the body: the worker process died, or a hard time limit killed it."""
-    if not isinstance(sender, DedupTask) or getattr(sender.request, "dedup_settled", False) or task_id is None:
+    """Failures reported outside the body: a lost worker process, a hard time limit.
+
+    Failures the body raised were settled by the guard already; a run that has
+    ended is never rewritten, so repeating it here changes nothing. A
+    ``Reject`` is the guard's to record (Celery reports it as a failure too).
+    """
+    if not isinstance(sender, DedupTask) or task_id is None or isinstance(exception, Reject):
         return
     headers = sender.request.headers if sender.request.id == task_id else None
     state = LOST if isinstance(exception, WorkerLostError) else FAILED
@@ -42,16 +48,11 @@ def on_failure(
 
 
 def on_revoked(sender: Any = None, request: Any = None, terminated: bool = False, **_: Any) -> None:
-    # ``request`` is the worker's Request: its request_dict holds the message headers.
-    if isinstance(sender, DedupTask) and request is not None:
+    """A revoked run: before it started, or terminated while it ran."""
+    if isinstance(sender, DedupTask) and request is not None and request.id is not None:
+        headers = getattr(request, "headers", None) or getattr(request, "request_dict", None)
         settle_elsewhere(
-            sender,
-            REVOKED,
-            request.id,
-            request.request_dict,
-            request.args,
-            request.kwargs,
-            worker_gone=bool(terminated),
+            sender, REVOKED, request.id, headers, request.args, request.kwargs, worker_gone=bool(terminated)
         )
 
 

@@ -292,17 +292,21 @@ class DedupStore:
         namespace = task_namespace(task) if task is not None else None
         offset = int(cursor or 0)
         found: list[Record] = []
-        budget = 20 * limit
+        scanned = 0
         total = 0
-        while len(found) < limit and budget > 0:
-            batch = min(limit * 2, budget)
+        while scanned < 20 * limit:
+            batch = 2 * limit
             members, total = self._index_slice(state, namespace, prefix, offset, batch)
-            offset += len(members)
-            budget -= len(members)
             wanted = [m for m in members if namespace is None or split_member(m)[0] == namespace]
-            for member, fields in zip(wanted, self._fetch(wanted), strict=True):
-                if fields and (state is None or fields.get("state") == state) and len(found) < limit:
+            fetched = dict(zip(wanted, self._fetch(wanted), strict=True))
+            for member in members:
+                offset += 1  # the cursor moves past exactly what this page consumed
+                scanned += 1
+                fields = fetched.get(member)
+                if fields and (state is None or fields.get("state") == state):
                     found.append(Record(member, fields))
+                    if len(found) == limit:
+                        return Page(found, str(offset) if offset < total else None, total)
             if len(members) < batch:
                 return Page(found, None, total)
         return Page(found, str(offset), total)

@@ -19,7 +19,7 @@ from . import runtime
 from .config import check_mode, check_on_duplicate, check_on_locked, check_ttl
 from .exceptions import DedupConfigError, DedupUnavailableError, DuplicateTaskError
 from .gate import HEADER, UNGATED, GateHeader, Outcome, open_ticket
-from .guard import guarded_call
+from .guard import guarded_call, lock_lost
 from .keys import KeyOption, KeySpec, member_for, new_nonce, new_task_id, split_member
 from .modes import MODES, Mode
 from .store import DedupStore
@@ -168,8 +168,7 @@ class DedupTask(_TaskBase):
         Long tasks should check it between steps: another delivery may be
         running the same key now.
         """
-        lost = getattr(self.request, "dedup_lock_lost", None)
-        return bool(lost is not None and lost.is_set())
+        return lock_lost(self.request.id)
 
     def apply_async(
         self,

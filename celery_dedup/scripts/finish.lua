@@ -20,7 +20,7 @@
 -- Returns {owned, lock_kept}: owned is 1 if the record names this run (else
 -- nothing but the lock is touched); lock_kept is 0 if the run held a token but
 -- the lock was no longer its own (expired or taken over; recorded as
--- lock_lost_at), 1 otherwise.
+-- lock_lost_at), 1 otherwise. A run that has already ended is left as it is.
 
 local held, record, lock = KEYS[1], KEYS[2], KEYS[3]
 local member, task_id, state = ARGV[1], ARGV[2], ARGV[3]
@@ -45,6 +45,15 @@ end
 if token ~= '' and current[2] and current[2] ~= token then
   -- Another delivery of this run took over (after this one lost its lock):
   -- the record is that delivery's to finish.
+  return {1, lock_kept}
+end
+-- Not `lost`: a run declared lost (its lock expired) may still finish, and
+-- then how it really ended is recorded.
+local ENDED = {succeeded = true, failed = true, revoked = true, rejected = true, ignored = true,
+  skipped = true}
+if ENDED[redis.call('HGET', record, 'state')] and not (drop and record_ms == 0) then
+  -- The run has ended already; a later report (a worker-side signal after
+  -- the body settled it) must not rewrite how it ended.
   return {1, lock_kept}
 end
 if drop and record_ms == 0 then

@@ -21,8 +21,9 @@
 --   {1, ARGV[2]}  accepted: key held, message pushed (if given)
 --   {0, owner}    duplicate: the key is held by task id `owner`; nothing written
 --                 but the record's duplicate counter
---   {2, ARGV[2]}  this very publish was accepted before (a kombu retry): nothing
---                 pushed again
+--   {2, ARGV[2]}  nothing pushed, as nothing is needed: this very publish was
+--                 accepted before (a kombu retry), or it re-publishes a run
+--                 that has already ended (a late deferred copy)
 -- Deadlines come from the server clock; a held member whose deadline passed, or
 -- whose record is gone, is stale and taken over.
 
@@ -33,25 +34,31 @@ local prefix, history_len = ARGV[7], tonumber(ARGV[8])
 local argsrepr, kwargsrepr = ARGV[9], ARGV[10]
 local message, expires_ms = ARGV[11], ARGV[12]
 
+local ENDED = {succeeded = true, failed = true, revoked = true, rejected = true, ignored = true, skipped = true}
+
 local now = now_ms()
 local fresh = redis.call('SADD', held, member) == 1
-local same_run = false
-if not fresh then
-  local owner = redis.call('HMGET', record, 'task_id', 'nonce', 'held_until')
-  if owner[1] and tonumber(owner[3] or 0) > now then
-    if owner[1] ~= task_id then
-      redis.call('HINCRBY', record, 'duplicates', 1)
-      return {0, owner[1]}
-    end
-    if owner[2] == nonce then
-      return {2, task_id}
-    end
-    same_run = true  -- the run re-publishes itself (Task.retry): accept again
+local owner = redis.call('HMGET', record, 'task_id', 'nonce', 'held_until', 'state')
+local same_run = owner[1] == task_id
+if same_run then
+  -- The run re-publishes itself (Task.retry, a deferred copy): never a new record.
+  if owner[2] == nonce then
+    return {2, task_id}
   end
+  if ENDED[owner[4]] then
+    if fresh then
+      redis.call('SREM', held, member)  -- an ended run must not hold its key again
+    end
+    return {2, task_id}  -- nothing left to run: nothing is pushed
+  end
+elseif not fresh and owner[1] and tonumber(owner[3] or 0) > now then
+  redis.call('HINCRBY', record, 'duplicates', 1)
+  return {0, owner[1]}
 end
 
 if same_run then
-  redis.call('HSET', record, 'nonce', nonce, 'held_until', now + hold_ms)
+  local until_ms = math.max(tonumber(owner[3] or 0), now + hold_ms)
+  redis.call('HSET', record, 'nonce', nonce, 'held_until', until_ms)
 else
   redis.call('DEL', record)
   redis.call('HSET', record,
