@@ -25,6 +25,7 @@ from .exceptions import (
     DuplicateTaskError,
 )
 from .gate import Outcome, last_outcome
+from .runtime import reap
 from .store import Page, ReapReport, Record
 from .task import DedupResult, DedupTask
 
@@ -67,16 +68,6 @@ def records(
     """
     store = runtime.store_for(app)
     return store.records(state=state, task=task, prefix=prefix, cursor=cursor, limit=limit)
-
-
-def reap(app: Any, *, budget: int = 500) -> ReapReport:
-    """One bounded clean-up pass: expired holds, runs of dead workers, stale index entries.
-
-    Workers run it every ``dedup_reap_interval`` seconds; call it from cron or
-    beat where no worker runs.
-    """
-    record_ms = int(runtime.config_for(app).record_ttl * 1000)
-    return runtime.store_for(app).reap(budget=budget, record_ms=record_ms)
 
 
 def install(app: Any) -> None:

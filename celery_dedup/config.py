@@ -21,6 +21,9 @@ setting                    default               effect
 ``dedup_record_args``      ``True``              keep argsrepr/kwargsrepr in records (PII: off)
 ``dedup_history_length``   ``10``                transitions kept per key
 ``dedup_reap_interval``    ``60``                seconds between a worker's reaper passes (0: off)
+``dedup_reap_grace``       ``30``                seconds a pushed message may take to be fetched
+                                                 and acknowledged before the reaper may judge it
+                                                 lost by the transport
 =========================  ====================  ===============================================
 """
 
@@ -112,6 +115,7 @@ SETTINGS: dict[str, tuple[Any, Callable[..., Any]]] = {
     "dedup_record_args": (True, _flag),
     "dedup_history_length": (10, _count),
     "dedup_reap_interval": (60, _interval),
+    "dedup_reap_grace": (30, _positive_number),
 }
 
 
@@ -132,6 +136,7 @@ class DedupConfig:
     record_args: bool
     history_length: int
     reap_interval: float
+    reap_grace: float
 
     @classmethod
     def from_conf(cls, conf: Mapping[str, Any]) -> DedupConfig:

@@ -233,12 +233,66 @@ def settle_elsewhere(
 ) -> bool:
     """Record an ending the body never returned from (revoked, lost worker, hard time limit).
 
-    With ``worker_gone`` the run's lock is released too: the process that held
-    it is known to be dead.
+    With ``worker_gone`` the run's lock is released too, but only if the
+    process that took it is gone: a report can arrive after another delivery
+    of the same run (a redelivered copy) took the lock, and that copy's lock
+    and record are its own.
     """
     located = locate(task, headers, args, kwargs)
     if located is None:
         return False
     member, store, _ = located
     record_ms = int(runtime.config_for(task.app).record_ttl * 1000)
-    return finish(task, store, member, task_id, state, drop=True, token="*" if worker_gone else "", record_ms=record_ms)
+    token = ""
+    if worker_gone:
+        try:
+            record = store.record(member) or {}
+        except redis.RedisError:
+            logger.exception("could not read the record of %s[%s] key %r", task.name, task_id, member)
+            return False
+        holder = record.get("lock", "")
+        if record.get("task_id") == task_id and holder and held_elsewhere(holder):
+            logger.info(
+                "%s[%s] key %r: %s reported, but a live delivery holds the lock; left to it",
+                task.name,
+                task_id,
+                member,
+                state,
+            )
+            return False
+        token = holder
+    return finish(task, store, member, task_id, state, drop=True, token=token, record_ms=record_ms)
+
+
+def held_elsewhere(token: str) -> bool:
+    """Whether lock ``token`` belongs to a live delivery other than this worker's own.
+
+    The token names the host and process that took it (``lock.new_token``).
+    A process of this worker (itself, or a pool child it is tearing down for a
+    time limit or a terminate) does not count, nor does a dead or zombie one;
+    another host's process is assumed alive (its lock expires if not).
+    """
+    host, _, rest = token.partition(":")
+    pid_text = rest.partition(":")[0]
+    if host != socket.gethostname() or not pid_text.isdigit():
+        return True
+    pid = int(pid_text)
+    if pid == os.getpid():
+        return False
+    if not os.path.isdir("/proc"):  # no process table to read: only "exists" can be asked
+        try:
+            os.kill(pid, 0)
+        except ProcessLookupError:
+            return False
+        except PermissionError:
+            return True
+        return True  # cannot tell a child being torn down: its lock expires within one TTL
+    try:
+        with open(f"/proc/{pid}/stat", encoding="ascii", errors="replace") as stat:
+            fields = stat.read().rpartition(")")[2].split()
+    except FileNotFoundError:
+        return False
+    except OSError:
+        return True
+    state, parent = fields[0], int(fields[1])
+    return state != "Z" and parent != os.getpid()

@@ -15,7 +15,7 @@ from kombu.transport import TRANSPORT_ALIASES
 
 from .config import DedupConfig
 from .exceptions import DedupConfigError
-from .store import DedupStore, client_from_url
+from .store import DedupStore, ReapReport, client_from_url
 
 logger = logging.getLogger("celery_dedup")
 
@@ -133,3 +133,16 @@ def is_atomic(app: Any) -> bool:
 
 def count_fail_open(app: Any, task_name: str) -> None:
     runtime_for(app).fail_open[task_name] += 1
+
+
+def reap(app: Any, *, budget: int = 500) -> ReapReport:
+    """One bounded clean-up pass: expired holds, runs of dead workers, stale index entries,
+    and queued runs whose message the transport lost.
+
+    Workers run it every ``dedup_reap_interval`` seconds; call it from cron or
+    beat where no worker runs.
+    """
+    config = config_for(app)
+    return store_for(app).reap(
+        budget=budget, record_ms=int(config.record_ttl * 1000), grace_ms=int(config.reap_grace * 1000)
+    )

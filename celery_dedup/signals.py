@@ -146,17 +146,18 @@ class ReaperStep(bootsteps.StartStopStep):
             self.tref = None
 
     def reap(self, app: Any) -> None:
-        record_ms = int(runtime.config_for(app).record_ttl * 1000)
         try:
-            report = runtime.store_for(app).reap(record_ms=record_ms)
+            report = runtime.reap(app)
         except redis.RedisError as exc:
             logger.warning("reaper could not reach the dedup store: %s", exc)
             return
-        if report.released or report.lost or report.stale:
+        if any((report.released, report.lost, report.stale, report.vanished)):
             logger.info(
-                "reaper: %d expired holds released, %d dead runs marked lost, %d stale index entries",
+                "reaper: %d expired holds released, %d dead runs and %d lost messages marked lost, "
+                "%d stale index entries",
                 report.released,
                 report.lost,
+                report.vanished,
                 report.stale,
             )
 

@@ -101,6 +101,8 @@ class ReapReport:
     released: int
     lost: int
     stale: int
+    #: Queued runs whose message the transport lost after fetching it.
+    vanished: int = 0
 
 
 @dataclass(frozen=True)
@@ -148,6 +150,8 @@ class DedupStore:
         message: str | None = None,
         expire: Sequence[str] = (),
         expires_ms: int | None = None,
+        delivery_tag: str = "",
+        unacked_key: str = "",
         client: redis.Redis | None = None,
     ) -> Outcome:
         """Hold ``member`` for ``task_id`` and push ``message`` onto ``queue``, or neither.
@@ -169,7 +173,7 @@ class DedupStore:
         ]
         if queue is not None:
             keys += [queue, *expire]
-            args += [message, "" if expires_ms is None else expires_ms]
+            args += [message, "" if expires_ms is None else expires_ms, delivery_tag, unacked_key]
         code, owner = self.scripts.gate(keys, args, client=client or self.client)
         return Outcome(accepted=int(code) != 0, task_id=_text(owner))
 
@@ -338,12 +342,12 @@ class DedupStore:
             raw = pipe.execute()
         return [{_text(k): _text(v) for k, v in item.items()} for item in raw]
 
-    def reap(self, *, budget: int = 500, record_ms: int) -> ReapReport:
+    def reap(self, *, budget: int = 500, record_ms: int, grace_ms: int = 30_000) -> ReapReport:
         """One bounded clean-up pass (see ``reap.lua``)."""
-        released, lost, stale = self.scripts.reap(
-            [self.schema.held], [self.schema.prefix, budget, record_ms, self.history_length]
+        released, lost, stale, vanished = self.scripts.reap(
+            [self.schema.held], [self.schema.prefix, budget, record_ms, self.history_length, grace_ms]
         )
-        return ReapReport(int(released), int(lost), int(stale))
+        return ReapReport(int(released), int(lost), int(stale), int(vanished))
 
 
 def client_from_url(url: str, transport_options: Mapping[str, Any] | None = None) -> redis.Redis:

@@ -31,6 +31,7 @@ class GatedChannelMixin:
     pool: redis.ConnectionPool
     global_keyprefix: str
     priority_steps: list[int]
+    unacked_key: str
     _expires: dict[str, int]
 
     @cached_property
@@ -76,6 +77,8 @@ class GatedChannelMixin:
             message=dumps(message),
             expire=expire,
             expires_ms=expires_ms,
+            delivery_tag=str(message["properties"]["delivery_tag"]),
+            unacked_key=prefix + self.unacked_key,
         )
         report(gate.nonce, outcome)
         return None

@@ -69,6 +69,7 @@ def test_defaults(bare_app: BareApp) -> None:
         record_args=True,
         history_length=10,
         reap_interval=60,
+        reap_grace=30,
     )
     assert {f"dedup_{field}" for field in vars(config)} == set(SETTINGS)
 

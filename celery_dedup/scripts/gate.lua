@@ -14,8 +14,12 @@
 -- ARGV[8]  history length
 -- ARGV[9]  argsrepr ("" to record none)
 -- ARGV[10] kwargsrepr ("" to record none)
--- ARGV[11] optional (with KEYS[3]): the serialized kombu message
--- ARGV[12] optional: PEXPIRE ms for KEYS[4..]
+-- ARGV[11] with KEYS[3]: the serialized kombu message
+-- ARGV[12] with KEYS[3]: PEXPIRE ms for KEYS[4..], or ""
+-- ARGV[13] with KEYS[3]: the message's delivery tag
+-- ARGV[14] with KEYS[3]: kombu's unacked hash (where a fetched message's tag goes)
+-- Where the message went (queue, tag, unacked hash, pushed_at) is recorded, so
+-- the reaper can tell a message the transport lost after fetching it.
 --
 -- Returns {code, task id}:
 --   {1, ARGV[2]}  accepted: key held, message pushed (if given)
@@ -32,7 +36,7 @@ local member, task_id, nonce = ARGV[1], ARGV[2], ARGV[3]
 local hold_ms, task_name, grace_ms = tonumber(ARGV[4]), ARGV[5], tonumber(ARGV[6])
 local prefix, history_len = ARGV[7], tonumber(ARGV[8])
 local argsrepr, kwargsrepr = ARGV[9], ARGV[10]
-local message, expires_ms = ARGV[11], ARGV[12]
+local message, expires_ms, tag, unacked = ARGV[11], ARGV[12], ARGV[13], ARGV[14]
 
 local ENDED = {succeeded = true, failed = true, revoked = true, rejected = true, ignored = true, skipped = true}
 
@@ -60,7 +64,7 @@ if same_run then
   local until_ms = math.max(tonumber(owner[3] or 0), now + hold_ms)
   redis.call('HSET', record, 'nonce', nonce, 'held_until', until_ms)
 else
-  redis.call('DEL', record)
+  retire(prefix, record, member, now, history_len)
   redis.call('HSET', record,
     'task_id', task_id, 'nonce', nonce, 'task', task_name,
     'held_until', now + hold_ms, 'queued_at', now, 'duplicates', 0, 'attempts', 0)
@@ -75,6 +79,7 @@ end
 expire_record(prefix, record, member, hold_ms + grace_ms)
 
 if queue then
+  redis.call('HSET', record, 'queue', queue, 'tag', tag, 'unacked', unacked, 'pushed_at', now)
   redis.call('LPUSH', queue, message)
   if expires_ms and expires_ms ~= '' then
     for i = 4, #KEYS do

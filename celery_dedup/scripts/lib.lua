@@ -66,6 +66,21 @@ local function unindex(prefix, member)
   end
 end
 
+-- Replace M's record by a new run's: the old one leaves the indexes, and a
+-- run that was still `started` (its worker died) is noted lost in the history.
+local function retire(prefix, record, member, now, history_len)
+  local old = redis.call('HMGET', record, 'state', 'task_id')
+  if old[1] == 'started' and history_len > 0 then
+    local hist = prefix .. ':hist:' .. member
+    redis.call('LPUSH', hist, now .. ' lost ' .. old[2] .. ' key taken over')
+    redis.call('LTRIM', hist, 0, history_len - 1)
+  end
+  if old[1] then
+    unindex(prefix, member)
+  end
+  redis.call('DEL', record)
+end
+
 -- Delete M's record, its history and its index entries.
 local function forget(prefix, record, member)
   unindex(prefix, member)

@@ -5,17 +5,27 @@
 -- ARGV[2]  at most this many entries examined per step
 -- ARGV[3]  record TTL, ms (for runs found dead)
 -- ARGV[4]  history length
+-- ARGV[5]  grace, ms: younger queued runs are not examined in step 4
 --
 -- Three steps, each examining at most ARGV[2] entries:
 --   1. held members whose hold deadline passed (or whose record is gone) leave
 --      the held set (SSCAN, resuming where the last call stopped);
 --   2. records still `started` whose execution lock is gone belong to a dead
 --      worker: marked `lost`, their key released;
---   3. index entries of records that expired are removed (oldest first).
--- Returns {expired holds released, dead runs marked lost, index entries removed}.
+--   3. index entries of records that expired are removed (oldest first);
+--   4. queued (or retry-waiting) runs whose message the transport lost after
+--      fetching it (kombu's Redis transport pops a message before recording
+--      it as unacked: a worker killed in between loses it) are marked lost and
+--      their key released. A message is judged lost when its delivery tag is
+--      not in the unacked hash and the oldest message still in its queue was
+--      pushed after it (queues are FIFO) or the queue is empty. Any doubt (an
+--      ungated oldest message, a restored message at the head) keeps it.
+-- Returns {expired holds released, dead runs marked lost, index entries
+-- removed, vanished messages' runs marked lost}.
 
 local held, prefix = KEYS[1], ARGV[1]
 local budget, record_ms, history_len = tonumber(ARGV[2]), tonumber(ARGV[3]), tonumber(ARGV[4])
+local grace_ms = tonumber(ARGV[5])
 local now = now_ms()
 local cursor_key = prefix .. ':reaper:cursor'
 
@@ -53,4 +63,43 @@ for _, member in ipairs(oldest) do
     stale = stale + 1
   end
 end
-return {released, lost, stale}
+-- The push time of the oldest message in `queue`, false if it is empty, nil if unknown.
+local function oldest_pushed(queue)
+  local head = redis.call('LINDEX', queue, -1)
+  if not head then
+    return false
+  end
+  local ok, decoded = pcall(cjson.decode, head)
+  local gate = ok and decoded['headers'] and decoded['headers']['dedup']
+  if type(gate) ~= 'table' or type(gate['member']) ~= 'string' then
+    return nil
+  end
+  local head_record = redis.call('HMGET', prefix .. ':rec:' .. gate['member'], 'tag', 'pushed_at')
+  local props = decoded['properties'] or {}
+  if head_record[1] ~= props['delivery_tag'] then
+    return nil  -- a restored or superseded copy: its own push time is not known
+  end
+  return tonumber(head_record[2])
+end
+
+local vanished = 0
+for _, state in ipairs({'queued', 'retry'}) do
+  local waiting = redis.call('ZRANGE', prefix .. ':idx:state:' .. state, 0, budget - 1)
+  for _, member in ipairs(waiting) do
+    local record = prefix .. ':rec:' .. member
+    local r = redis.call('HMGET', record, 'queue', 'tag', 'unacked', 'pushed_at', 'task_id')
+    local pushed_at = tonumber(r[4] or 0)
+    if r[1] and pushed_at > 0 and pushed_at < now - grace_ms
+        and redis.call('HEXISTS', r[3], r[2]) == 0 then
+      local head = oldest_pushed(r[1])
+      if head == false or (head and head > pushed_at) then
+        redis.call('SREM', held, member)
+        redis.call('HSET', record, 'held_until', 0, 'finished_at', now)
+        transition(prefix, record, member, 'lost', now, r[5] or '', 'message lost by the transport', history_len)
+        expire_record(prefix, record, member, record_ms)
+        vanished = vanished + 1
+      end
+    end
+  end
+end
+return {released, lost, stale, vanished}

@@ -64,7 +64,7 @@ if owner == task_id and state == 'started' then
 end
 if owner ~= task_id then
   -- No record for this run (ungated, or the record expired): start one.
-  redis.call('DEL', record)
+  retire(prefix, record, member, now, history_len)
   redis.call('HSET', record, 'task_id', task_id, 'task', task_name, 'duplicates', 0, 'attempts', 0,
     'held_until', 0)
 end
