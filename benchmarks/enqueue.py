@@ -34,7 +34,6 @@ from __future__ import annotations
 import argparse
 import datetime
 import gc
-import json
 import os
 import platform
 import statistics
@@ -44,17 +43,21 @@ import time
 from collections import Counter
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
-from importlib import metadata
 from pathlib import Path
 from typing import Any
 
 import redis
 from celery import Celery
 
-import celery_dedup
-from celery_dedup import DedupTask
-from celery_dedup.keys import KeySchema
-from celery_dedup.testing import RedisServer
+ROOT = Path(__file__).resolve().parent.parent
+if str(ROOT) not in sys.path:
+    sys.path.insert(0, str(ROOT))  # run as ``python benchmarks/<name>.py``: make ``benchmarks.*`` importable
+
+import celery_dedup  # noqa: E402
+from benchmarks._common import save, versions  # noqa: E402
+from celery_dedup import DedupTask  # noqa: E402
+from celery_dedup.keys import KeySchema  # noqa: E402
+from celery_dedup.testing import RedisServer  # noqa: E402
 
 ROOT = Path(__file__).resolve().parent.parent
 DEFAULT_OUTPUT = ROOT / "benchmarks" / "results" / "enqueue.json"
@@ -327,16 +330,6 @@ def round_trip_table(rows: Sequence[dict[str, Any]]) -> str:
     return "\n".join(lines)
 
 
-def versions() -> dict[str, str]:
-    found = {"python": platform.python_version()}
-    for dist in ("celery", "kombu", "redis", "celery-dedup"):
-        try:
-            found[dist] = metadata.version(dist)
-        except metadata.PackageNotFoundError:
-            found[dist] = "not installed"
-    return found
-
-
 # --- main ----------------------------------------------------------------------------------------
 
 
@@ -454,10 +447,7 @@ def write_result(args: argparse.Namespace, run: Run) -> None:
         "timing": run.rows,
         "round_trips": run.trips,
     }
-    args.output.parent.mkdir(parents=True, exist_ok=True)
-    args.output.write_text(json.dumps(result, indent=2, ensure_ascii=False) + "\n", encoding="utf-8")
-    print()
-    print(f"wrote {args.output}")
+    save(args.output, result)
 
 
 def main(argv: Sequence[str] | None = None) -> int:

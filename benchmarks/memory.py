@@ -49,19 +49,23 @@ import time
 from collections import Counter
 from collections.abc import Sequence
 from dataclasses import dataclass, field
-from importlib import metadata
 from pathlib import Path
 from typing import Any
 
 import redis
 from celery import Celery
 
-import celery_dedup
-from celery_dedup import DedupTask, runtime
-from celery_dedup.keys import KeySchema, member_for, task_namespace
-from celery_dedup.lock import new_token
-from celery_dedup.store import DedupStore
-from celery_dedup.testing import RedisServer
+ROOT = Path(__file__).resolve().parent.parent
+if str(ROOT) not in sys.path:
+    sys.path.insert(0, str(ROOT))  # run as ``python benchmarks/<name>.py``: make ``benchmarks.*`` importable
+
+import celery_dedup  # noqa: E402
+from benchmarks._common import save, versions  # noqa: E402
+from celery_dedup import DedupTask, runtime  # noqa: E402
+from celery_dedup.keys import KeySchema, member_for, task_namespace  # noqa: E402
+from celery_dedup.lock import new_token  # noqa: E402
+from celery_dedup.store import DedupStore  # noqa: E402
+from celery_dedup.testing import RedisServer  # noqa: E402
 
 ROOT = Path(__file__).resolve().parent.parent
 DEFAULT_OUTPUT = ROOT / "benchmarks" / "results" / "memory.json"
@@ -599,20 +603,7 @@ def write_result(args: argparse.Namespace, run: Run) -> None:
         "variants": run.variants,
         "notes": notes(run),
     }
-    args.output.parent.mkdir(parents=True, exist_ok=True)
-    args.output.write_text(json.dumps(result, indent=2, ensure_ascii=False) + "\n", encoding="utf-8")
-    print()
-    print(f"wrote {args.output}")
-
-
-def versions() -> dict[str, str]:
-    found = {"python": platform.python_version()}
-    for dist in ("celery", "kombu", "redis", "celery-dedup"):
-        try:
-            found[dist] = metadata.version(dist)
-        except metadata.PackageNotFoundError:
-            found[dist] = "not installed"
-    return found
+    save(args.output, result)
 
 
 def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:

@@ -38,7 +38,6 @@ import argparse
 import contextlib
 import datetime
 import hashlib
-import json
 import os
 import platform
 import signal
@@ -62,7 +61,8 @@ if str(ROOT) not in sys.path:
     # Run as ``python benchmarks/worker.py``: make ``benchmarks.*`` importable, as the worker subprocess needs too.
     sys.path.insert(0, str(ROOT))
 
-from benchmarks.enqueue import CommandLog, commandstats, versions  # noqa: E402
+from benchmarks._common import save, versions  # noqa: E402
+from benchmarks.enqueue import CommandLog, commandstats  # noqa: E402
 from benchmarks.worker_app import PREFIX, QUEUE, READY_MARKER, build_app  # noqa: E402
 from celery_dedup import runtime  # noqa: E402
 from celery_dedup.keys import member_for, new_nonce, new_task_id  # noqa: E402
@@ -823,10 +823,7 @@ def write_result(args: argparse.Namespace, run: Run) -> None:
         "time_budget": time_budget(run),
         "notes": renewal_notes(run.trips, args.lock_ttl_s),
     }
-    args.output.parent.mkdir(parents=True, exist_ok=True)
-    args.output.write_text(json.dumps(result, indent=2, ensure_ascii=False) + "\n", encoding="utf-8")
-    print()
-    print(f"wrote {args.output}")
+    save(args.output, result)
 
 
 def main(argv: Sequence[str] | None = None) -> int:

@@ -18,7 +18,7 @@ import threading
 import time
 from collections.abc import Callable, Iterator
 from pathlib import Path
-from typing import Any
+from typing import Any, TypeVar
 
 import pytest
 import redis
@@ -65,29 +65,50 @@ def r(server: Server) -> Iterator[redis.Redis]:
 AppFactory = Callable[..., Celery]
 
 
+T = TypeVar("T")
+
+
+def new_app(server: Server, name: str = "t", *, install: bool = True, **conf: Any) -> Celery:
+    """A Celery app on the test server (installed unless ``install=False``); ``conf`` overrides settings."""
+    app = Celery(name, set_as_current=False)
+    app.conf.update(
+        broker_url=server.url,
+        result_backend=server.url,
+        broker_connection_retry_on_startup=False,
+        worker_hijack_root_logger=False,
+        task_publish_retry_policy={"max_retries": 2, "interval_start": 0, "interval_step": 0.05},
+    )
+    app.conf.update(conf)
+    if install:
+        celery_dedup.install(app)
+    return app
+
+
 @pytest.fixture
 def make_app(server: Server, r: redis.Redis) -> Iterator[AppFactory]:
-    """Build an installed Celery app on the test server; ``conf`` overrides settings."""
+    """Build apps with :func:`new_app` on an empty keyspace; they are closed after the test."""
     apps: list[Celery] = []
 
     def factory(name: str = "t", *, install: bool = True, **conf: Any) -> Celery:
-        app = Celery(name, set_as_current=False)
-        app.conf.update(
-            broker_url=server.url,
-            result_backend=server.url,
-            broker_connection_retry_on_startup=False,
-            worker_hijack_root_logger=False,
-            task_publish_retry_policy={"max_retries": 2, "interval_start": 0, "interval_step": 0.05},
-        )
-        app.conf.update(conf)
-        if install:
-            celery_dedup.install(app)
+        app = new_app(server, name, install=install, **conf)
         apps.append(app)
         return app
 
     yield factory
     for app in apps:
         app.close()
+
+
+def wait_for(predicate: Callable[[], T], timeout: float, what: str | Callable[[], str], *, interval: float = 0.05) -> T:
+    """Poll until ``predicate()`` is truthy; fail saying ``what`` (or what it returns then) was not reached."""
+    deadline = time.monotonic() + timeout
+    while True:
+        value = predicate()
+        if value:
+            return value
+        if time.monotonic() > deadline:
+            raise AssertionError(f"not within {timeout:.1f}s: {what() if callable(what) else what}")
+        time.sleep(interval)
 
 
 @contextlib.contextmanager

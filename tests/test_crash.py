@@ -18,7 +18,7 @@ import signal
 import threading
 import time
 from collections import Counter
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, TypeVar
@@ -30,7 +30,7 @@ import celery_dedup
 from celery_dedup.keys import KeySchema
 
 from . import crash_app
-from .conftest import AppFactory, Server, WorkerProcess, queued_messages
+from .conftest import AppFactory, Server, WorkerProcess, queued_messages, wait_for
 
 SCHEMA = KeySchema("dedup")
 #: Execution lock TTL of every worker here (seconds): a dead run frees its key within it.
@@ -84,18 +84,6 @@ def parent_of(pid: int) -> int:
 def broker_idle(r: redis.Redis) -> bool:
     """No message queued (any priority bucket) and none delivered but unacknowledged."""
     return not queued_messages(r) and r.hlen("unacked") == 0
-
-
-def wait_for(predicate: Callable[[], T], timeout: float, what: str | Callable[[], str], *, interval: float = 0.05) -> T:
-    """Poll until ``predicate()`` is truthy; fail saying ``what`` (or what it returns then) was not reached."""
-    deadline = time.monotonic() + timeout
-    while True:
-        value = predicate()
-        if value:
-            return value
-        if time.monotonic() > deadline:
-            raise AssertionError(f"not within {timeout:.1f}s: {what() if callable(what) else what}")
-        time.sleep(interval)
 
 
 def wait_idle(r: redis.Redis, timeout: float, *, quiet: float = 1.5) -> None:

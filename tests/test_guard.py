@@ -13,7 +13,7 @@ import json
 import signal
 import threading
 import time
-from collections.abc import Callable, Iterator, Mapping
+from collections.abc import Iterator, Mapping
 from dataclasses import dataclass, field
 from typing import Any, TypeVar
 
@@ -29,7 +29,7 @@ from celery_dedup import runtime as dedup_runtime
 from celery_dedup.keys import KeySchema, member_for, task_namespace
 from celery_dedup.lock import RENEW_FRACTION
 
-from .conftest import AppFactory, Server, WorkerProcess, in_process_worker, queued_messages
+from .conftest import AppFactory, Server, WorkerProcess, in_process_worker, new_app, queued_messages, wait_for
 from .guard_app import MODES, deliveries_key, events_key, lost_key, register
 
 SCHEMA = KeySchema("dedup")
@@ -39,18 +39,6 @@ T = TypeVar("T")
 
 
 # --------------------------------------------------------------------------- helpers
-
-
-def wait_for(check: Callable[[], T], timeout: float, what: str, interval: float = 0.05) -> T:
-    """Poll ``check`` until it returns something truthy; fail with ``what`` after ``timeout`` s."""
-    deadline = time.monotonic() + timeout
-    while True:
-        value = check()
-        if value:
-            return value
-        if time.monotonic() > deadline:
-            raise AssertionError(f"timed out after {timeout}s waiting for {what}")
-        time.sleep(interval)
 
 
 def text(raw: Mapping[Any, Any]) -> dict[str, str]:
@@ -130,21 +118,6 @@ def guard_worker(server: Server, concurrency: int = 4, pool: str = "prefork") ->
         yield worker.wait_ready()
     finally:
         worker.stop(signal.SIGTERM)
-
-
-def new_app(server: Server, name: str, **conf: Any) -> Celery:
-    """An installed app on the test server, configured as conftest's make_app does (for module fixtures)."""
-    app = Celery(name, set_as_current=False)
-    app.conf.update(
-        broker_url=server.url,
-        result_backend=server.url,
-        broker_connection_retry_on_startup=False,
-        worker_hijack_root_logger=False,
-        task_publish_retry_policy={"max_retries": 2, "interval_start": 0, "interval_step": 0.05},
-    )
-    app.conf.update(conf)
-    celery_dedup.install(app)
-    return app
 
 
 def ghost_tasks(app: Celery) -> dict[str, Any]:
