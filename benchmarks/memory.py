@@ -124,10 +124,10 @@ def build_app(url: str, variant: Variant) -> tuple[Celery, Any]:
     return app, charge
 
 
-def token_for(hostname: str, task_id: str) -> str:
+def token_for(hostname: str) -> str:
     """A lock token as ``celery_dedup.lock.new_token`` makes it, on a worker host called ``hostname``."""
-    token = f"{hostname}:{DEFAULT_PID}:{secrets.token_hex(4)}:{task_id}"
-    real = new_token(task_id)  # same shape with this machine's name and pid: guards against format drift
+    token = f"{hostname}:{DEFAULT_PID}:{secrets.token_hex(4)}"
+    real = new_token()  # same shape with this machine's name and pid: guards against format drift
     if len(real) - len(socket.gethostname()) - len(str(os.getpid())) != len(token) - len(hostname) - 2:
         raise RuntimeError(f"new_token's format changed ({real!r}); update token_for")
     return token
@@ -151,7 +151,7 @@ def enqueue(app: Celery, task: Any, count: int, *, note: str, rng: random.Random
 def start_all(store: DedupStore, keys: Keys, hostname: str) -> None:
     """What the guard sends when each delivery starts (one ``start`` per key)."""
     for member, task_id in zip(keys.members, keys.task_ids, strict=True):
-        token = token_for(hostname, task_id)
+        token = token_for(hostname)
         decision = store.start(
             member,
             task_id,

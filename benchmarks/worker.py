@@ -422,7 +422,7 @@ def time_guard_calls(bench: Bench, pairs: int) -> dict[str, float]:
         key = f"order:direct-{i}"
         member, task_id = member_for(task.name, key), new_task_id(key)
         store.gate(member, task_id, new_nonce(), hold_ms=3_600_000, grace_ms=record_ms, task_name=task.name)
-        token = new_token(task_id)
+        token = new_token()
         t0 = time.perf_counter_ns()
         decision = store.start(
             member,

@@ -71,7 +71,7 @@ def guarded_call(task: DedupTask, body: Callable[[], Any]) -> Any:
     member, store, gated = located
     policy = task.dedup_policy
     config = runtime.config_for(task.app)
-    token = new_token(task_id)
+    token = new_token()
     lock_ms = int(policy.lock_ttl * 1000)
     record_ms = int(config.record_ttl * 1000)
     try:

@@ -28,9 +28,13 @@ logger = logging.getLogger("celery_dedup")
 RENEW_FRACTION = 1 / 3
 
 
-def new_token(task_id: str) -> str:
-    """A token unique to one delivery: which host and process run it, and a random part."""
-    return f"{socket.gethostname()}:{os.getpid()}:{secrets.token_hex(4)}:{task_id}"
+def new_token() -> str:
+    """A token unique to one delivery: the host and process that run it, and a random part.
+
+    Short on purpose: the record keeps it, and a record value over the server's
+    ``hash-max-listpack-value`` (64 bytes) makes the whole record twice as big.
+    """
+    return f"{socket.gethostname()}:{os.getpid()}:{secrets.token_hex(4)}"
 
 
 class ExecutionLock:
