@@ -267,14 +267,6 @@ class DedupStore:
         """The member's recent transitions, newest first: ``"<ms> <state> <task id> [note]"``."""
         return [_text(entry) for entry in self.client.lrange(self.schema.history(member), 0, -1)]
 
-    def lock_holder(self, member: str) -> tuple[str, int] | None:
-        """``(token, remaining ms)`` of the member's execution lock, or None."""
-        with self.client.pipeline(transaction=False) as pipe:
-            pipe.get(self.schema.lock(member))
-            pipe.pttl(self.schema.lock(member))
-            token, ttl = pipe.execute()
-        return None if token is None else (_text(token), int(ttl))
-
     def is_held(self, member: str) -> bool:
         return bool(self.client.sismember(self.schema.held, member))
 
