@@ -604,6 +604,31 @@ def test_copies_of_finished_and_superseded_runs_are_skipped(make_app: AppFactory
     assert r.llen("celery") == 0
 
 
+@pytest.mark.parametrize("action", ["reject", "fail"])
+def test_copy_of_a_run_that_ended_without_success_is_skipped(make_app: AppFactory, r: redis.Redis, action: str) -> None:
+    """A re-pushed copy of a run that was rejected (or failed) is skipped, not run again.
+
+    Every ended state counts as done, not only success: a rejected run's copy
+    (a visibility-timeout redelivery) must not execute the body the task refused.
+    """
+    app = make_app(dedup_lock_ttl=LOCK_TTL)
+    work = register(app)["guard.work.until_executed"]
+    member = member_for(work.name, f"job:{action}")
+    run = work.delay(action, action)
+    copy = raw_messages(r)[run.id]
+    ended = {"reject": "rejected", "fail": "failed"}[action]
+    with in_process_worker(app, pool="threads", concurrency=2):
+        wait_for(lambda: (record_of(r, member) or {}).get("state") == ended and not pending_ids(r), 10, "the end")
+        seen, ran = len(deliveries(r, run.id)), len(starts(events(r, work.name, action)))
+        r.rpush("celery", copy)
+        wait_for(lambda: len(deliveries(r, run.id)) == seen + 2 and not pending_ids(r), 10, "the copy")
+    record = record_of(r, member)
+    assert record is not None
+    assert (record["state"], record["skipped"]) == (ended, "1")
+    assert len(starts(events(r, work.name, action))) == ran, "the copy ran the body again"
+    assert not is_held(r, member) and not lock_exists(r, member)
+
+
 def test_copy_refused_just_before_the_run_finishes_is_not_run_again(make_app: AppFactory, r: redis.Redis) -> None:
     """A copy refused while the run holds the lock, whose deferral is published just after the run succeeded.
 

@@ -47,10 +47,8 @@ if token ~= '' and current[2] and current[2] ~= token then
   -- the record is that delivery's to finish.
   return {1, lock_kept}
 end
--- Not `lost`: a run declared lost (its lock expired) may still finish, and
--- then how it really ended is recorded.
-local ENDED = {succeeded = true, failed = true, revoked = true, rejected = true, ignored = true,
-  skipped = true}
+-- (Not after `lost`: a run declared lost may still finish, and then how it
+-- really ended is recorded.)
 if ENDED[redis.call('HGET', record, 'state')] and not (drop and record_ms == 0) then
   -- The run has ended already; a later report (a worker-side signal after
   -- the body settled it) must not rewrite how it ended.

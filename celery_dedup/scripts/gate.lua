@@ -38,8 +38,6 @@ local prefix, history_len = ARGV[7], tonumber(ARGV[8])
 local argsrepr, kwargsrepr = ARGV[9], ARGV[10]
 local message, expires_ms, tag, unacked = ARGV[11], ARGV[12], ARGV[13], ARGV[14]
 
-local ENDED = {succeeded = true, failed = true, revoked = true, rejected = true, ignored = true, skipped = true}
-
 local now = now_ms()
 local fresh = redis.call('SADD', held, member) == 1
 local owner = redis.call('HMGET', record, 'task_id', 'nonce', 'held_until', 'state')
@@ -61,19 +59,17 @@ elseif not fresh and owner[1] and tonumber(owner[3] or 0) > now then
 end
 
 if same_run then
+  -- It keeps its state: its ending (retry) records that.
   local until_ms = math.max(tonumber(owner[3] or 0), now + hold_ms)
   redis.call('HSET', record, 'nonce', nonce, 'held_until', until_ms)
 else
-  retire(prefix, record, member, now, history_len)
+  retire(prefix, record, member, now, history_len, owner[4], owner[1])
   redis.call('HSET', record,
     'task_id', task_id, 'nonce', nonce, 'task', task_name,
     'held_until', now + hold_ms, 'queued_at', now, 'duplicates', 0, 'attempts', 0)
   if argsrepr ~= '' or kwargsrepr ~= '' then
     redis.call('HSET', record, 'args', argsrepr, 'kwargs', kwargsrepr)
   end
-end
-if not same_run then
-  -- A run re-publishing itself keeps its state: its ending (retry) records it.
   transition(prefix, record, member, 'queued', now, task_id, '', history_len)
 end
 expire_record(prefix, record, member, hold_ms + grace_ms)

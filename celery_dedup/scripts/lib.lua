@@ -50,39 +50,45 @@ local function expire_record(prefix, record, member, ms)
   redis.call('PEXPIRE', prefix .. ':hist:' .. member, ms)
 end
 
--- The states a record can be in (reap and forget clear every state index).
+-- Every state a record can be in, and those in which its run has ended: a
+-- delivery of an ended run never runs, and a later report never rewrites it.
+-- `lost` is not an end: a copy of a lost run may still run and finish it.
 local STATES = {'queued', 'started', 'retry', 'succeeded', 'failed', 'revoked', 'rejected', 'ignored',
   'lost', 'skipped'}
+local ENDED = {succeeded = true, failed = true, revoked = true, rejected = true, ignored = true,
+  skipped = true}
 
--- Remove M from every index (its record is gone or going).
-local function unindex(prefix, member)
+-- Remove M from every index; `state`, when known, spares trying every state index.
+local function unindex(prefix, member, state)
   local ns, key = split_member(member)
   local idx = prefix .. ':idx'
   redis.call('ZREM', idx, member)
   redis.call('ZREM', idx .. ':name', key .. '\0' .. ns)
   redis.call('ZREM', idx .. ':task:' .. ns, member)
-  for _, state in ipairs(STATES) do
-    redis.call('ZREM', idx .. ':state:' .. state, member)
+  for _, candidate in ipairs(state and {state} or STATES) do
+    redis.call('ZREM', idx .. ':state:' .. candidate, member)
   end
 end
 
--- Replace M's record by a new run's: the old one leaves the indexes, and a
--- run that was still `started` (its worker died) is noted lost in the history.
-local function retire(prefix, record, member, now, history_len)
-  local old = redis.call('HMGET', record, 'state', 'task_id')
-  if old[1] == 'started' and history_len > 0 then
+-- Replace M's record (in `old_state`, of run `old_task_id`; both false if there
+-- is none) by a new run's: the old one leaves the indexes, and a run that was
+-- still `started` (its worker died) is noted lost in the history.
+local function retire(prefix, record, member, now, history_len, old_state, old_task_id)
+  if not old_state then
+    redis.call('DEL', record)  -- a record without a state is a bare leftover
+    return
+  end
+  if old_state == 'started' and history_len > 0 then
     local hist = prefix .. ':hist:' .. member
-    redis.call('LPUSH', hist, now .. ' lost ' .. old[2] .. ' key taken over')
+    redis.call('LPUSH', hist, now .. ' lost ' .. (old_task_id or '') .. ' key taken over')
     redis.call('LTRIM', hist, 0, history_len - 1)
   end
-  if old[1] then
-    unindex(prefix, member)
-  end
+  unindex(prefix, member, old_state)
   redis.call('DEL', record)
 end
 
 -- Delete M's record, its history and its index entries.
 local function forget(prefix, record, member)
-  unindex(prefix, member)
+  unindex(prefix, member, redis.call('HGET', record, 'state') or nil)
   redis.call('DEL', record, prefix .. ':hist:' .. member)
 end

@@ -25,7 +25,7 @@
 --   {1, attempts}   run: lock taken, record says started (attempts counts starts)
 --   {0, pttl}       locked by another delivery of this same run (a redelivered
 --                   copy); detail: the lock's remaining ms
---   {2, state}      done: this run already ended (succeeded, failed, revoked)
+--   {2, state}      done: this run already ended (a state in lib's ENDED)
 --   {3, owner}      superseded: the key belongs to another run now
 --   {4, pttl}       locked by another run (while_executing, until_executing)
 -- Every refusal increments the record's `skipped` counter.
@@ -40,7 +40,7 @@ local now = now_ms()
 local current = redis.call('HMGET', record, 'task_id', 'state', 'held_until')
 local owner, state = current[1], current[2]
 
-if owner == task_id and (state == 'succeeded' or state == 'failed' or state == 'revoked') then
+if owner == task_id and ENDED[state] then
   redis.call('HINCRBY', record, 'skipped', 1)
   return {2, state}
 end
@@ -64,7 +64,7 @@ if owner == task_id and state == 'started' then
 end
 if owner ~= task_id then
   -- No record for this run (ungated, or the record expired): start one.
-  retire(prefix, record, member, now, history_len)
+  retire(prefix, record, member, now, history_len, state, owner)
   redis.call('HSET', record, 'task_id', task_id, 'task', task_name, 'duplicates', 0, 'attempts', 0,
     'held_until', 0)
 end
