@@ -138,6 +138,11 @@ class DedupConfig:
     reap_interval: float
     reap_grace: float
 
+    @property
+    def record_ms(self) -> int:
+        """``dedup_record_ttl`` in milliseconds, as the Lua scripts take it."""
+        return int(self.record_ttl * 1000)
+
     @classmethod
     def from_conf(cls, conf: Mapping[str, Any]) -> DedupConfig:
         """Read and validate every ``dedup_*`` setting; reject unknown ones."""

@@ -73,7 +73,7 @@ def guarded_call(task: DedupTask, body: Callable[[], Any]) -> Any:
     config = runtime.config_for(task.app)
     token = new_token()
     lock_ms = int(policy.lock_ttl * 1000)
-    record_ms = int(config.record_ttl * 1000)
+    record_ms = config.record_ms
     try:
         decision = store.start(
             member,
@@ -179,7 +179,7 @@ def refuse(task: DedupTask, store: DedupStore, member: str, decision: StartDecis
         defer(task, int(decision.detail))
     else:
         logger.info("%s[%s] key %r: skipped, another run holds the execution lock", task.name, request.id, member)
-        record_ms = int(runtime.config_for(task.app).record_ttl * 1000)
+        record_ms = runtime.config_for(task.app).record_ms
         finish(task, store, member, str(request.id), SKIPPED, drop=True, token="", record_ms=record_ms)
     raise Ignore()
 
@@ -242,7 +242,7 @@ def settle_elsewhere(
     if located is None:
         return False
     member, store, _ = located
-    record_ms = int(runtime.config_for(task.app).record_ttl * 1000)
+    record_ms = runtime.config_for(task.app).record_ms
     token = ""
     if worker_gone:
         try:

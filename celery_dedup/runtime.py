@@ -143,6 +143,4 @@ def reap(app: Any, *, budget: int = 500) -> ReapReport:
     beat where no worker runs.
     """
     config = config_for(app)
-    return store_for(app).reap(
-        budget=budget, record_ms=int(config.record_ttl * 1000), grace_ms=int(config.reap_grace * 1000)
-    )
+    return store_for(app).reap(budget=budget, record_ms=config.record_ms, grace_ms=int(config.reap_grace * 1000))

@@ -20,8 +20,8 @@ from celery.exceptions import Reject
 from . import runtime
 from .gate import HEADER, GateHeader
 from .guard import FAILED, LOST, REJECTED, REVOKED, settle_elsewhere
-from .keys import member_for, new_nonce
-from .task import DedupTask
+from .keys import member_for
+from .task import DedupTask, delay_seconds
 
 logger = logging.getLogger("celery_dedup")
 
@@ -67,7 +67,7 @@ def on_unrunnable(
         return
     task_id = id or headers.get("id")
     store = runtime.store_for(app).with_prefix(gate.prefix)
-    record_ms = int(runtime.config_for(app).record_ttl * 1000)
+    record_ms = runtime.config_for(app).record_ms
     try:
         store.finish(gate.member, str(task_id), REJECTED, drop=True, record_ms=record_ms)
     except redis.RedisError:
@@ -92,16 +92,8 @@ def _add_gate_header(app: Any, name: str, headers: dict[str, Any], body: Any) ->
     except Exception:
         logger.exception("could not derive the key of %s published by name: not gated", name)
         return
-    config = runtime.config_for(app)
-    headers[HEADER] = GateHeader(
-        prefix=config.key_prefix,
-        member=member_for(task.name, business_key),
-        nonce=new_nonce(),
-        hold_ms=int(task.dedup_policy.ttl * 1000),
-        grace_ms=int(config.record_ttl * 1000),
-        history=config.history_length,
-        record_args=config.record_args,
-    ).encode()
+    delay = delay_seconds(None, headers.get("eta"))  # send_task(countdown=) arrives as an ETA
+    headers[HEADER] = task.dedup_gate_header(member_for(task.name, business_key), delay).encode()
 
 
 def gate_send_task(app: Any) -> None:

@@ -170,6 +170,22 @@ class DedupTask(_TaskBase):
         """
         return lock_lost(self.request.id)
 
+    def dedup_gate_header(self, member: str, delay: float = 0.0) -> GateHeader:
+        """The ``dedup`` header that gates a publish of ``member``, to run ``delay`` seconds from now.
+
+        The key is held for ``dedup_ttl`` past the time the message is due.
+        """
+        config = runtime.config_for(self.app)
+        return GateHeader(
+            prefix=config.key_prefix,
+            member=member,
+            nonce=new_nonce(),
+            hold_ms=int((self.dedup_policy.ttl + delay) * 1000),
+            grace_ms=config.record_ms,
+            history=config.history_length,
+            record_args=config.record_args,
+        )
+
     def apply_async(
         self,
         args: Any = None,
@@ -207,15 +223,7 @@ class DedupTask(_TaskBase):
             member = member_for(self.name, policy.spec.business_key(args, kwargs))
         business_key = split_member(member)[1]
         run_id = task_id or new_task_id(business_key)
-        gate = GateHeader(
-            prefix=config.key_prefix,
-            member=member,
-            nonce=new_nonce(),
-            hold_ms=int((policy.ttl + _delay_seconds(options)) * 1000),
-            grace_ms=int(config.record_ttl * 1000),
-            history=config.history_length,
-            record_args=config.record_args,
-        )
+        gate = self.dedup_gate_header(member, delay_seconds(options.get("countdown"), options.get("eta")))
         headers[HEADER] = gate.encode()
 
         def publish(hdrs: dict[str, Any]) -> DedupResult:
@@ -330,15 +338,13 @@ class DedupTask(_TaskBase):
         return result
 
 
-def _delay_seconds(options: dict[str, Any]) -> float:
-    """How far in the future a countdown/eta puts the run (the key is held that much longer)."""
-    countdown = options.get("countdown")
+def delay_seconds(countdown: Any, eta: Any) -> float:
+    """How far in the future a countdown or ETA puts the run (the key is held that much longer)."""
     if countdown:
         return max(float(countdown), 0.0)
-    eta = options.get("eta")
     if eta is None:
         return 0.0
     if isinstance(eta, str):
         eta = datetime.datetime.fromisoformat(eta)
     now = datetime.datetime.now(eta.tzinfo or None)
-    return max((eta - now).total_seconds(), 0.0)
+    return max(float((eta - now).total_seconds()), 0.0)

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import gc
 import logging
+import time
 import uuid
 from collections.abc import Iterator
 from typing import Any, cast
@@ -140,6 +141,26 @@ def test_send_task_is_gated_by_the_publishing_app_not_another_with_the_same_task
             previous.set_current()
         assert message_ids(r) == [first.id], f"round {round_}: the second send_task was not gated"
         r.delete("celery")
+
+
+def test_send_task_with_a_countdown_holds_the_key_until_it_is_due(make_app: AppFactory, r: redis.Redis) -> None:
+    """A keyed task published by name with a countdown longer than its TTL keeps its key until it can run.
+
+    The key is held for dedup_ttl past the message's due time, as with apply_async.
+    """
+    app = make_app()
+
+    @app.task(base=DedupTask, dedup_key="order:{order_id}", dedup_ttl=1, shared=False, name="canvas.due")
+    def due(order_id: int) -> None: ...
+
+    app.send_task("canvas.due", (1,), countdown=5)
+    record = due.dedup_status(1)
+    assert record is not None
+    held_for_ms = int(record["held_until"]) - int(record["queued_at"])
+    assert 5500 <= held_for_ms <= 6500, held_for_ms
+    time.sleep(1.5)  # past dedup_ttl from now, but not past the due time
+    again = app.send_task("canvas.due", (1,), countdown=5)
+    assert len(message_ids(r)) == 1, f"the key expired before its message was due ({again.id})"
 
 
 def test_chain_of_keyed_tasks_runs_and_releases_both_keys(make_app: AppFactory, r: redis.Redis) -> None:
