@@ -7,6 +7,7 @@ read configuration, and nothing here opens a connection.
 from __future__ import annotations
 
 import inspect
+import logging
 from collections.abc import Callable, Iterator
 from typing import Any
 
@@ -456,10 +457,14 @@ def test_install_refuses_a_conflicting_custom_transport(bare_app: BareApp, broke
 
 
 @pytest.mark.parametrize("broker", ["memory://", "amqp://guest@127.0.0.1:5672//"])
-def test_install_on_a_non_redis_broker_keeps_its_transport(bare_app: BareApp, broker: str) -> None:
-    """On memory:// (or RabbitMQ) the transport is untouched and the non-atomic path is used."""
+def test_install_on_a_non_redis_broker_keeps_its_transport(
+    bare_app: BareApp, broker: str, caplog: pytest.LogCaptureFixture
+) -> None:
+    """On memory:// (or RabbitMQ) the transport is untouched, the non-atomic path is used, and install says so."""
     app = bare_app(broker=broker)
-    celery_dedup.install(app)
+    with caplog.at_level(logging.WARNING, logger="celery_dedup"):
+        celery_dedup.install(app)
+    assert any("not atomic" in rec.getMessage() for rec in caplog.records)
     assert app.conf.broker_transport is None
     state = runtime_for(app)
     assert state.installed
@@ -468,10 +473,12 @@ def test_install_on_a_non_redis_broker_keeps_its_transport(bare_app: BareApp, br
         assert type(conn.transport) not in (Transport, SentinelTransport)
 
 
-def test_separate_dedup_store_makes_the_gate_non_atomic(bare_app: BareApp) -> None:
-    """With dedup_redis_url on another server the transport is still gated, but not atomically."""
+def test_separate_dedup_store_makes_the_gate_non_atomic(bare_app: BareApp, caplog: pytest.LogCaptureFixture) -> None:
+    """With dedup_redis_url on another server the transport is still gated, but not atomically, and install says so."""
     app = bare_app(broker=REDIS, dedup_redis_url="redis://127.0.0.1:6390/0")
-    celery_dedup.install(app)
+    with caplog.at_level(logging.WARNING, logger="celery_dedup"):
+        celery_dedup.install(app)
+    assert any("not atomic" in rec.getMessage() for rec in caplog.records)
     with app.connection_for_write() as conn:
         assert type(conn.transport) is Transport
     assert not runtime_for(app).atomic
