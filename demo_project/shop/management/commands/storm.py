@@ -1,0 +1,98 @@
+"""``storm``: prove "exactly one charge per order" under a storm of duplicate pay requests.
+
+Creates N orders, races K ``charge_payment`` sends per order from M
+processes, waits for the worker to run what was accepted, counts the
+``Charge`` rows of every order and prints a Markdown table.
+"""
+
+from __future__ import annotations
+
+import time
+from collections import Counter
+from decimal import Decimal
+from typing import Any
+
+from django.core.management.base import BaseCommand, CommandError, CommandParser
+from django.db import transaction
+
+from demo_project.celery import app
+from demo_project.shop.models import Charge, Order, OrderLine
+from demo_project.shop.storm import IN_FLIGHT, race
+from demo_project.shop.tasks import charge_payment
+
+
+class Command(BaseCommand):
+    help = "Race duplicate charge_payment sends for new orders and count the charges (needs a running worker)."
+
+    def add_arguments(self, parser: CommandParser) -> None:
+        parser.add_argument("--orders", type=int, default=10, help="orders to create (default 10)")
+        parser.add_argument("--processes", type=int, default=4, help="racing sender processes (default 4)")
+        parser.add_argument("--sends", type=int, default=20, help="charge_payment sends per order (default 20)")
+        parser.add_argument("--timeout", type=float, default=120.0, help="seconds to wait for the worker")
+
+    def handle(self, *args: Any, orders: int, processes: int, sends: int, timeout: float, **options: Any) -> None:
+        if min(orders, processes, sends) < 1:
+            raise CommandError("--orders, --processes and --sends must be at least 1")
+        if not app.control.ping(timeout=2.0):
+            raise CommandError(
+                "no Celery worker answered a ping within 2 s: start the demo with `python3 run-demo` "
+                "(or `celery -A demo_project.celery worker`) against the same REDIS_URL"
+            )
+        order_ids = self.create_orders(orders)
+        started = time.monotonic()
+        tally = race(order_ids, sends, processes, timeout)
+        published = time.monotonic() - started
+        self.wait_until_done(order_ids, started + timeout)
+        elapsed = time.monotonic() - started
+        charges = Counter(Charge.objects.filter(order_id__in=order_ids).values_list("order_id", flat=True).order_by())
+        executions = [charges[order_id] for order_id in order_ids]
+        ids_per_order = [len(tally.task_ids.get(order_id, ())) for order_id in order_ids]
+        wrong = sum(1 for count in executions if count != 1)
+        rows = [
+            ("orders", orders),
+            ("processes", processes),
+            ("sends per order", sends),
+            ("calls", tally.calls),
+            ("accepted", tally.accepted),
+            ("deduplicated", tally.deduplicated),
+            ("task ids seen per order (expected 1)", spread(ids_per_order)),
+            ("executions per order (expected 1)", spread(executions)),
+            ("orders not charged exactly once", wrong),
+            ("time to publish", f"{published:.2f} s"),
+            ("time until all charged", f"{elapsed:.2f} s"),
+        ]
+        self.stdout.write("| measure | value |\n|---|---|")
+        for name, value in rows:
+            self.stdout.write(f"| {name} | {value} |")
+        if wrong:
+            raise CommandError(f"{wrong} of {orders} orders were not charged exactly once")
+
+    def create_orders(self, count: int) -> list[int]:
+        with transaction.atomic():
+            created = [Order.objects.create(email="storm@example.com") for _ in range(count)]
+            OrderLine.objects.bulk_create(
+                OrderLine(order=order, sku="TEA-001", quantity=1, price=Decimal("6.50")) for order in created
+            )
+        return [order.pk for order in created]
+
+    def wait_until_done(self, order_ids: list[int], deadline: float) -> None:
+        """Until every order's charge key has a record that is no longer in flight."""
+        pending = list(order_ids)
+        while pending:
+            pending = [order_id for order_id in pending if _in_flight(order_id)]
+            if not pending:
+                return
+            if time.monotonic() > deadline:
+                raise CommandError(f"the worker did not finish the charges of orders {pending} in time")
+            time.sleep(0.1)
+
+
+def _in_flight(order_id: int) -> bool:
+    record = charge_payment.dedup_status(order_id)
+    return record is None or record.get("state") in IN_FLIGHT
+
+
+def spread(values: list[int]) -> str:
+    """``"1"`` when all values are 1, else ``"min 0, max 3"``."""
+    low, high = min(values), max(values)
+    return str(low) if low == high else f"min {low}, max {high}"

@@ -1,0 +1,100 @@
+"""Orders and what the background tasks did for them, so "exactly once" can be counted."""
+
+from __future__ import annotations
+
+import secrets
+from decimal import Decimal
+
+from django.db import models
+
+
+def new_order_number() -> str:
+    return secrets.token_hex(4).upper()
+
+
+class Order(models.Model):
+    class Status(models.TextChoices):
+        NEW = "new", "new"
+        PAID = "paid", "paid"
+
+    number = models.CharField(max_length=16, unique=True, default=new_order_number)
+    email = models.EmailField("customer e-mail")
+    status = models.CharField(max_length=8, choices=Status.choices, default=Status.NEW)
+    created = models.DateTimeField(auto_now_add=True)
+    paid = models.BooleanField(default=False)
+    emailed = models.BooleanField("confirmation sent", default=False)
+
+    class Meta:
+        ordering = ("-created",)
+
+    def __str__(self) -> str:
+        return f"order {self.number}"
+
+    @property
+    def total(self) -> Decimal:
+        return sum((line.subtotal for line in self.lines.all()), Decimal("0"))
+
+
+class OrderLine(models.Model):
+    order = models.ForeignKey(Order, related_name="lines", on_delete=models.CASCADE)
+    sku = models.CharField(max_length=32)
+    quantity = models.PositiveIntegerField()
+    price = models.DecimalField(max_digits=10, decimal_places=2)
+
+    def __str__(self) -> str:
+        return f"{self.quantity} x {self.sku}"
+
+    @property
+    def subtotal(self) -> Decimal:
+        return self.price * self.quantity
+
+
+class Charge(models.Model):
+    """One call to the payment gateway: more than one per order is the bug this demo prevents."""
+
+    order = models.ForeignKey(Order, related_name="charges", on_delete=models.CASCADE)
+    amount = models.DecimalField(max_digits=10, decimal_places=2)
+    task_id = models.CharField(max_length=255)
+    created = models.DateTimeField(auto_now_add=True)
+
+    def __str__(self) -> str:
+        return f"charge of {self.amount} for order {self.order_id}"
+
+
+class EmailLog(models.Model):
+    """One confirmation e-mail sent."""
+
+    order = models.ForeignKey(Order, related_name="emails", on_delete=models.CASCADE)
+    recipient = models.EmailField()
+    subject = models.CharField(max_length=200)
+    task_id = models.CharField(max_length=255)
+    created = models.DateTimeField(auto_now_add=True)
+
+    def __str__(self) -> str:
+        return f"{self.subject} to {self.recipient}"
+
+
+class InventorySync(models.Model):
+    """One push of a product's ordered quantity to the (imaginary) warehouse."""
+
+    sku = models.CharField(max_length=32)
+    ordered = models.PositiveIntegerField()
+    created = models.DateTimeField(auto_now_add=True)
+
+    class Meta:
+        verbose_name_plural = "inventory syncs"
+
+    def __str__(self) -> str:
+        return f"{self.sku}: {self.ordered} ordered"
+
+
+class SalesReport(models.Model):
+    """One run of the daily sales report."""
+
+    day = models.DateField()
+    orders = models.PositiveIntegerField()
+    revenue = models.DecimalField(max_digits=12, decimal_places=2)
+    created = models.DateTimeField(auto_now_add=True)
+
+    def __str__(self) -> str:
+        return f"sales of {self.day}: {self.orders} orders, {self.revenue}"

@@ -1,0 +1,89 @@
+"""A storm of duplicate payment requests: M processes race K sends per order through ``charge_payment``.
+
+Run through the ``storm`` management command; each sender is a fresh
+(spawned) process that sets Django up itself, then waits at a barrier so all
+of them publish at once.
+"""
+
+from __future__ import annotations
+
+import multiprocessing
+import time
+from collections import defaultdict
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from multiprocessing.synchronize import Barrier
+from typing import Any, cast
+
+from celery_dedup import DedupResult
+
+#: record states of a run that is not over yet
+IN_FLIGHT = frozenset({"queued", "started", "retry"})
+
+
+@dataclass
+class Tally:
+    """What one sender process saw."""
+
+    calls: int = 0
+    accepted: int = 0
+    deduplicated: int = 0
+    task_ids: dict[int, set[str]] = field(default_factory=lambda: defaultdict(set))
+
+    def add(self, other: Tally) -> None:
+        self.calls += other.calls
+        self.accepted += other.accepted
+        self.deduplicated += other.deduplicated
+        for order_id, ids in other.task_ids.items():
+            self.task_ids[order_id] |= ids
+
+
+def shares(sends: int, processes: int) -> list[int]:
+    """How many sends per order each process makes, ``sends`` in all."""
+    return [sends // processes + (i < sends % processes) for i in range(processes)]
+
+
+def send(order_ids: Sequence[int], rounds: int, barrier: Barrier, results: Any) -> None:
+    """One sender process: ``rounds`` passes over every order, after all senders are ready."""
+    import django  # noqa: PLC0415 - a spawned process sets Django up before importing models
+
+    django.setup()
+    from .tasks import charge_payment  # noqa: PLC0415
+
+    tally = Tally()
+    barrier.wait()
+    for _ in range(rounds):
+        for order_id in order_ids:
+            result = cast(DedupResult, charge_payment.delay(order_id))  # delay is typed as Task's
+            tally.calls += 1
+            if result.deduplicated:
+                tally.deduplicated += 1
+            else:
+                tally.accepted += 1
+            tally.task_ids[order_id].add(result.id)
+    results.put(Tally(tally.calls, tally.accepted, tally.deduplicated, dict(tally.task_ids)))
+
+
+def race(order_ids: Sequence[int], sends: int, processes: int, timeout: float = 120.0) -> Tally:
+    """Publish ``sends`` charge requests per order from ``processes`` processes at once; add up what they saw."""
+    context = multiprocessing.get_context("spawn")
+    barrier = context.Barrier(processes)
+    results = context.Queue()
+    senders = [
+        context.Process(target=send, args=(list(order_ids), rounds, barrier, results), name=f"storm-{i}")
+        for i, rounds in enumerate(shares(sends, processes))
+    ]
+    for process in senders:
+        process.start()
+    total = Tally()
+    deadline = time.monotonic() + timeout
+    try:
+        for _ in senders:
+            total.add(results.get(timeout=max(deadline - time.monotonic(), 0.1)))
+    finally:
+        for process in senders:
+            process.join(5)
+            if process.is_alive():
+                process.kill()
+                process.join()
+    return total

@@ -1,0 +1,11 @@
+"""URLs: the storefront at ``/``, orders under ``/orders/``, the admin at ``/admin/``."""
+
+from __future__ import annotations
+
+from django.contrib import admin
+from django.urls import include, path
+
+urlpatterns = [
+    path("admin/", admin.site.urls),
+    path("", include("demo_project.shop.urls")),
+]
