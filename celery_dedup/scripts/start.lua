@@ -71,12 +71,15 @@ end
 local attempts = redis.call('HINCRBY', record, 'attempts', 1)
 redis.call('HSET', record, 'started_at', now, 'worker', hostname, 'pid', pid, 'retries', retries,
   'lock', token)
-redis.call('HDEL', record, 'finished_at', 'lock_lost_at')
+redis.call('HDEL', record, 'finished_at', 'lock_lost_at', 'window_until')
 local held_until = tonumber(redis.call('HGET', record, 'held_until') or 0)
 if key_mode == 'release' then
   redis.call('SREM', held, member)
   held_until = 0
 elseif held_until > 0 and (key_mode == 'lock' or held_until < now + lock_ms) then
+  if key_mode == 'window' then
+    redis.call('HSET', record, 'window_until', held_until)  -- finish.lua returns to it
+  end
   held_until = now + lock_ms  -- renewals extend it while the run lives
 end
 redis.call('HSET', record, 'held_until', held_until)
