@@ -59,6 +59,7 @@ class DemoProcess:
 
     def __init__(self, data_dir: Path, log: Path) -> None:
         self.port = free_port()
+        self.data_dir = data_dir
         self.log = log
         env = {k: v for k, v in os.environ.items() if k != "REDIS_URL"}
         env["CELERY_DEDUP_VENV"] = sys.prefix

@@ -2,8 +2,10 @@
 
 from __future__ import annotations
 
+import contextlib
 import os
 import signal
+import sqlite3
 import subprocess
 import sys
 import threading
@@ -89,9 +91,25 @@ def test_double_pay_charges_once(demo: DemoProcess) -> None:
     assert order["charge_dedup"]["duplicates"] == "1"
 
 
+def query(demo: DemoProcess, sql: str, *params: Any) -> list[tuple[Any, ...]]:
+    """Rows from the demo's SQLite database, opened read-only."""
+    with contextlib.closing(sqlite3.connect(f"file:{demo.data_dir / 'db.sqlite3'}?mode=ro", uri=True)) as db:
+        return db.execute(sql, params).fetchall()
+
+
 @pytest.mark.slow
-def test_storm_charges_every_order_once(demo: DemoProcess, tmp_path: Path) -> None:
-    env = {"REDIS_URL": demo.redis_url, "DEMO_DATA_DIR": str(demo.log.parent / "data")}
+def test_burst_of_orders_syncs_inventory_once(demo: DemoProcess) -> None:
+    client = Client(demo.base)
+    for quantity in (1, 2, 3):
+        client.place_order(BIS_004=quantity)
+    sql = "SELECT ordered FROM shop_inventorysync WHERE sku = ?"
+    synced = wait_for(lambda: query(demo, sql, "BIS-004"), 30, "an inventory sync of BIS-004")
+    assert synced == [(6,)], "one sync, after the burst, seeing all of it"
+
+
+@pytest.mark.slow
+def test_storm_charges_every_order_once(demo: DemoProcess) -> None:
+    env = {"REDIS_URL": demo.redis_url, "DEMO_DATA_DIR": str(demo.data_dir)}
     done = manage("storm", "--orders", "4", "--processes", "3", "--sends", "10", env=env)
     assert done.returncode == 0, done.stdout + done.stderr
     rows = (line.split("|") for line in done.stdout.splitlines() if line.startswith("| "))
