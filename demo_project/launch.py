@@ -204,7 +204,7 @@ class Demo:
             f"  admin          {base}/admin/  (user {USERNAME!r}, password {PASSWORD!r})",
         ]
         if has_module("celery_dedup.contrib.django"):
-            lines.append(f"  dedup records  {base}/admin/celery_dedup/deduprecord/")
+            lines.append(f"  dedup records  {base}/admin/celery_dedup/")
         embedded = " (embedded, stopped on exit)" if self.redis_server else ""
         lines += [
             f"  redis          {redis_url}{embedded}",

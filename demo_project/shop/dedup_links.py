@@ -8,14 +8,17 @@ from django.apps import apps
 from django.urls import NoReverseMatch, reverse
 
 DEDUP_APP = "celery_dedup.contrib.django"
+DEDUP_LABEL = "celery_dedup"
 
 
 def dedup_admin_url(business_key: str) -> str | None:
     """The dedup admin's record list searched for ``business_key``, or None without that app."""
     if not apps.is_installed(DEDUP_APP):
         return None
-    try:
-        base = reverse("admin:celery_dedup_deduprecord_changelist")
-    except NoReverseMatch:
-        return None
-    return f"{base}?{urlencode({'q': business_key})}"
+    for model in apps.get_app_config(DEDUP_LABEL).get_models():
+        try:
+            base = reverse(f"admin:{model._meta.app_label}_{model._meta.model_name}_changelist")
+        except NoReverseMatch:
+            continue
+        return f"{base}?{urlencode({'q': business_key})}"
+    return None
