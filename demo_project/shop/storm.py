@@ -8,6 +8,7 @@ of them publish at once.
 from __future__ import annotations
 
 import multiprocessing
+import queue
 import time
 from collections import defaultdict
 from collections.abc import Sequence
@@ -16,6 +17,11 @@ from multiprocessing.synchronize import Barrier
 from typing import Any, cast
 
 from celery_dedup import DedupResult
+
+
+class StormError(RuntimeError):
+    """A sender process failed or did not finish."""
+
 
 #: record states of a run that is not over yet
 IN_FLIGHT = frozenset({"queued", "started", "retry"})
@@ -51,7 +57,7 @@ def send(order_ids: Sequence[int], rounds: int, barrier: Barrier, results: Any) 
     from .tasks import charge_payment  # noqa: PLC0415
 
     tally = Tally()
-    barrier.wait()
+    barrier.wait(timeout=60)
     for _ in range(rounds):
         for order_id in order_ids:
             result = cast(DedupResult, charge_payment.delay(order_id))  # delay is typed as Task's
@@ -79,7 +85,7 @@ def race(order_ids: Sequence[int], sends: int, processes: int, timeout: float = 
     deadline = time.monotonic() + timeout
     try:
         for _ in senders:
-            total.add(results.get(timeout=max(deadline - time.monotonic(), 0.1)))
+            total.add(_next_result(results, senders, deadline))
     finally:
         for process in senders:
             process.join(5)
@@ -87,3 +93,18 @@ def race(order_ids: Sequence[int], sends: int, processes: int, timeout: float = 
                 process.kill()
                 process.join()
     return total
+
+
+def _next_result(results: Any, senders: list[Any], deadline: float) -> Tally:
+    """The next sender's tally; fails fast when a sender died without one, or time ran out."""
+    while True:
+        try:
+            tally: Tally = results.get(timeout=0.5)
+        except queue.Empty:
+            failed = [p.name for p in senders if p.exitcode not in (None, 0)]
+            if failed:
+                raise StormError(f"sender processes failed: {', '.join(failed)}") from None
+            if time.monotonic() > deadline:
+                raise StormError("the senders did not finish in time") from None
+        else:
+            return tally

@@ -17,7 +17,7 @@ from django.db import transaction
 
 from demo_project.celery import app
 from demo_project.shop.models import Charge, Order, OrderLine
-from demo_project.shop.storm import IN_FLIGHT, race
+from demo_project.shop.storm import IN_FLIGHT, StormError, race
 from demo_project.shop.tasks import charge_payment
 
 
@@ -40,7 +40,10 @@ class Command(BaseCommand):
             )
         order_ids = self.create_orders(orders)
         started = time.monotonic()
-        tally = race(order_ids, sends, processes, timeout)
+        try:
+            tally = race(order_ids, sends, processes, timeout)
+        except StormError as exc:
+            raise CommandError(str(exc)) from exc
         published = time.monotonic() - started
         self.wait_until_done(order_ids, started + timeout)
         elapsed = time.monotonic() - started
