@@ -15,7 +15,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from . import runtime, signals
+from . import runtime, signals, steps
 from .exceptions import (
     DedupConfigError,
     DedupError,
@@ -78,4 +78,5 @@ def install(app: Any) -> None:
     """
     runtime.install(app)
     signals.connect(app)
-    app.steps["worker"].add(signals.ReaperStep)
+    app.steps["worker"].add(steps.ReaperStep)
+    app.steps["worker"].add(steps.DispatchStep)

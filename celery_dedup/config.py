@@ -4,27 +4,30 @@ Every setting is read here and nowhere else. With Django's
 ``app.config_from_object("django.conf:settings", namespace="CELERY")`` each
 ``dedup_x`` below is spelled ``CELERY_DEDUP_X``.
 
-=========================  ====================  ===============================================
-setting                    default               effect
-=========================  ====================  ===============================================
-``dedup_redis_url``        the broker URL        where keys and status records live
-``dedup_key_prefix``       ``"dedup"``           prefix of every Redis key celery-dedup writes
-``dedup_default_ttl``      ``3600``              seconds a key is held at most (plus countdown)
-``dedup_default_mode``     ``"until_executed"``  mode of tasks that do not set ``dedup_mode``
-``dedup_on_duplicate``     ``"return_existing"`` what duplicate callers get (or ``raise``/``drop``)
-``dedup_on_redis_error``   ``"fail_closed"``     ``fail_closed`` raises, ``fail_open`` publishes
-``dedup_max_key_length``   ``200``               longer business keys are hashed (prefix kept)
-``dedup_record_ttl``       ``86400``             seconds a finished key's status record is kept
-``dedup_lock_ttl``         ``60``                execution lock TTL (renewed at a third of it)
-``dedup_on_locked``        ``"skip"``            a run finding another run's lock: ``skip`` or
-                                                 ``reschedule`` (after that lock's TTL)
-``dedup_record_args``      ``True``              keep argsrepr/kwargsrepr in records (PII: off)
-``dedup_history_length``   ``10``                transitions kept per key
-``dedup_reap_interval``    ``60``                seconds between a worker's reaper passes (0: off)
-``dedup_reap_grace``       ``30``                seconds a pushed message may take to be fetched
-                                                 and acknowledged before the reaper may judge it
-                                                 lost by the transport
-=========================  ====================  ===============================================
+===========================  ====================  ===============================================
+setting                      default               effect
+===========================  ====================  ===============================================
+``dedup_redis_url``          the broker URL        where keys and status records live
+``dedup_key_prefix``         ``"dedup"``           prefix of every Redis key celery-dedup writes
+``dedup_default_ttl``        ``3600``              seconds a key is held at most (plus countdown)
+``dedup_default_mode``       ``"until_executed"``  mode of tasks that do not set ``dedup_mode``
+``dedup_on_duplicate``       ``"return_existing"`` what duplicate callers get (or ``raise``/``drop``)
+``dedup_on_redis_error``     ``"fail_closed"``     ``fail_closed`` raises, ``fail_open`` publishes
+``dedup_max_key_length``     ``200``               longer business keys are hashed (prefix kept)
+``dedup_record_ttl``         ``86400``             seconds a finished key's status record is kept
+``dedup_lock_ttl``           ``60``                execution lock TTL (renewed at a third of it)
+``dedup_on_locked``          ``"skip"``            a run finding another run's lock: ``skip`` or
+                                                   ``reschedule`` (after that lock's TTL)
+``dedup_record_args``        ``True``              keep argument reprs and the message body in records
+                                                   (re-enqueue from the admin needs them; PII: off)
+``dedup_history_length``     ``10``                transitions kept per key
+``dedup_reap_interval``      ``60``                seconds between a worker's reaper passes (0: off)
+``dedup_reap_grace``         ``30``                seconds a pushed message may take to be fetched
+                                                   and acknowledged before the reaper may judge it
+                                                   lost by the transport
+``dedup_dispatch_interval``  ``0.1``               seconds a worker's dispatcher of debounced runs
+                                                   sleeps at most between looks for due runs
+===========================  ====================  ===============================================
 """
 
 from __future__ import annotations
@@ -36,7 +39,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from .exceptions import DedupConfigError
-from .modes import MODES, ON_DUPLICATE, ON_LOCKED, ON_REDIS_ERROR
+from .modes import DEBOUNCE, MODES, ON_DUPLICATE, ON_LOCKED, ON_REDIS_ERROR
 
 _MISSING = object()
 
@@ -99,6 +102,7 @@ check_mode = _choice(MODES)
 check_on_duplicate = _choice(ON_DUPLICATE)
 check_on_locked = _choice(ON_LOCKED)
 check_ttl = _positive_number
+check_debounce = _choice(DEBOUNCE)
 
 #: setting name -> (default, validator)
 SETTINGS: dict[str, tuple[Any, Callable[..., Any]]] = {
@@ -116,6 +120,7 @@ SETTINGS: dict[str, tuple[Any, Callable[..., Any]]] = {
     "dedup_history_length": (10, _count),
     "dedup_reap_interval": (60, _interval),
     "dedup_reap_grace": (30, _positive_number),
+    "dedup_dispatch_interval": (0.1, _positive_number),
 }
 
 
@@ -137,6 +142,7 @@ class DedupConfig:
     history_length: int
     reap_interval: float
     reap_grace: float
+    dispatch_interval: float
 
     @property
     def record_ms(self) -> int:

@@ -9,11 +9,15 @@ publishing and reads afterwards.
 
 from __future__ import annotations
 
+import base64
 import contextlib
 from collections.abc import Iterator, Mapping
 from contextvars import ContextVar
 from dataclasses import dataclass
 from typing import Any
+
+from kombu import serialization
+from kombu.utils.json import dumps, loads
 
 HEADER = "dedup"
 #: ``dedup`` header value of a keyed task published ungated (``fail_open``).
@@ -35,9 +39,18 @@ class GateHeader:
     grace_ms: int
     history: int = 10
     record_args: bool = True
+    #: Debounce only: quiet time before the run is due, and the cap on postponing it.
+    window_ms: int = 0
+    max_wait_ms: int = 0
+    #: Debounce only: a later call's arguments replace the pending ones.
+    latest: bool = True
+
+    @property
+    def debounce(self) -> bool:
+        return self.window_ms > 0
 
     def encode(self) -> dict[str, Any]:
-        return {
+        encoded: dict[str, Any] = {
             "prefix": self.prefix,
             "member": self.member,
             "nonce": self.nonce,
@@ -46,6 +59,9 @@ class GateHeader:
             "history": self.history,
             "record_args": self.record_args,
         }
+        if self.debounce:
+            encoded["debounce"] = [self.window_ms, self.max_wait_ms, self.latest]
+        return encoded
 
     @classmethod
     def decode(cls, headers: Mapping[str, Any] | None) -> GateHeader | None:
@@ -53,6 +69,7 @@ class GateHeader:
         raw = (headers or {}).get(HEADER)
         if not isinstance(raw, Mapping) or "member" not in raw:
             return None
+        window_ms, max_wait_ms, latest = raw.get("debounce") or (0, 0, True)
         return cls(
             str(raw["prefix"]),
             str(raw["member"]),
@@ -61,7 +78,43 @@ class GateHeader:
             int(raw["grace_ms"]),
             int(raw.get("history", 10)),
             bool(raw.get("record_args", True)),
+            int(window_ms),
+            int(max_wait_ms),
+            bool(latest),
         )
+
+
+def message_payload(message: Mapping[str, Any]) -> str:
+    """A published kombu message's body as a status record keeps it.
+
+    A debounced run executes with the newest payload of its burst, and the
+    admin re-enqueues a failed run from it.
+    """
+    properties = message.get("properties") or {}
+    return str(
+        dumps(
+            [
+                message["body"],
+                properties.get("body_encoding"),
+                message.get("content-type"),
+                message.get("content-encoding"),
+            ]
+        )
+    )
+
+
+def decode_payload(app: Any, payload: str) -> tuple[list[Any], dict[str, Any]]:
+    """``(args, kwargs)`` of a payload kept by :func:`message_payload`.
+
+    Only content types the app accepts (``accept_content``) are decoded.
+    """
+    body, body_encoding, content_type, content_encoding = loads(payload)
+    data = base64.b64decode(body) if body_encoding == "base64" else body
+    accept = serialization.prepare_accept_content(app.conf.accept_content)
+    decoded = serialization.loads(data, content_type, content_encoding, accept=accept)
+    if isinstance(decoded, Mapping):  # task message protocol 1
+        return list(decoded.get("args") or ()), dict(decoded.get("kwargs") or {})
+    return list(decoded[0]), dict(decoded[1])
 
 
 @dataclass(frozen=True)
@@ -70,6 +123,9 @@ class Outcome:
 
     accepted: bool
     task_id: str
+    #: Not accepted, but joined the accepted run's burst (debounce): its
+    #: arguments may be the ones that run.
+    collapsed: bool = False
 
 
 class Ticket:

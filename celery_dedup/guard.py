@@ -25,7 +25,7 @@ from celery.exceptions import Ignore, Reject, Retry
 
 from . import runtime
 from .exceptions import DedupError, DedupUnavailableError
-from .gate import GateHeader
+from .gate import GateHeader, decode_payload
 from .keys import member_for
 from .lock import ExecutionLock, new_token, renewer
 from .store import DedupStore, StartDecision
@@ -59,15 +59,21 @@ def locate(task: DedupTask, headers: Any, args: Any, kwargs: Any) -> tuple[str, 
         return None
 
 
-def guarded_call(task: DedupTask, body: Callable[[], Any]) -> Any:
-    """Run ``body`` for the current request under the guard."""
+def guarded_call(
+    task: DedupTask, args: tuple[Any, ...], kwargs: dict[str, Any], body: Callable[[Any, Any], Any]
+) -> Any:
+    """Run ``body(args, kwargs)`` for the current request under the guard.
+
+    A debounced run (``dedup_debounce="latest"``) runs with the arguments
+    its burst's newest call left in the record instead of its message's.
+    """
     request = task.request
     task_id = request.id
     if task_id is None or request.called_directly:
-        return body()
+        return body(args, kwargs)
     located = locate(task, request.headers, request.args, request.kwargs)
     if located is None:
-        return body()
+        return body(args, kwargs)
     member, store, gated = located
     policy = task.dedup_policy
     config = runtime.config_for(task.app)
@@ -87,9 +93,10 @@ def guarded_call(task: DedupTask, body: Callable[[], Any]) -> Any:
             retries=request.retries or 0,
             task_name=task.name,
             record_ms=record_ms,
+            want_payload=policy.mode.parks and policy.debounce == "latest",
         )
     except redis.RedisError as exc:
-        return store_unreachable(task, member, exc, body)
+        return store_unreachable(task, member, exc, lambda: body(args, kwargs))
     if not decision.run:
         refuse(task, store, member, decision)
     keeper = renewer()
@@ -103,7 +110,11 @@ def guarded_call(task: DedupTask, body: Callable[[], Any]) -> Any:
         finish(task, store, member, task_id, state, drop=drop, token=token, error=error, record_ms=record_ms)
 
     try:
-        result = body()
+        if decision.payload:
+            latest, kwargs = decode_payload(task.app, decision.payload)
+            args = tuple(latest)
+            request.args, request.kwargs = latest, kwargs
+        result = body(args, kwargs)
     except (SystemExit, KeyboardInterrupt):
         # The process is being torn down (hard time limit, terminate, shutdown):
         # the worker's main process reports how this run ended, releasing the lock.

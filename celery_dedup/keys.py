@@ -224,6 +224,11 @@ class KeySchema:
         return f"{self.prefix}:idx:task:{task_name}"
 
     @property
+    def due(self) -> str:
+        """ZSET of members whose debounced run is parked, scored by when it is due (ms)."""
+        return f"{self.prefix}:due"
+
+    @property
     def name_index(self) -> str:
         """ZSET of every member with score 0, for prefix search with ZRANGEBYLEX."""
         return f"{self.prefix}:idx:name"

@@ -23,6 +23,12 @@ class Mode:
     #: within one lock TTL; ``release`` drops it; ``window`` keeps the enqueue
     #: deadline if that is later.
     key_on_start: ClassVar[str] = "lock"
+    #: Whether the mode is timed by ``dedup_window`` (and refuses a task without one).
+    windowed: ClassVar[bool] = False
+    #: Whether a new run's message is parked until its burst goes quiet (see ``dispatch.lua``).
+    parks: ClassVar[bool] = False
+    #: ``dedup_on_locked`` for tasks of this mode that do not set it (None: the app's setting).
+    on_locked: ClassVar[str | None] = None
 
 
 class UntilExecuted(Mode):
@@ -53,9 +59,38 @@ class WhileExecuting(Mode):
     gates_enqueue = False
 
 
+class Debounce(Mode):
+    """Calls inside ``dedup_window`` of each other collapse into one run, due once they stop.
+
+    The first call of a burst is parked, not queued; later calls push its due
+    time back (never past ``dedup_max_wait`` after the first) and, with
+    ``dedup_debounce="latest"``, replace the arguments it will run with. The
+    key is released when the run starts, so a call during the run opens the
+    next burst, and that run waits for this one's lock (``reschedule``).
+    """
+
+    name = "debounce"
+    key_on_start = "release"
+    windowed = True
+    parks = True
+    on_locked = "reschedule"
+
+
+class Throttle(Mode):
+    """The first call of a ``dedup_window`` runs; later calls in it get that run."""
+
+    name = "throttle"
+    holds_after_success = True
+    key_on_start = "window"
+    windowed = True
+
+
 MODES: MappingProxyType[str, type[Mode]] = MappingProxyType(
-    {mode.name: mode for mode in (UntilExecuted, UntilExecuting, UntilExpired, WhileExecuting)}
+    {mode.name: mode for mode in (UntilExecuted, UntilExecuting, UntilExpired, WhileExecuting, Debounce, Throttle)}
 )
+
+#: Which arguments a debounced run executes with: the newest call's or the first's.
+DEBOUNCE = frozenset({"latest", "first"})
 
 #: What a duplicate caller gets.
 #: ``return_existing``: an AsyncResult of the accepted task, marked deduplicated.

@@ -14,7 +14,7 @@ from typing import Any
 
 import redis
 from billiard.exceptions import WorkerLostError
-from celery import bootsteps, signals
+from celery import signals
 from celery.exceptions import Reject
 
 from . import runtime
@@ -116,42 +116,6 @@ def gate_send_task(app: Any) -> None:
 
     send_task_message.celery_dedup = True  # type: ignore[attr-defined]
     amqp.send_task_message = send_task_message
-
-
-class ReaperStep(bootsteps.StartStopStep):
-    """Runs the reaper on the worker's timer every ``dedup_reap_interval`` seconds (0: never)."""
-
-    requires = ("celery.worker.components:Timer",)
-
-    def __init__(self, worker: Any, **kwargs: Any) -> None:
-        super().__init__(worker, **kwargs)
-        self.tref: Any = None
-
-    def start(self, worker: Any) -> None:
-        interval = runtime.config_for(worker.app).reap_interval
-        if interval > 0:
-            self.tref = worker.timer.call_repeatedly(interval, self.reap, (worker.app,), priority=10)
-
-    def stop(self, worker: Any) -> None:
-        if self.tref is not None:
-            self.tref.cancel()
-            self.tref = None
-
-    def reap(self, app: Any) -> None:
-        try:
-            report = runtime.reap(app)
-        except redis.RedisError as exc:
-            logger.warning("reaper could not reach the dedup store: %s", exc)
-            return
-        if any((report.released, report.lost, report.stale, report.vanished)):
-            logger.info(
-                "reaper: %d expired holds released, %d dead runs and %d lost messages marked lost, "
-                "%d stale index entries",
-                report.released,
-                report.lost,
-                report.vanished,
-                report.stale,
-            )
 
 
 def connect(app: Any) -> None:

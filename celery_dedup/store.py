@@ -17,10 +17,11 @@ from .gate import Outcome
 from .keys import KeySchema, split_member, task_namespace
 
 #: Scripts that change status records get the shared helpers of ``lib.lua`` first.
-_WITH_LIB = frozenset({"gate", "start", "finish", "reap", "release", "purge"})
+_WITH_LIB = frozenset({"gate", "start", "finish", "reap", "dispatch", "release", "purge"})
 
 #: Every state a record can be in, and those in which its run has ended (as in ``lib.lua``).
 STATES = (
+    "pending",
     "queued",
     "started",
     "retry",
@@ -54,6 +55,7 @@ class Scripts:
         self.finish: Script = client.register_script(load_script("finish"))
         self.renew: Script = client.register_script(load_script("renew"))
         self.reap: Script = client.register_script(load_script("reap"))
+        self.dispatch: Script = client.register_script(load_script("dispatch"))
         self.release: Script = client.register_script(load_script("release"))
         self.purge: Script = client.register_script(load_script("purge"))
 
@@ -70,6 +72,8 @@ class StartDecision:
 
     code: int
     detail: str
+    #: The payload a debounced run executes with (asked for, and present), else "".
+    payload: str = ""
 
     @property
     def run(self) -> bool:
@@ -121,6 +125,15 @@ class ReapReport:
     stale: int
     #: Queued runs whose message the transport lost after fetching it.
     vanished: int = 0
+
+
+@dataclass(frozen=True)
+class Dispatch:
+    """What one dispatcher call did."""
+
+    pushed: int
+    #: Seconds until the next parked run is due; None when none is parked.
+    next_due: float | None
 
 
 @dataclass(frozen=True)
@@ -224,11 +237,15 @@ class DedupStore:
         expires_ms: int | None = None,
         delivery_tag: str = "",
         unacked_key: str = "",
+        payload: str = "",
+        debounce: tuple[int, int, bool] | None = None,
         client: redis.Redis | None = None,
     ) -> Outcome:
         """Hold ``member`` for ``task_id`` and push ``message`` onto ``queue``, or neither.
 
         Without a queue this only holds the key (the non-atomic fallback).
+        ``debounce`` is ``(window_ms, max_wait_ms, latest)``: the message is
+        parked until due instead of pushed, and calls while held join its run.
         """
         keys = [self.schema.held, self.schema.record(member)]
         args: list[Any] = [
@@ -245,9 +262,20 @@ class DedupStore:
         ]
         if queue is not None:
             keys += [queue, *expire]
-            args += [message, "" if expires_ms is None else expires_ms, delivery_tag, unacked_key]
+            window_ms, max_wait_ms, latest = debounce or (0, 0, False)
+            args += [
+                message,
+                "" if expires_ms is None else expires_ms,
+                delivery_tag,
+                unacked_key,
+                payload,
+                window_ms,
+                max_wait_ms,
+                "1" if latest else "0",
+            ]
         code, owner = self.scripts.gate(keys, args, client=client or self.client)
-        return Outcome(accepted=int(code) != 0, task_id=_text(owner))
+        code = int(code)
+        return Outcome(accepted=code in (1, 2), task_id=_text(owner), collapsed=code == 3)
 
     def start(
         self,
@@ -263,6 +291,7 @@ class DedupStore:
         retries: int,
         task_name: str,
         record_ms: int,
+        want_payload: bool = False,
     ) -> StartDecision:
         """The delivery guard: may this delivery run? If so the lock is taken (one round trip)."""
         keys = [self.schema.held, self.schema.record(member), self.schema.lock(member)]
@@ -280,9 +309,11 @@ class DedupStore:
             self.schema.prefix,
             self.history_length,
             record_ms,
+            "1" if want_payload else "0",
         ]
-        code, detail = self.scripts.start(keys, args)
-        return StartDecision(int(code), _text(detail))
+        reply = self.scripts.start(keys, args)
+        payload = _text(reply[2]) if len(reply) > 2 else ""
+        return StartDecision(int(reply[0]), _text(reply[1]), payload)
 
     def finish(
         self,
@@ -444,6 +475,11 @@ class DedupStore:
                 pipe.hgetall(self.schema.record(member))
             raw = pipe.execute()
         return [{_text(k): _text(v) for k, v in item.items()} for item in raw]
+
+    def dispatch(self, *, limit: int = 100) -> Dispatch:
+        """Push the parked messages of debounced runs that are due (see ``dispatch.lua``)."""
+        pushed, next_ms = self.scripts.dispatch([self.schema.due], [self.schema.prefix, limit, self.history_length])
+        return Dispatch(int(pushed), None if int(next_ms) < 0 else int(next_ms) / 1000)
 
     def reap(self, *, budget: int = 500, record_ms: int, grace_ms: int = 30_000) -> ReapReport:
         """One bounded clean-up pass (see ``reap.lua``)."""

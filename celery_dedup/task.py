@@ -16,7 +16,7 @@ from celery.utils.saferepr import saferepr
 from kombu.exceptions import OperationalError
 
 from . import runtime
-from .config import check_mode, check_on_duplicate, check_on_locked, check_ttl
+from .config import check_debounce, check_mode, check_on_duplicate, check_on_locked, check_ttl
 from .exceptions import DedupConfigError, DedupUnavailableError, DuplicateTaskError
 from .gate import HEADER, UNGATED, GateHeader, Outcome, open_ticket
 from .guard import guarded_call, lock_lost
@@ -40,6 +40,12 @@ class TaskPolicy:
     on_duplicate: str
     lock_ttl: float
     on_locked: str
+    #: Windowed modes only (debounce, throttle): seconds.
+    window: float | None = None
+    #: Debounce only: the longest a burst postpones its run, seconds.
+    max_wait: float | None = None
+    #: Debounce only: run with the ``latest`` call's arguments or the ``first``.
+    debounce: str = "latest"
 
 
 def _run_signature(cls: type) -> inspect.Signature:
@@ -77,12 +83,18 @@ class DedupTask(_TaskBase):
     - ``dedup_key``: format string over argument names (``"order:{order_id}"``),
       a list of argument names, a callable, or ``None`` (all arguments).
     - ``dedup_mode``: ``until_executed`` (default), ``until_executing``,
-      ``until_expired`` or ``while_executing``.
+      ``until_expired``, ``while_executing``, ``debounce`` or ``throttle``.
+    - ``dedup_window``: seconds; required by (and only for) ``debounce`` (quiet
+      time before the run) and ``throttle`` (one run per window).
+    - ``dedup_max_wait``: debounce: the longest a burst postpones its run
+      (default 10 x ``dedup_window``).
+    - ``dedup_debounce``: debounce: run with the ``latest`` call's arguments
+      (default) or the ``first``.
     - ``dedup_ttl``: seconds a key stays held at most (default ``dedup_default_ttl``).
     - ``dedup_on_duplicate``: ``return_existing`` (default), ``raise`` or ``drop``.
     - ``dedup_lock_ttl``: seconds the execution lock lives unrenewed (default ``dedup_lock_ttl``).
-    - ``dedup_on_locked``: ``skip`` (default) or ``reschedule`` a run that finds
-      another run of its key executing.
+    - ``dedup_on_locked``: ``skip`` (default; ``reschedule`` for debounce) or
+      ``reschedule`` a run that finds another run of its key executing.
 
     Example:
         >>> @app.task(base=DedupTask, dedup_key="order:{order_id}")
@@ -99,6 +111,9 @@ class DedupTask(_TaskBase):
     dedup_on_duplicate: ClassVar[str | None] = None
     dedup_lock_ttl: ClassVar[float | None] = None
     dedup_on_locked: ClassVar[str | None] = None
+    dedup_window: ClassVar[float | None] = None
+    dedup_max_wait: ClassVar[float | None] = None
+    dedup_debounce: ClassVar[str | None] = None
 
     _dedup_policy: ClassVar[TaskPolicy | None] = None
 
@@ -119,7 +134,10 @@ class DedupTask(_TaskBase):
         on_duplicate = cls.dedup_on_duplicate if cls.dedup_on_duplicate is not None else config.on_duplicate
         ttl = cls.dedup_ttl if cls.dedup_ttl is not None else config.default_ttl
         lock_ttl = cls.dedup_lock_ttl if cls.dedup_lock_ttl is not None else config.lock_ttl
-        on_locked = cls.dedup_on_locked if cls.dedup_on_locked is not None else config.on_locked
+        mode = MODES[check_mode("dedup_mode", mode_name, task=name)]
+        on_locked = cls.dedup_on_locked
+        if on_locked is None:
+            on_locked = mode.on_locked or config.on_locked
         option = cls.__dict__.get("dedup_key", cls.dedup_key)
         if isinstance(option, staticmethod):
             option = option.__func__
@@ -129,12 +147,48 @@ class DedupTask(_TaskBase):
             raise DedupConfigError("dedup_key", option, f"cannot read the task's signature: {exc}", task=name) from exc
         return TaskPolicy(
             spec=KeySpec(name, option, signature, config.max_key_length),
-            mode=MODES[check_mode("dedup_mode", mode_name, task=name)],
+            mode=mode,
             ttl=check_ttl("dedup_ttl", ttl, task=name),
             on_duplicate=check_on_duplicate("dedup_on_duplicate", on_duplicate, task=name),
             lock_ttl=check_ttl("dedup_lock_ttl", lock_ttl, task=name),
             on_locked=check_on_locked("dedup_on_locked", on_locked, task=name),
+            **cls._resolve_window(mode),
         )
+
+    @classmethod
+    def _resolve_window(cls, mode: type[Mode]) -> dict[str, Any]:
+        """``dedup_window``, ``dedup_max_wait`` and ``dedup_debounce``: each only where its mode uses it."""
+        name = cls.name
+        given = {
+            option: getattr(cls, option)
+            for option in ("dedup_window", "dedup_max_wait", "dedup_debounce")
+            if getattr(cls, option) is not None
+        }
+        allowed = ({"dedup_window"} if mode.windowed else set()) | (
+            {"dedup_max_wait", "dedup_debounce"} if mode.parks else set()
+        )
+        for option, value in given.items():
+            if option not in allowed:
+                modes = "debounce and throttle" if option == "dedup_window" else "debounce"
+                raise DedupConfigError(option, value, f"applies only to dedup_mode {modes}", task=name)
+        if not mode.windowed:
+            return {}
+        if "dedup_window" not in given:
+            raise DedupConfigError("dedup_window", None, f"is required with dedup_mode={mode.name!r}", task=name)
+        if not mode.parks and cls.dedup_ttl is not None:
+            raise DedupConfigError(
+                "dedup_ttl", cls.dedup_ttl, f"does not apply to dedup_mode={mode.name!r}: set dedup_window", task=name
+            )
+        window = check_ttl("dedup_window", given["dedup_window"], task=name)
+        if not mode.parks:
+            return {"window": window}
+        max_wait = check_ttl("dedup_max_wait", given.get("dedup_max_wait", 10 * window), task=name)
+        if max_wait < window:
+            raise DedupConfigError(
+                "dedup_max_wait", max_wait, f"must be at least dedup_window ({window:g}s)", task=name
+            )
+        debounce = check_debounce("dedup_debounce", given.get("dedup_debounce", "latest"), task=name)
+        return {"window": window, "max_wait": max_wait, "debounce": debounce}
 
     @property
     def dedup_policy(self) -> TaskPolicy:
@@ -159,7 +213,7 @@ class DedupTask(_TaskBase):
         The key is settled here, before Celery stores the result: a caller who
         sees the result and calls again starts a new run, never the finished one.
         """
-        return guarded_call(self, lambda: super(DedupTask, self).__call__(*args, **kwargs))
+        return guarded_call(self, args, kwargs, lambda a, k: super(DedupTask, self).__call__(*a, **k))
 
     @property
     def dedup_lock_lost(self) -> bool:
@@ -173,17 +227,29 @@ class DedupTask(_TaskBase):
     def dedup_gate_header(self, member: str, delay: float = 0.0) -> GateHeader:
         """The ``dedup`` header that gates a publish of ``member``, to run ``delay`` seconds from now.
 
-        The key is held for ``dedup_ttl`` past the time the message is due.
+        The key is held for ``dedup_ttl`` past the time the message is due
+        (throttle: for ``dedup_window``; debounce: ``dedup_max_wait`` longer).
         """
         config = runtime.config_for(self.app)
+        policy = self.dedup_policy
+        hold = policy.ttl
+        window_ms = max_wait_ms = 0
+        if policy.mode.parks and policy.window and policy.max_wait:
+            hold += policy.max_wait
+            window_ms, max_wait_ms = int(policy.window * 1000), int(policy.max_wait * 1000)
+        elif policy.window:
+            hold = policy.window
         return GateHeader(
             prefix=config.key_prefix,
             member=member,
             nonce=new_nonce(),
-            hold_ms=int((self.dedup_policy.ttl + delay) * 1000),
+            hold_ms=int((hold + delay) * 1000),
             grace_ms=config.record_ms,
             history=config.history_length,
             record_args=config.record_args,
+            window_ms=window_ms,
+            max_wait_ms=max_wait_ms,
+            latest=policy.debounce == "latest",
         )
 
     def apply_async(
@@ -210,10 +276,17 @@ class DedupTask(_TaskBase):
         policy = self.dedup_policy
         app = self.app
         atomic = runtime.is_atomic(app)  # also refuses an app that was never installed
-        if not policy.mode.gates_enqueue:
+        if not policy.mode.gates_enqueue or (policy.mode.parks and app.conf.task_always_eager):
             policy.spec.business_key(args, kwargs)  # a bad key fails here, not on the worker
             plain = super().apply_async(args, kwargs, task_id, producer, link, link_error, shadow, **options)
             return cast(DedupResult, plain)
+        if policy.mode.parks and not atomic:
+            raise DedupConfigError(
+                "dedup_mode",
+                policy.mode.name,
+                "needs the Redis broker: a debounced run's message is parked in Redis until due",
+                task=self.name,
+            )
         config = runtime.config_for(app)
         headers = dict(options.pop("headers", None) or {})
         previous = GateHeader.decode(headers)
@@ -260,6 +333,9 @@ class DedupTask(_TaskBase):
                 return self._store_unreachable(exc, business_key, run_id, headers, publish)
             if outcome.accepted:
                 result = self._publish_or_unclaim(store, member, run_id, headers, publish)
+        if outcome.collapsed:
+            logger.debug("%s key %r: call joined the burst of %s", self.name, business_key, outcome.task_id)
+            return self._marked(outcome.task_id)
         if not outcome.accepted:
             return self._on_duplicate(policy, business_key, outcome.task_id, options)
         return result
@@ -294,7 +370,7 @@ class DedupTask(_TaskBase):
             record = store.record(gate.member)
         except redis.RedisError:
             raise DedupUnavailableError(self.name, key, exc, published=None) from exc
-        if record is not None and record.get("nonce") == gate.nonce:
+        if record is not None and gate.nonce in (record.get("nonce"), record.get("joined_nonce")):
             logger.info("%s key %r: publish reply lost, but the gate accepted %s", self.name, key, record["task_id"])
             return self.AsyncResult(record["task_id"])
         raise DedupUnavailableError(self.name, key, exc, published=False) from exc
@@ -333,6 +409,9 @@ class DedupTask(_TaskBase):
             )
         log = logger.info if policy.on_duplicate == "drop" else logger.debug
         log("duplicate %s key %r: already accepted as %s", self.name, key, existing_id)
+        return self._marked(existing_id)
+
+    def _marked(self, existing_id: str) -> DedupResult:
         result = self.AsyncResult(existing_id)
         result.deduplicated = True
         return result

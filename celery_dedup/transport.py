@@ -16,7 +16,7 @@ from kombu.transport import redis as kombu_redis
 from kombu.utils.json import dumps
 
 from .exceptions import DedupRoutingError
-from .gate import GateHeader, report
+from .gate import GateHeader, message_payload, report
 from .store import DedupStore, Scripts
 
 
@@ -64,6 +64,7 @@ class GatedChannelMixin:
             expire = [prefix + self._q_for_pri(queue, p) for p in self.priority_steps]  # type: ignore[attr-defined]
             expires_ms = self._expires[queue]
         store = DedupStore(self._dedup_client, gate.prefix, self._dedup_scripts, history_length=gate.history)
+        keep_payload = gate.record_args or (gate.debounce and gate.latest)
         outcome = store.gate(
             gate.member,
             str(headers["id"]),
@@ -79,6 +80,8 @@ class GatedChannelMixin:
             expires_ms=expires_ms,
             delivery_tag=str(message["properties"]["delivery_tag"]),
             unacked_key=prefix + self.unacked_key,
+            payload=message_payload(message) if keep_payload else "",
+            debounce=(gate.window_ms, gate.max_wait_ms, gate.latest) if gate.debounce else None,
         )
         report(gate.nonce, outcome)
         return None

@@ -71,6 +71,7 @@ def test_defaults(bare_app: BareApp) -> None:
         history_length=10,
         reap_interval=60,
         reap_grace=30,
+        dispatch_interval=0.1,
     )
     assert {f"dedup_{field}" for field in vars(config)} == set(SETTINGS)
 

@@ -8,7 +8,8 @@
 -- ARGV[2]  task id of the run
 -- ARGV[3]  state to record (succeeded, failed, retry, revoked, lost, ...)
 -- ARGV[4]  "1" to drop the key now, "0" to keep it held until its deadline
---          (an idempotency window, or a retry that keeps its key)
+--          (an idempotency window, or a retry that keeps its key); a window
+--          the run's lock outlived (start.lua's window_until) ends on time
 -- ARGV[5]  record TTL after the ending, ms; "0" deletes the record outright (its
 --          message was never enqueued)
 -- ARGV[6]  the run's lock token; "" if it holds none; "*" for whatever lock the
@@ -80,6 +81,16 @@ if drop then
   expire_record(prefix, record, member, record_ms)
 else
   local held_until = tonumber(redis.call('HGET', record, 'held_until') or 0)
+  local window_until = redis.call('HGET', record, 'window_until')
+  if window_until and state ~= 'retry' then
+    held_until = tonumber(window_until)
+    redis.call('HDEL', record, 'window_until')
+    if held_until <= now then
+      redis.call('SREM', held, member)
+      held_until = 0
+    end
+    redis.call('HSET', record, 'held_until', held_until)
+  end
   expire_record(prefix, record, member, math.max(held_until - now, 0) + record_ms)
 end
 return {1, lock_kept}

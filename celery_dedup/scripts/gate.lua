@@ -18,16 +18,27 @@
 -- ARGV[12] with KEYS[3]: PEXPIRE ms for KEYS[4..], or ""
 -- ARGV[13] with KEYS[3]: the message's delivery tag
 -- ARGV[14] with KEYS[3]: kombu's unacked hash (where a fetched message's tag goes)
+-- ARGV[15] with KEYS[3]: the message's payload (gate.message_payload), "" for none
+-- ARGV[16] with KEYS[3]: debounce window, ms; "0" if the task does not debounce
+-- ARGV[17] with KEYS[3]: debounce max wait, ms
+-- ARGV[18] with KEYS[3]: "1" if a later call's payload replaces the pending one
 -- Where the message went (queue, tag, unacked hash, pushed_at) is recorded, so
 -- the reaper can tell a message the transport lost after fetching it.
 --
+-- Debounce: a new run's message is parked in its record (state `pending`) and
+-- its member put in P:due, scored by when it is due; dispatch.lua pushes it
+-- then. A call while the key is held joins that run: it pushes the due time
+-- back (pending runs only; never past first call + max wait) and, with
+-- ARGV[18], leaves its payload and argument reprs for the run to use.
+--
 -- Returns {code, task id}:
---   {1, ARGV[2]}  accepted: key held, message pushed (if given)
+--   {1, ARGV[2]}  accepted: key held, message pushed (or parked, debounce)
 --   {0, owner}    duplicate: the key is held by task id `owner`; nothing written
 --                 but the record's duplicate counter
 --   {2, ARGV[2]}  nothing pushed, as nothing is needed: this very publish was
 --                 accepted before (a kombu retry), or it re-publishes a run
 --                 that has already ended (a late deferred copy)
+--   {3, owner}    debounce: joined the burst of run `owner`; nothing pushed
 -- Deadlines come from the server clock; a held member whose deadline passed, or
 -- whose record is gone, is stale and taken over.
 
@@ -37,6 +48,10 @@ local hold_ms, task_name, grace_ms = tonumber(ARGV[4]), ARGV[5], tonumber(ARGV[6
 local prefix, history_len = ARGV[7], tonumber(ARGV[8])
 local argsrepr, kwargsrepr = ARGV[9], ARGV[10]
 local message, expires_ms, tag, unacked = ARGV[11], ARGV[12], ARGV[13], ARGV[14]
+local payload = ARGV[15] or ''
+local window_ms, max_wait_ms, latest = tonumber(ARGV[16] or 0), tonumber(ARGV[17] or 0), ARGV[18] == '1'
+local debounce = queue and window_ms > 0
+local due_key = prefix .. ':due'
 
 local now = now_ms()
 local fresh = redis.call('SADD', held, member) == 1
@@ -54,8 +69,25 @@ if same_run then
     return {2, task_id}  -- nothing left to run: nothing is pushed
   end
 elseif not fresh and owner[1] and tonumber(owner[3] or 0) > now then
-  redis.call('HINCRBY', record, 'duplicates', 1)
-  return {0, owner[1]}
+  if not debounce then
+    redis.call('HINCRBY', record, 'duplicates', 1)
+    return {0, owner[1]}
+  end
+  if owner[4] == 'pending' then
+    local first = tonumber(redis.call('HGET', record, 'first_at') or now)
+    local due = math.min(now + window_ms, first + max_wait_ms)
+    redis.call('HSET', record, 'due_at', due)
+    redis.call('ZADD', due_key, due, member)
+  end
+  redis.call('HINCRBY', record, 'debounced', 1)
+  redis.call('HSET', record, 'joined_nonce', nonce)
+  if latest then
+    redis.call('HSET', record, 'payload', payload)
+    if argsrepr ~= '' or kwargsrepr ~= '' then
+      redis.call('HSET', record, 'args', argsrepr, 'kwargs', kwargsrepr)
+    end
+  end
+  return {3, owner[1]}
 end
 
 if same_run then
@@ -69,6 +101,18 @@ else
     'held_until', now + hold_ms, 'queued_at', now, 'duplicates', 0, 'attempts', 0)
   if argsrepr ~= '' or kwargsrepr ~= '' then
     redis.call('HSET', record, 'args', argsrepr, 'kwargs', kwargsrepr)
+  end
+  if payload ~= '' then
+    redis.call('HSET', record, 'payload', payload)
+  end
+  if debounce then
+    local due = now + math.min(window_ms, max_wait_ms)
+    redis.call('HSET', record, 'first_at', now, 'due_at', due, 'debounced', 0, 'message', message,
+      'queue', queue, 'tag', tag, 'unacked', unacked)
+    redis.call('ZADD', due_key, due, member)
+    transition(prefix, record, member, 'pending', now, task_id, '', history_len)
+    expire_record(prefix, record, member, hold_ms + grace_ms)
+    return {1, task_id}
   end
   transition(prefix, record, member, 'queued', now, task_id, '', history_len)
 end

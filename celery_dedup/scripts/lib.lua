@@ -8,6 +8,7 @@
 --   P:idx:name       ZSET "K\0N" -> 0                 business key K first, for
 --                                                     key-prefix search (ZRANGEBYLEX)
 --   P:hist:M         LIST of "ms state task_id [note]", newest first, capped
+--   P:due            ZSET M -> due time (ms)          debounced runs parked until due
 -- A member M is N ":" K, and N holds no ":".
 
 local function now_ms()
@@ -54,7 +55,7 @@ end
 -- delivery of an ended run never runs, and a later report never rewrites it.
 -- `lost` is not an end: a copy of a lost run may still run and finish it.
 -- `released`: an operator freed the key (release.lua); its run must not go on.
-local STATES = {'queued', 'started', 'retry', 'succeeded', 'failed', 'revoked', 'rejected', 'ignored',
+local STATES = {'pending', 'queued', 'started', 'retry', 'succeeded', 'failed', 'revoked', 'rejected', 'ignored',
   'lost', 'skipped', 'released'}
 local ENDED = {succeeded = true, failed = true, revoked = true, rejected = true, ignored = true,
   skipped = true, released = true}
@@ -73,7 +74,8 @@ end
 
 -- Replace M's record (in `old_state`, of run `old_task_id`; both false if there
 -- is none) by a new run's: the old one leaves the indexes, and a run that was
--- still `started` (its worker died) is noted lost in the history.
+-- still `started` is noted in the history: lost if its lock is gone (its
+-- worker died), else still running (its key was released when it started).
 local function retire(prefix, record, member, now, history_len, old_state, old_task_id)
   if not old_state then
     redis.call('DEL', record)  -- a record without a state is a bare leftover
@@ -81,7 +83,11 @@ local function retire(prefix, record, member, now, history_len, old_state, old_t
   end
   if old_state == 'started' and history_len > 0 then
     local hist = prefix .. ':hist:' .. member
-    redis.call('LPUSH', hist, now .. ' lost ' .. (old_task_id or '') .. ' key taken over')
+    local entry = ' lost ' .. (old_task_id or '') .. ' key taken over'
+    if redis.call('EXISTS', prefix .. ':lock:' .. member) == 1 then
+      entry = ' started ' .. (old_task_id or '') .. ' still running; key passed to the next run'
+    end
+    redis.call('LPUSH', hist, now .. entry)
     redis.call('LTRIM', hist, 0, history_len - 1)
   end
   unindex(prefix, member, old_state)

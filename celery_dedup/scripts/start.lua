@@ -20,9 +20,12 @@
 -- ARGV[11] key prefix
 -- ARGV[12] history length
 -- ARGV[13] record TTL, ms (for records this script creates)
+-- ARGV[14] "1" to return the record's payload (a debounced run takes the
+--          arguments its burst left there)
 --
--- Returns {code, detail}:
---   {1, attempts}   run: lock taken, record says started (attempts counts starts)
+-- Returns {code, detail[, payload]}:
+--   {1, attempts, payload}  run: lock taken, record says started (attempts
+--                   counts starts); payload "" unless asked for and present
 --   {0, pttl}       locked by another delivery of this same run (a redelivered
 --                   copy); detail: the lock's remaining ms
 --   {2, state}      done: this run already ended (a state in lib's ENDED)
@@ -35,6 +38,7 @@ local member, task_id, token, lock_ms = ARGV[1], ARGV[2], ARGV[3], tonumber(ARGV
 local gated, key_mode = ARGV[5] == '1', ARGV[6]
 local hostname, pid, retries, task_name = ARGV[7], ARGV[8], ARGV[9], ARGV[10]
 local prefix, history_len, record_ms = ARGV[11], tonumber(ARGV[12]), tonumber(ARGV[13])
+local want_payload = ARGV[14] == '1'
 
 local now = now_ms()
 local current = redis.call('HMGET', record, 'task_id', 'state', 'held_until')
@@ -71,12 +75,15 @@ end
 local attempts = redis.call('HINCRBY', record, 'attempts', 1)
 redis.call('HSET', record, 'started_at', now, 'worker', hostname, 'pid', pid, 'retries', retries,
   'lock', token)
-redis.call('HDEL', record, 'finished_at', 'lock_lost_at')
+redis.call('HDEL', record, 'finished_at', 'lock_lost_at', 'window_until')
 local held_until = tonumber(redis.call('HGET', record, 'held_until') or 0)
 if key_mode == 'release' then
   redis.call('SREM', held, member)
   held_until = 0
 elseif held_until > 0 and (key_mode == 'lock' or held_until < now + lock_ms) then
+  if key_mode == 'window' then
+    redis.call('HSET', record, 'window_until', held_until)  -- finish.lua returns to it
+  end
   held_until = now + lock_ms  -- renewals extend it while the run lives
 end
 redis.call('HSET', record, 'held_until', held_until)
@@ -86,4 +93,8 @@ if attempts > 1 then
 end
 transition(prefix, record, member, 'started', now, task_id, note, history_len)
 expire_record(prefix, record, member, math.max(held_until - now, lock_ms) + record_ms)
-return {1, attempts}
+local payload = ''
+if want_payload then
+  payload = redis.call('HGET', record, 'payload') or ''
+end
+return {1, attempts, payload}

@@ -1,0 +1,119 @@
+"""Worker bootsteps: the background services a worker runs for celery-dedup.
+
+Both run in the worker's main process only. The reaper cleans up after
+crashes on the worker's timer; the dispatcher pushes debounced runs when they
+are due, on a thread of its own because how long it sleeps depends on when
+the next run is due.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+from typing import Any
+
+import redis
+from celery import bootsteps
+
+from . import runtime
+from .exceptions import DedupConfigError
+from .task import DedupTask
+
+logger = logging.getLogger("celery_dedup")
+
+
+class ReaperStep(bootsteps.StartStopStep):
+    """Runs the reaper on the worker's timer every ``dedup_reap_interval`` seconds (0: never)."""
+
+    requires = ("celery.worker.components:Timer",)
+
+    def __init__(self, worker: Any, **kwargs: Any) -> None:
+        super().__init__(worker, **kwargs)
+        self.tref: Any = None
+
+    def start(self, worker: Any) -> None:
+        interval = runtime.config_for(worker.app).reap_interval
+        if interval > 0:
+            self.tref = worker.timer.call_repeatedly(interval, self.reap, (worker.app,), priority=10)
+
+    def stop(self, worker: Any) -> None:
+        if self.tref is not None:
+            self.tref.cancel()
+            self.tref = None
+
+    def reap(self, app: Any) -> None:
+        try:
+            report = runtime.reap(app)
+        except redis.RedisError as exc:
+            logger.warning("reaper could not reach the dedup store: %s", exc)
+            return
+        if any((report.released, report.lost, report.stale, report.vanished)):
+            logger.info(
+                "reaper: %d expired holds released, %d dead runs and %d lost messages marked lost, "
+                "%d stale index entries",
+                report.released,
+                report.lost,
+                report.vanished,
+                report.stale,
+            )
+
+
+class DispatchStep(bootsteps.StartStopStep):
+    """Pushes parked debounced runs once due; started only if the app has a debounced task.
+
+    Every worker may run one: the dispatch script pushes each run once,
+    whichever worker calls it first. It sleeps until the next run is due, at
+    most ``dedup_dispatch_interval`` seconds (a new burst may begin meanwhile).
+    """
+
+    #: Runs pushed per script call.
+    BATCH = 100
+
+    def __init__(self, worker: Any, **kwargs: Any) -> None:
+        super().__init__(worker, **kwargs)
+        self.thread: threading.Thread | None = None
+        self.stopped = threading.Event()
+
+    def start(self, worker: Any) -> None:
+        app = worker.app
+        debounced = [
+            task.name for task in app.tasks.values() if isinstance(task, DedupTask) and task.dedup_policy.mode.parks
+        ]
+        if not debounced:
+            return
+        if not runtime.is_atomic(app):
+            raise DedupConfigError(
+                "dedup_mode", "debounce", f"needs the Redis broker (debounced tasks: {', '.join(sorted(debounced))})"
+            )
+        self.stopped.clear()
+        self.thread = threading.Thread(target=self.run, args=(app,), name="celery-dedup-dispatch", daemon=True)
+        self.thread.start()
+
+    def stop(self, worker: Any) -> None:
+        self.stopped.set()
+        if self.thread is not None:
+            self.thread.join(timeout=5)
+            self.thread = None
+
+    def run(self, app: Any) -> None:
+        store = runtime.store_for(app)
+        interval = runtime.config_for(app).dispatch_interval
+        reachable = True
+        while not self.stopped.is_set():
+            try:
+                dispatched = store.dispatch(limit=self.BATCH)
+            except redis.RedisError as exc:
+                if reachable:
+                    logger.warning("dispatcher could not reach the dedup store: %s", exc)
+                reachable = False
+                self.stopped.wait(max(interval, 1.0))
+                continue
+            if not reachable:
+                logger.info("dispatcher reached the dedup store again")
+                reachable = True
+            if dispatched.pushed:
+                logger.debug("dispatcher pushed %d debounced runs", dispatched.pushed)
+            if dispatched.pushed == self.BATCH:
+                continue
+            wait = interval if dispatched.next_due is None else min(dispatched.next_due, interval)
+            self.stopped.wait(wait)
