@@ -18,19 +18,20 @@ if not settings.configured:
     os.environ.setdefault("DJANGO_SETTINGS_MODULE", "tests.django_settings")
 django.setup()
 
+from celery.result import AsyncResult  # noqa: E402
 from django.contrib.admin.utils import quote  # noqa: E402
 from django.contrib.auth.models import Permission, User  # noqa: E402
 from django.core.management import call_command  # noqa: E402
 from django.test import Client, override_settings  # noqa: E402
 from django.test.utils import setup_test_environment, teardown_test_environment  # noqa: E402
 
-from celery_dedup import runtime  # noqa: E402
+from celery_dedup import DedupTask, runtime  # noqa: E402
 from celery_dedup.contrib.django.conf import celery_app  # noqa: E402
 from celery_dedup.exceptions import DedupConfigError  # noqa: E402
 from celery_dedup.keys import KeySchema, member_for, new_nonce, new_task_id  # noqa: E402
 
 from ._records import Records, keyed_tasks  # noqa: E402
-from .conftest import AppFactory  # noqa: E402
+from .conftest import AppFactory, in_process_worker, wait_for  # noqa: E402
 
 SCHEMA = KeySchema("dedup")
 LIST = "/admin/celery_dedup/record/"
@@ -46,6 +47,10 @@ def detail_url(member: str) -> str:
 
 def release_url(member: str) -> str:
     return f"{LIST}{quote(member)}/release/"
+
+
+def requeue_url(member: str) -> str:
+    return f"{LIST}{quote(member)}/requeue/"
 
 
 @pytest.fixture(scope="module")
@@ -173,7 +178,7 @@ def test_app_setting_refuses_an_app_never_installed(make_app: AppFactory, root: 
 def test_anonymous_is_sent_to_login(app: Celery, charges: Records, users: dict[str, User]) -> None:
     run = charges.queued(1)
     client = client_for(users, None)
-    for url in (LIST, detail_url(run.member), release_url(run.member), PURGE):
+    for url in (LIST, detail_url(run.member), release_url(run.member), requeue_url(run.member), PURGE):
         response = client.get(url)
         assert response.status_code == 302 and response["Location"].startswith("/admin/login/"), url
     assert client.post(release_url(run.member)).status_code == 302
@@ -183,7 +188,7 @@ def test_anonymous_is_sent_to_login(app: Celery, charges: Records, users: dict[s
 def test_staff_without_permission_is_forbidden(app: Celery, charges: Records, users: dict[str, User]) -> None:
     run = charges.queued(1)
     client = client_for(users, "nobody")
-    for url in (LIST, detail_url(run.member), release_url(run.member), PURGE):
+    for url in (LIST, detail_url(run.member), release_url(run.member), requeue_url(run.member), PURGE):
         assert client.get(url).status_code == 403, url
     assert client.post(release_url(run.member)).status_code == 403
     assert client.post(PURGE, {"states": ["succeeded"]}).status_code == 403
@@ -193,12 +198,16 @@ def test_staff_without_permission_is_forbidden(app: Celery, charges: Records, us
 def test_view_permission_lists_and_shows_but_may_not_act(app: Celery, charges: Records, users: dict[str, User]) -> None:
     run = charges.queued(1)
     done = charges.ended(2, "succeeded")
+    failed = charges.ended(3, "failed")
     client = client_for(users, "viewer")
 
-    assert listed(client.get(LIST)) == [done.member, run.member]
-    page = client.get(detail_url(run.member))
+    assert listed(client.get(LIST)) == [failed.member, done.member, run.member]
+    page = client.get(detail_url(failed.member))
     assert page.status_code == 200
-    assert "Release key" not in page.content.decode()
+    assert "Release key" not in page.content.decode() and "Re-enqueue" not in page.content.decode()
+    assert client.get(requeue_url(failed.member)).status_code == 403
+    assert client.post(requeue_url(failed.member)).status_code == 403
+    assert record(app, failed.member)["task_id"] == failed.task_id
     assert "Purge finished records" not in client.get(LIST).content.decode()
     assert client.get(release_url(run.member)).status_code == 403
     assert client.post(release_url(run.member), {"force": "on"}).status_code == 403
@@ -416,6 +425,52 @@ def test_purge_refuses_states_that_are_not_ended(app: Celery, charges: Records, 
     response = root.post(PURGE, {"states": ["queued"]})
     assert response.status_code == 200 and response.context["form"].errors
     assert record(app, run.member)["state"] == "queued"
+
+
+def test_requeue_publishes_a_run_that_a_worker_executes(make_app: AppFactory, users: dict[str, User]) -> None:
+    app = make_app()
+    calls: list[tuple[int, str]] = []
+
+    @app.task(name="shop.flaky", base=DedupTask, dedup_key="order:{order_id}", shared=False)
+    def flaky(order_id: int, note: str = "") -> int:
+        calls.append((order_id, note))
+        if len(calls) == 1:
+            raise RuntimeError("the first run fails")
+        return order_id
+
+    store = runtime.store_for(app)
+    member = member_for("shop.flaky", "order:9")
+    root = client_for(users, "root")
+    with override_settings(CELERY_DEDUP_APP=app), in_process_worker(app):
+        first = flaky.delay(9, note="again")
+        wait_for(lambda: (store.record(member) or {}).get("state") == "failed", 10, "the first run to fail")
+        assert f'href="{requeue_url(member)}"' in root.get(detail_url(member)).content.decode()
+
+        confirm = root.get(requeue_url(member))
+        assert confirm.context["arguments"] == ([9], {"note": "again"})
+        assert store.record(member)["task_id"] == first.id  # type: ignore[index]  # GET changes nothing
+
+        done = root.post(requeue_url(member), follow=True)
+
+        new_id = store.record(member)["task_id"]  # type: ignore[index]
+        assert new_id != first.id
+        assert f"Re-enqueued as task id {new_id}." in done.content.decode()
+        assert AsyncResult(new_id, app=app).get(timeout=10) == 9
+    assert calls == [(9, "again"), (9, "again")]
+    assert store.record(member)["state"] == "succeeded"  # type: ignore[index]
+
+
+def test_requeue_without_payload_is_refused_with_a_reason(make_app: AppFactory, users: dict[str, User]) -> None:
+    app = make_app(dedup_record_args=False)
+    charges = Records(app, keyed_tasks(app)[0])
+    failed = charges.ended(1, "failed")
+    root = client_for(users, "root")
+    with override_settings(CELERY_DEDUP_APP=app):
+        assert "Re-enqueue" not in root.get(detail_url(failed.member)).content.decode()
+        assert "cannot be re-enqueued" in root.get(requeue_url(failed.member)).content.decode()
+        done = root.post(requeue_url(failed.member), follow=True)
+    assert "Not re-enqueued: the record keeps no payload" in done.content.decode()
+    assert record(app, failed.member)["task_id"] == failed.task_id
 
 
 # --- 100,000 records -----------------------------------------------------------------------------

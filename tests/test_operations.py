@@ -15,7 +15,7 @@ from celery_dedup.keys import KeySchema
 from celery_dedup.store import ENDED_STATES, STATES, PurgeReport, ReleaseResult, StartDecision, load_script
 
 from ._records import Records, keyed_tasks
-from .conftest import AppFactory
+from .conftest import AppFactory, queued_messages
 
 SCHEMA = KeySchema("dedup")
 
@@ -221,6 +221,44 @@ def test_purge_stops_at_its_limit(app: Celery, records: Records) -> None:
 def test_purge_refuses_bad_arguments(app: Celery, kwargs: dict[str, Any], reason: str) -> None:
     with pytest.raises(DedupOperationError, match=reason):
         operations.purge(app, **kwargs)
+
+
+def test_requeue_publishes_a_new_run_with_the_recorded_arguments(app: Celery, records: Records, r: redis.Redis) -> None:
+    failed = records.ended(40, "failed", error="boom")
+    r.delete("celery")  # the first run's message, which a worker would have taken
+
+    result = operations.requeue(app, failed.member)
+
+    assert not result.deduplicated and result.task_id != failed.task_id
+    assert result.task_id.startswith("order:40~")
+    record = runtime.store_for(app).record(failed.member)
+    assert record is not None and (record["state"], record["task_id"]) == ("queued", result.task_id)
+    [message] = queued_messages(r)
+    assert message["headers"]["id"] == result.task_id
+    assert message["headers"]["argsrepr"] == "(40,)"
+
+
+def test_requeue_of_a_key_still_held_is_deduplicated(app: Celery, records: Records) -> None:
+    failed = records.ended(41, "failed", keep_key=True)  # until_expired keeps a failed key for its window
+
+    assert operations.requeue(app, failed.member) == operations.RequeueResult(failed.task_id, deduplicated=True)
+
+
+def test_requeue_refuses_what_it_cannot_do(app: Celery, records: Records, make_app: AppFactory) -> None:
+    queued = records.queued(42)
+    with pytest.raises(DedupOperationError, match="the run is queued"):
+        operations.requeue(app, queued.member)
+    with pytest.raises(DedupOperationError, match="no status record"):
+        operations.requeue(app, "shop.charge:order:none")
+    failed = records.ended(43, "failed")
+    with pytest.raises(DedupOperationError, match="no DedupTask of this app"):
+        operations.requeue(make_app("other"), failed.member)
+
+    bare = make_app("bare", dedup_record_args=False)
+    unrecorded = Records(bare, keyed_tasks(bare)[0]).ended(44, "failed")
+    assert not operations.can_requeue(runtime.store_for(bare).record(unrecorded.member))
+    with pytest.raises(DedupOperationError, match="keeps no payload"):
+        operations.requeue(bare, unrecorded.member)
 
 
 def test_detail_reads_record_history_hold_and_lock(app: Celery, records: Records) -> None:

@@ -20,6 +20,8 @@ from django.urls import URLPattern, path, reverse
 from django.views.generic import RedirectView
 
 from celery_dedup import DedupTask, operations, runtime
+from celery_dedup.exceptions import DedupOperationError
+from celery_dedup.gate import decode_payload
 from celery_dedup.store import ENDED_STATES, STATES, KeyDetail, ReleaseResult
 
 from .conf import celery_app
@@ -49,6 +51,7 @@ class RecordAdmin(admin.ModelAdmin):  # type: ignore[type-arg]
             path("purge/", wrap(self.purge_view), name=f"{name}_purge"),
             path("<path:object_id>/change/", wrap(self.change_view), name=f"{name}_change"),
             path("<path:object_id>/release/", wrap(self.release_view), name=f"{name}_release"),
+            path("<path:object_id>/requeue/", wrap(self.requeue_view), name=f"{name}_requeue"),
             path(
                 "<path:object_id>/",
                 wrap(RedirectView.as_view(pattern_name=f"{self.admin_site.name}:{name}_change")),
@@ -133,6 +136,7 @@ class RecordAdmin(admin.ModelAdmin):  # type: ignore[type-arg]
             history=history_of(found.history),
             lock_ttl_s=found.lock_ttl_ms / 1000,
             release_url=self._url("release", found.member),
+            requeue_url=self._url("requeue", found.member) if operations.can_requeue(found.record) else None,
             **(extra_context or {}),
         )
         return TemplateResponse(request, f"{TEMPLATES}/change_form.html", context)
@@ -171,6 +175,41 @@ class RecordAdmin(admin.ModelAdmin):  # type: ignore[type-arg]
             detail_url=detail_url,
         )
         return TemplateResponse(request, f"{TEMPLATES}/release.html", context)
+
+    def requeue_view(self, request: HttpRequest, object_id: str) -> HttpResponse:
+        self._require(request, change=True)
+        app = celery_app()
+        found = self._detail(app, object_id)
+        detail_url = self._url("change", found.member)
+        if request.method == "POST":
+            try:
+                result = operations.requeue(app, found.member)
+            except DedupOperationError as exc:
+                self.message_user(request, f"Not re-enqueued: {exc.reason}.", messages.ERROR)
+                return HttpResponseRedirect(detail_url)
+            if result.deduplicated:
+                text = f"Nothing enqueued: the key is held by run {result.task_id}."
+                self.message_user(request, text, messages.WARNING)
+            else:
+                self.message_user(request, f"Re-enqueued as task id {result.task_id}.", messages.SUCCESS)
+            return HttpResponseRedirect(detail_url)
+        record = found.record or {}
+        try:
+            arguments = decode_payload(app, record["payload"]) if operations.can_requeue(record) else None
+        except Exception as exc:  # shown, not raised: the POST reports it as a typed error
+            arguments = None
+            self.message_user(request, f"The payload cannot be decoded: {exc}", messages.ERROR)
+        context = self._context(
+            request,
+            "Re-enqueue this run?",
+            detail=found,
+            key=found.member.partition(":")[2],
+            state=record.get("state", ""),
+            arguments=arguments,
+            requeue_states=operations.REQUEUE_STATES,
+            detail_url=detail_url,
+        )
+        return TemplateResponse(request, f"{TEMPLATES}/requeue.html", context)
 
     def purge_view(self, request: HttpRequest) -> HttpResponse:
         self._require(request, change=True)
