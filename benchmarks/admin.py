@@ -98,7 +98,7 @@ def seed(app: Celery, count: int, *, batch: int = 1000) -> None:
         for n in range(count):
             key, task = f"order:{n:06d}", TASKS[n % len(TASKS)]
             member = member_for(task, key)
-            hold = [3_600_000, task, 86_400_000, schema.prefix, 10, "", ""]
+            hold: list[str | int] = [3_600_000, task, 86_400_000, schema.prefix, 10, "", ""]
             args: list[str | int] = [member, new_task_id(key), new_nonce(), *hold]
             store.scripts.gate([schema.held, schema.record(member)], args, client=pipe)
             if len(pipe) >= batch:
