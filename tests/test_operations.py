@@ -15,7 +15,7 @@ from celery_dedup.keys import KeySchema
 from celery_dedup.store import ENDED_STATES, STATES, PurgeReport, ReleaseResult, StartDecision, load_script
 
 from ._records import Records, keyed_tasks
-from .conftest import AppFactory, queued_messages
+from .conftest import AppFactory, queued_messages, wait_for
 
 SCHEMA = KeySchema("dedup")
 
@@ -135,10 +135,15 @@ def test_release_of_an_unknown_key_does_nothing(app: Celery) -> None:
 
 
 def test_release_of_a_held_key_without_record_drops_the_hold(app: Celery, r: redis.Redis) -> None:
-    r.sadd(SCHEMA.held, "shop.charge:order:5")  # what a record that expired before its hold leaves
+    member = "shop.charge:order:5"
+    store = runtime.store_for(app)
+    # A hold whose record expired (hold 50 ms + 1 ms grace) stays in the held set until the reaper runs.
+    assert store.gate(member, "order:5~run", "nonce", hold_ms=50, grace_ms=1, task_name="shop.charge").accepted
+    wait_for(lambda: store.record(member) is None, 5, "the record to expire")
+    assert r.sismember(SCHEMA.held, member)
 
-    assert operations.release(app, "shop.charge:order:5") == ReleaseResult(ReleaseResult.RELEASED, "", True, False)
-    assert not r.sismember(SCHEMA.held, "shop.charge:order:5")
+    assert operations.release(app, member) == ReleaseResult(ReleaseResult.RELEASED, "", True, False)
+    assert not r.sismember(SCHEMA.held, member)
 
 
 def index_entries(r: redis.Redis, member: str) -> list[str]:
