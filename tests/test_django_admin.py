@@ -279,7 +279,8 @@ def test_list_filters_by_state_and_task_and_searches_by_key_prefix(
     listing = response.context["listing"]
     counts = {c.label: c.count for c in listing.state_choices}
     assert (counts["queued"], counts["failed"], counts["succeeded"], counts["started"]) == (2, 1, 1, 0)
-    assert {c.label: c.count for c in listing.task_choices} == {"All": None, "shop.charge": 3, "shop.refund": 1}
+    task_counts = {c.label: c.count for c in listing.task_choices}
+    assert (task_counts["All"], task_counts["shop.charge"], task_counts["shop.refund"]) == (None, 3, 1)
     assert [c.label for c in listing.state_choices if c.selected] == ["queued"]
     duplicates = {row.member: row.duplicates for row in listing.rows}
     assert duplicates[queued.member] == "1"
