@@ -433,7 +433,7 @@ class DedupStore:
         scanned = 0
         total = 0
         while scanned < 20 * limit:
-            batch = 2 * limit
+            batch = limit - len(found)  # each page reads what it shows, more only for skipped entries
             members, total = self._index_slice(state, namespace, prefix, offset, batch)
             wanted = [m for m in members if namespace is None or split_member(m)[0] == namespace]
             fetched = dict(zip(wanted, self._fetch(wanted), strict=True))
