@@ -160,13 +160,18 @@ class DedupConfig:
         return cls(**values)
 
 
+#: Django settings that share the ``CELERY_DEDUP_`` prefix but configure the
+#: admin (``celery_dedup.contrib.django``), not the Celery app.
+DJANGO_ONLY = frozenset({"dedup_app"})
+
+
 def _reject_unknown(conf: Mapping[str, Any]) -> None:
     for name in list(conf.keys()):
         lowered = str(name).lower()
         for prefix in ("dedup_", "celery_dedup_"):
             if lowered.startswith(prefix):
                 setting = "dedup_" + lowered.removeprefix(prefix)
-                if setting not in SETTINGS:
+                if setting not in SETTINGS and setting not in DJANGO_ONLY:
                     close = difflib.get_close_matches(setting, SETTINGS, n=1)
                     hint = f"; did you mean {close[0]!r}?" if close else ""
                     raise DedupConfigError(name, conf[name], f"unknown celery-dedup setting{hint}")

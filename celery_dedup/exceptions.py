@@ -81,6 +81,16 @@ class DedupRoutingError(DedupError):
         super().__init__(f"task {task!r} key {key!r}: {reason}")
 
 
+class DedupOperationError(DedupError):
+    """An operator's action on a key (release, purge, re-enqueue) cannot be done."""
+
+    def __init__(self, operation: str, target: str, reason: str) -> None:
+        self.operation = operation
+        self.target = target
+        self.reason = reason
+        super().__init__(f"{operation} {target!r}: {reason}")
+
+
 def _short_repr(value: Any, limit: int = 80) -> str:
     try:
         text = repr(value)

@@ -41,6 +41,10 @@ class ReaperStep(bootsteps.StartStopStep):
             self.tref.cancel()
             self.tref = None
 
+    # A worker told to terminate (not to stop) calls this; the base class's
+    # version only knows steps that keep their service in ``obj``.
+    terminate = stop
+
     def reap(self, app: Any) -> None:
         try:
             report = runtime.reap(app)
@@ -94,6 +98,8 @@ class DispatchStep(bootsteps.StartStopStep):
         if self.thread is not None:
             self.thread.join(timeout=5)
             self.thread = None
+
+    terminate = stop
 
     def run(self, app: Any) -> None:
         store = runtime.store_for(app)

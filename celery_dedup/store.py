@@ -17,7 +17,24 @@ from .gate import Outcome
 from .keys import KeySchema, split_member, task_namespace
 
 #: Scripts that change status records get the shared helpers of ``lib.lua`` first.
-_WITH_LIB = frozenset({"gate", "start", "finish", "reap", "dispatch"})
+_WITH_LIB = frozenset({"gate", "start", "finish", "reap", "dispatch", "release", "purge"})
+
+#: Every state a record can be in, and those in which its run has ended (as in ``lib.lua``).
+STATES = (
+    "pending",
+    "queued",
+    "started",
+    "retry",
+    "succeeded",
+    "failed",
+    "revoked",
+    "rejected",
+    "ignored",
+    "lost",
+    "skipped",
+    "released",
+)
+ENDED_STATES = ("succeeded", "failed", "revoked", "rejected", "ignored", "skipped", "released")
 
 
 def load_script(name: str) -> str:
@@ -39,6 +56,8 @@ class Scripts:
         self.renew: Script = client.register_script(load_script("renew"))
         self.reap: Script = client.register_script(load_script("reap"))
         self.dispatch: Script = client.register_script(load_script("dispatch"))
+        self.release: Script = client.register_script(load_script("release"))
+        self.purge: Script = client.register_script(load_script("purge"))
 
 
 def _text(value: Any) -> str:
@@ -115,6 +134,60 @@ class Dispatch:
     pushed: int
     #: Seconds until the next parked run is due; None when none is parked.
     next_due: float | None
+
+
+@dataclass(frozen=True)
+class ReleaseResult:
+    """What an operator's release of a key did (see ``release.lua``)."""
+
+    REFUSED_LOCKED, RELEASED, REFUSED_LOCK_CHANGED, NOTHING = 0, 1, 2, 3
+
+    code: int
+    #: RELEASED: the record's state now ("" without a record); REFUSED_LOCKED:
+    #: the lock's remaining ms; REFUSED_LOCK_CHANGED: the lock's current token.
+    detail: str
+    #: Whether the key was in the held set.
+    was_held: bool = False
+    #: Whether a live execution lock was deleted.
+    forced: bool = False
+
+    @property
+    def released(self) -> bool:
+        return self.code == self.RELEASED
+
+
+@dataclass(frozen=True)
+class PurgeReport:
+    """What one purge call did."""
+
+    purged: int
+    #: Ended records kept because their key is held or their lock is alive.
+    kept: int
+    #: True when the budget ran out first: call again for the rest.
+    more: bool
+
+
+@dataclass(frozen=True)
+class KeyDetail:
+    """Everything about one member, read in one round trip."""
+
+    member: str
+    record: dict[str, str] | None
+    history: list[str]
+    held: bool
+    #: The execution lock's owner token, None when no lock is alive.
+    lock_token: str | None
+    #: The lock's remaining time, ms (0 without a lock).
+    lock_ttl_ms: int
+
+
+@dataclass(frozen=True)
+class IndexSizes:
+    """Entries per index: all records, per state, per task name."""
+
+    total: int
+    states: dict[str, int]
+    tasks: dict[str, int]
 
 
 @dataclass(frozen=True)
@@ -300,6 +373,45 @@ class DedupStore:
     def is_held(self, member: str) -> bool:
         return bool(self.client.sismember(self.schema.held, member))
 
+    def detail(self, member: str) -> KeyDetail:
+        """The member's record, history, hold and execution lock, in one pipeline."""
+        schema = self.schema
+        with self.client.pipeline(transaction=True) as pipe:
+            pipe.hgetall(schema.record(member))
+            pipe.lrange(schema.history(member), 0, -1)
+            pipe.sismember(schema.held, member)
+            pipe.get(schema.lock(member))
+            pipe.pttl(schema.lock(member))
+            raw, history, held, token, pttl = pipe.execute()
+        return KeyDetail(
+            member=member,
+            record={_text(k): _text(v) for k, v in raw.items()} or None,
+            history=[_text(entry) for entry in history],
+            held=bool(held),
+            lock_token=None if token is None else _text(token),
+            lock_ttl_ms=max(int(pttl), 0) if token is not None else 0,
+        )
+
+    def index_sizes(self, *, states: Sequence[str] = STATES, tasks: Sequence[str] = ()) -> IndexSizes:
+        """How many records the whole index, each state's and each task's index hold.
+
+        One round trip of ZCARDs (constant time each); counts include entries
+        whose record expired and the reaper has not removed yet.
+        """
+        schema = self.schema
+        with self.client.pipeline(transaction=False) as pipe:
+            pipe.zcard(schema.index)
+            for state in states:
+                pipe.zcard(schema.state_index(state))
+            for task in tasks:
+                pipe.zcard(schema.task_index(task_namespace(task)))
+            sizes = [int(n) for n in pipe.execute()]
+        return IndexSizes(
+            total=sizes[0],
+            states=dict(zip(states, sizes[1 : 1 + len(states)], strict=True)),
+            tasks=dict(zip(tasks, sizes[1 + len(states) :], strict=True)),
+        )
+
     def records(
         self,
         *,
@@ -321,7 +433,7 @@ class DedupStore:
         scanned = 0
         total = 0
         while scanned < 20 * limit:
-            batch = 2 * limit
+            batch = limit - len(found)  # each page reads what it shows, more only for skipped entries
             members, total = self._index_slice(state, namespace, prefix, offset, batch)
             wanted = [m for m in members if namespace is None or split_member(m)[0] == namespace]
             fetched = dict(zip(wanted, self._fetch(wanted), strict=True))
@@ -375,6 +487,25 @@ class DedupStore:
             [self.schema.held], [self.schema.prefix, budget, record_ms, self.history_length, grace_ms]
         )
         return ReapReport(int(released), int(lost), int(stale), int(vanished))
+
+    def release(self, member: str, *, record_ms: int, force_token: str = "", by: str = "") -> ReleaseResult:
+        """Free ``member``'s key (see ``release.lua``): owner-safe, noted in its history as ``by``.
+
+        A live execution lock refuses the release unless ``force_token`` is the
+        lock's current token; the lock is then deleted.
+        """
+        keys = [self.schema.held, self.schema.record(member), self.schema.lock(member)]
+        args: list[str | int] = [member, self.schema.prefix, self.history_length, record_ms, force_token, by]
+        code, detail, was_held, forced = self.scripts.release(keys, args)
+        return ReleaseResult(int(code), _text(detail), bool(was_held), bool(forced))
+
+    def purge(self, states: Sequence[str] = ENDED_STATES, *, budget: int = 500) -> PurgeReport:
+        """Delete up to ``budget`` examined records in ended ``states`` (see ``purge.lua``).
+
+        Records whose key is held or whose lock is alive are kept.
+        """
+        purged, kept, more = self.scripts.purge([self.schema.held], [self.schema.prefix, budget, *states])
+        return PurgeReport(int(purged), int(kept), bool(more))
 
 
 def client_from_url(url: str, transport_options: Mapping[str, Any] | None = None) -> redis.Redis:

@@ -58,7 +58,9 @@ def record_run(task: Any, **arguments: Any) -> None:
     client().rpush(runs_key(task.name), json.dumps(entry))
 
 
-@app.task(bind=True, base=DedupTask, dedup_key="sku:{sku}", dedup_mode="debounce", dedup_window=WINDOW)
+# shared=False: Celery would otherwise register these tasks in every app
+# finalized later in the same process (other tests' apps included).
+@app.task(bind=True, base=DedupTask, shared=False, dedup_key="sku:{sku}", dedup_mode="debounce", dedup_window=WINDOW)
 def sync(self: DedupTask, sku: str, seq: str) -> None:
     record_run(self, sku=sku, seq=seq)
 
@@ -66,6 +68,7 @@ def sync(self: DedupTask, sku: str, seq: str) -> None:
 @app.task(
     bind=True,
     base=DedupTask,
+    shared=False,
     dedup_key="sku:{sku}",
     dedup_mode="debounce",
     dedup_window=WINDOW,
@@ -75,6 +78,8 @@ def sync_capped(self: DedupTask, sku: str, seq: str) -> None:
     record_run(self, sku=sku, seq=seq)
 
 
-@app.task(bind=True, base=DedupTask, dedup_key="day:{day}", dedup_mode="throttle", dedup_window=THROTTLE_WINDOW)
+@app.task(
+    bind=True, base=DedupTask, shared=False, dedup_key="day:{day}", dedup_mode="throttle", dedup_window=THROTTLE_WINDOW
+)
 def report(self: DedupTask, day: str, seq: str) -> None:
     record_run(self, day=day, seq=seq)

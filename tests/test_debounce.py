@@ -233,7 +233,15 @@ def test_a_hundred_keys_debounce_independently(server: Server, r: redis.Redis, w
         for key in range(100):
             debounce_app.sync.delay(f"k{key}", f"{round_}-{key}")
     task = "tests.debounce_app.sync"
-    wait_for(lambda: len(runs(r, task)) >= 100, 15, lambda: f"{len(runs(r, task))} of 100 ran")
+
+    def missing() -> str:
+        ran = {run["sku"] for run in runs(r, task)}
+        left = [f"k{key}" for key in range(100) if f"k{key}" not in ran]
+        member = f"{task}:sku:{left[0]}" if left else ""
+        record, history = r.hgetall(f"dedup:rec:{member}"), r.lrange(f"dedup:hist:{member}", 0, -1)
+        return f"{100 - len(left)} of 100 ran; {left[:5]}: {record} {history}"
+
+    wait_for(lambda: len(runs(r, task)) >= 100, 15, missing)
     time.sleep(WINDOW + 0.5)
     done = runs(r, task)
     assert len(done) == 100

@@ -54,10 +54,11 @@ end
 -- Every state a record can be in, and those in which its run has ended: a
 -- delivery of an ended run never runs, and a later report never rewrites it.
 -- `lost` is not an end: a copy of a lost run may still run and finish it.
+-- `released`: an operator freed the key (release.lua); its run must not go on.
 local STATES = {'pending', 'queued', 'started', 'retry', 'succeeded', 'failed', 'revoked', 'rejected', 'ignored',
-  'lost', 'skipped'}
+  'lost', 'skipped', 'released'}
 local ENDED = {succeeded = true, failed = true, revoked = true, rejected = true, ignored = true,
-  skipped = true}
+  skipped = true, released = true}
 
 -- Remove M from every index; `state`, when known, spares trying every state index.
 local function unindex(prefix, member, state)

@@ -1,0 +1,1 @@
+"""Integrations with other frameworks; each is optional and imported only when used."""

@@ -1,0 +1,252 @@
+"""The "Celery dedup" admin: status records read live from Redis, and the operator's actions.
+
+Viewing needs staff status and the ``view_record`` (or ``change_record``)
+permission; releasing, purging and re-enqueueing need ``change_record``.
+Every action has a confirmation page (GET) and acts on a POST carrying the
+CSRF token. The work itself is in :mod:`celery_dedup.operations`.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from celery import Celery
+from django.contrib import admin, messages
+from django.contrib.admin.utils import quote, unquote
+from django.core.exceptions import PermissionDenied
+from django.http import Http404, HttpRequest, HttpResponse, HttpResponseRedirect
+from django.template.response import TemplateResponse
+from django.urls import URLPattern, path, reverse
+from django.views.generic import RedirectView
+
+from celery_dedup import DedupTask, operations, runtime
+from celery_dedup.exceptions import DedupOperationError
+from celery_dedup.gate import decode_payload
+from celery_dedup.store import ENDED_STATES, STATES, KeyDetail, ReleaseResult
+
+from .conf import celery_app
+from .detail import fields_of, history_of
+from .forms import PurgeForm, ReleaseForm
+from .listing import PAGE_SIZE, Listing, Query, task_names
+from .models import Record
+
+TEMPLATES = "admin/celery_dedup/record"
+
+
+@admin.register(Record)
+class RecordAdmin(admin.ModelAdmin):  # type: ignore[type-arg]
+    """Lists, shows and acts on records in Redis; the model only carries the permissions."""
+
+    def has_add_permission(self, request: HttpRequest) -> bool:
+        return False
+
+    def has_delete_permission(self, request: HttpRequest, obj: Any = None) -> bool:
+        return False
+
+    def get_urls(self) -> list[URLPattern]:
+        name = f"{self.opts.app_label}_{self.opts.model_name}"
+        wrap = self.admin_site.admin_view
+        return [
+            path("", wrap(self.changelist_view), name=f"{name}_changelist"),
+            path("purge/", wrap(self.purge_view), name=f"{name}_purge"),
+            path("<path:object_id>/change/", wrap(self.change_view), name=f"{name}_change"),
+            path("<path:object_id>/release/", wrap(self.release_view), name=f"{name}_release"),
+            path("<path:object_id>/requeue/", wrap(self.requeue_view), name=f"{name}_requeue"),
+            path(
+                "<path:object_id>/",
+                wrap(RedirectView.as_view(pattern_name=f"{self.admin_site.name}:{name}_change")),
+            ),
+        ]
+
+    # --- helpers -------------------------------------------------------------------------------
+
+    def _require(self, request: HttpRequest, *, change: bool = False) -> None:
+        allowed = self.has_change_permission(request) if change else self.has_view_or_change_permission(request)
+        if not allowed:
+            raise PermissionDenied
+
+    def _url(self, view: str, member: str | None = None) -> str:
+        name = f"{self.admin_site.name}:{self.opts.app_label}_{self.opts.model_name}_{view}"
+        return reverse(name, args=[quote(member)] if member is not None else [])
+
+    def _context(self, request: HttpRequest, title: str, **extra: Any) -> dict[str, Any]:
+        return {
+            **self.admin_site.each_context(request),
+            "opts": self.opts,
+            "app_label": self.opts.app_label,
+            "title": title,
+            "has_view_permission": self.has_view_permission(request),
+            "has_change_permission": self.has_change_permission(request),
+            "changelist_url": self._url("changelist"),
+            **extra,
+        }
+
+    def _detail(self, app: Celery, object_id: str) -> KeyDetail:
+        found = operations.detail(app, unquote(object_id))
+        if found.record is None and not found.held and found.lock_token is None:
+            raise Http404(f"No status record, hold or lock for {found.member!r}")
+        return found
+
+    # --- views ---------------------------------------------------------------------------------
+
+    def changelist_view(self, request: HttpRequest, extra_context: dict[str, Any] | None = None) -> HttpResponse:
+        self._require(request)
+        app = celery_app()
+        store = runtime.store_for(app)
+        query = Query.parse(request.GET)
+        page = store.records(
+            state=query.state or None,
+            task=query.task or None,
+            prefix=query.search or None,
+            cursor=query.cursor or None,
+            limit=PAGE_SIZE,
+        )
+        names = task_names(app.tasks, DedupTask)
+        sizes = store.index_sizes(states=STATES, tasks=names)
+        listing = Listing.build(
+            query, page, states=sizes.states, tasks=sizes.tasks, link=lambda member: self._url("change", member)
+        )
+        context = self._context(
+            request,
+            "Status records",
+            listing=listing,
+            total=sizes.total,
+            page_size=PAGE_SIZE,
+            purge_url=self._url("purge"),
+            **(extra_context or {}),
+        )
+        return TemplateResponse(request, f"{TEMPLATES}/change_list.html", context)
+
+    def change_view(
+        self,
+        request: HttpRequest,
+        object_id: str,
+        form_url: str = "",
+        extra_context: dict[str, Any] | None = None,
+    ) -> HttpResponse:
+        self._require(request)
+        app = celery_app()
+        found = self._detail(app, object_id)
+        context = self._context(
+            request,
+            f"Status record {found.member}",
+            detail=found,
+            key=found.member.partition(":")[2],
+            fields=fields_of(found.record or {}),
+            history=history_of(found.history),
+            lock_ttl_s=found.lock_ttl_ms / 1000,
+            release_url=self._url("release", found.member),
+            requeue_url=self._url("requeue", found.member) if operations.can_requeue(found.record) else None,
+            **(extra_context or {}),
+        )
+        return TemplateResponse(request, f"{TEMPLATES}/change_form.html", context)
+
+    def release_view(self, request: HttpRequest, object_id: str) -> HttpResponse:
+        self._require(request, change=True)
+        app = celery_app()
+        found = self._detail(app, object_id)
+        detail_url = self._url("change", found.member)
+        if request.method == "POST":
+            form = ReleaseForm(request.POST)
+            if form.is_valid():
+                force = form.cleaned_data["force"]
+                result = operations.release(
+                    app,
+                    found.member,
+                    force_token=form.cleaned_data["token"] if force else "",
+                    by=request.user.get_username(),
+                )
+                if result.released:
+                    self.message_user(request, _released_message(found.member, result), messages.SUCCESS)
+                    return HttpResponseRedirect(detail_url)
+                self.message_user(request, _refused_message(result), messages.ERROR)
+                return HttpResponseRedirect(self._url("release", found.member))
+        else:
+            form = ReleaseForm(initial={"token": found.lock_token or ""})
+        context = self._context(
+            request,
+            "Release this key?",
+            detail=found,
+            key=found.member.partition(":")[2],
+            state=(found.record or {}).get("state", ""),
+            ended=(found.record or {}).get("state") in ENDED_STATES,
+            lock_ttl_s=found.lock_ttl_ms / 1000,
+            form=form,
+            detail_url=detail_url,
+        )
+        return TemplateResponse(request, f"{TEMPLATES}/release.html", context)
+
+    def requeue_view(self, request: HttpRequest, object_id: str) -> HttpResponse:
+        self._require(request, change=True)
+        app = celery_app()
+        found = self._detail(app, object_id)
+        detail_url = self._url("change", found.member)
+        if request.method == "POST":
+            try:
+                result = operations.requeue(app, found.member)
+            except DedupOperationError as exc:
+                self.message_user(request, f"Not re-enqueued: {exc.reason}.", messages.ERROR)
+                return HttpResponseRedirect(detail_url)
+            if result.deduplicated:
+                text = f"Nothing enqueued: the key is held by run {result.task_id}."
+                self.message_user(request, text, messages.WARNING)
+            else:
+                self.message_user(request, f"Re-enqueued as task id {result.task_id}.", messages.SUCCESS)
+            return HttpResponseRedirect(detail_url)
+        record = found.record or {}
+        try:
+            arguments = decode_payload(app, record["payload"]) if operations.can_requeue(record) else None
+        except Exception as exc:  # shown, not raised: the POST reports it as a typed error
+            arguments = None
+            self.message_user(request, f"The payload cannot be decoded: {exc}", messages.ERROR)
+        context = self._context(
+            request,
+            "Re-enqueue this run?",
+            detail=found,
+            key=found.member.partition(":")[2],
+            state=record.get("state", ""),
+            arguments=arguments,
+            requeue_states=operations.REQUEUE_STATES,
+            detail_url=detail_url,
+        )
+        return TemplateResponse(request, f"{TEMPLATES}/requeue.html", context)
+
+    def purge_view(self, request: HttpRequest) -> HttpResponse:
+        self._require(request, change=True)
+        app = celery_app()
+        if request.method == "POST":
+            form = PurgeForm(request.POST)
+            if form.is_valid():
+                report = operations.purge(app, states=form.cleaned_data["states"])
+                text = f"Purged {report.purged} finished records."
+                if report.kept:
+                    text += f" Kept {report.kept} whose key is still held or whose lock is alive."
+                if report.more:
+                    text += " More remain: purge again."
+                self.message_user(request, text, messages.SUCCESS)
+                return HttpResponseRedirect(self._url("changelist"))
+        else:
+            form = PurgeForm()
+        sizes = runtime.store_for(app).index_sizes(states=ENDED_STATES)
+        context = self._context(request, "Purge finished records?", form=form, counts=sizes.states)
+        return TemplateResponse(request, f"{TEMPLATES}/purge.html", context)
+
+
+def _released_message(member: str, result: ReleaseResult) -> str:
+    text = f"Released {member}"
+    if result.forced:
+        text += " (its execution lock was deleted)"
+    if result.detail:
+        text += f"; its record says {result.detail}"
+    return text + "."
+
+
+def _refused_message(result: ReleaseResult) -> str:
+    if result.code == ReleaseResult.REFUSED_LOCKED:
+        return (
+            f"Not released: a worker holds the execution lock ({int(result.detail) / 1000:.1f} s left). "
+            "Tick force only if that worker is gone."
+        )
+    if result.code == ReleaseResult.REFUSED_LOCK_CHANGED:
+        return f"Not released: the lock now belongs to {result.detail}, not the owner you confirmed. Review again."
+    return "Nothing to release: the key has no record, hold or lock any more."

@@ -1,0 +1,185 @@
+"""What the record list shows: its filters from the query string, one page, and links to the next.
+
+Paging follows the store's cursor, never an offset count: "next" carries the
+page's cursor, and a short trail of earlier cursors makes "previous" work.
+"""
+
+from __future__ import annotations
+
+import datetime
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass, field
+from typing import Any
+from urllib.parse import urlencode
+
+from celery_dedup.keys import split_member
+from celery_dedup.store import Page, Record
+
+PAGE_SIZE = 100
+#: Earlier cursors kept for "previous"; older pages are reached from the first.
+TRAIL_LENGTH = 50
+STATE, TASK, SEARCH, CURSOR, TRAIL = "state", "task", "q", "cursor", "trail"
+
+
+def from_ms(value: str | None) -> datetime.datetime | None:
+    """A record's millisecond timestamp as an aware datetime; None for missing or 0."""
+    try:
+        ms = int(value or 0)
+    except ValueError:
+        return None
+    if ms <= 0:
+        return None
+    return datetime.datetime.fromtimestamp(ms / 1000, tz=datetime.timezone.utc)
+
+
+@dataclass(frozen=True)
+class Query:
+    """The list's filters and position, as read from (and written back to) the query string."""
+
+    state: str = ""
+    task: str = ""
+    search: str = ""
+    cursor: str = ""
+    trail: tuple[str, ...] = ()
+
+    @classmethod
+    def parse(cls, params: Mapping[str, str]) -> Query:
+        """Read the filters; a cursor or trail that is not a number means the first page."""
+        cursor = params.get(CURSOR, "")
+        trail = tuple(params.get(TRAIL, "").split(",")) if params.get(TRAIL) else ()
+        if not cursor.isdigit() or not all(c.isdigit() for c in trail):
+            cursor, trail = "", ()
+        return cls(
+            state=params.get(STATE, "").strip(),
+            task=params.get(TASK, "").strip(),
+            search=params.get(SEARCH, "").strip(),
+            cursor=cursor,
+            trail=trail[-TRAIL_LENGTH:],
+        )
+
+    @property
+    def filtered(self) -> bool:
+        return bool(self.state or self.task or self.search)
+
+    def url(self, **changes: Any) -> str:
+        """The query string of this list with ``changes``; filters reset the position."""
+        values = {STATE: self.state, TASK: self.task, SEARCH: self.search, CURSOR: self.cursor}
+        values[TRAIL] = ",".join(self.trail)
+        if set(changes) & {STATE, TASK, SEARCH}:
+            values[CURSOR] = values[TRAIL] = ""
+        values.update(changes)
+        return "?" + urlencode({k: v for k, v in values.items() if v})
+
+    def next_url(self, cursor: str) -> str:
+        trail = (*self.trail, self.cursor or "0")[-TRAIL_LENGTH:]
+        return self.url(**{CURSOR: cursor, TRAIL: ",".join(trail)})
+
+    def previous_url(self) -> str | None:
+        if not self.cursor:
+            return None
+        if not self.trail:
+            return self.url(**{CURSOR: "", TRAIL: ""})
+        earlier = self.trail[-1]
+        return self.url(**{CURSOR: "" if earlier == "0" else earlier, TRAIL: ",".join(self.trail[:-1])})
+
+    def first_url(self) -> str | None:
+        return self.url(**{CURSOR: "", TRAIL: ""}) if self.cursor else None
+
+
+@dataclass(frozen=True)
+class Row:
+    """One record as a line of the list."""
+
+    member: str
+    key: str
+    task: str
+    state: str
+    task_id: str
+    updated: datetime.datetime | None
+    worker: str
+    attempts: str
+    retries: str
+    duplicates: str
+    #: The record's page.
+    url: str
+
+    @classmethod
+    def of(cls, record: Record, url: str) -> Row:
+        fields = record.fields
+        return cls(
+            member=record.member,
+            key=split_member(record.member)[1],
+            task=record.task,
+            state=record.state,
+            task_id=record.task_id,
+            updated=from_ms(fields.get("updated_at")),
+            worker=fields.get("worker", ""),
+            attempts=fields.get("attempts", "0"),
+            retries=fields.get("retries", "0"),
+            duplicates=fields.get("duplicates", "0"),
+            url=url,
+        )
+
+
+@dataclass(frozen=True)
+class Choice:
+    """One link of a filter in the sidebar."""
+
+    label: str
+    url: str
+    selected: bool
+    count: int | None = None
+
+
+@dataclass
+class Listing:
+    """Everything the list template needs besides the admin's own context."""
+
+    query: Query
+    page: Page
+    rows: list[Row] = field(default_factory=list)
+    state_choices: list[Choice] = field(default_factory=list)
+    task_choices: list[Choice] = field(default_factory=list)
+
+    @classmethod
+    def build(
+        cls,
+        query: Query,
+        page: Page,
+        *,
+        states: Mapping[str, int],
+        tasks: Mapping[str, int],
+        link: Callable[[str], str],
+    ) -> Listing:
+        """The page's rows (``link(member)`` is a record's page) and the filters with their counts."""
+        listing = cls(query, page, [Row.of(record, link(record.member)) for record in page.records])
+        listing.state_choices = _choices(query, STATE, query.state, states)
+        task_counts = dict(tasks)
+        if query.task and query.task not in task_counts:
+            task_counts[query.task] = -1  # a task not registered here, named in the URL: keep it selectable
+        listing.task_choices = _choices(query, TASK, query.task, task_counts)
+        return listing
+
+    @property
+    def next_url(self) -> str | None:
+        return self.query.next_url(self.page.cursor) if self.page.cursor else None
+
+    @property
+    def previous_url(self) -> str | None:
+        return self.query.previous_url()
+
+    @property
+    def first_url(self) -> str | None:
+        return self.query.first_url()
+
+
+def _choices(query: Query, name: str, selected: str, counts: Mapping[str, int]) -> list[Choice]:
+    choices = [Choice("All", query.url(**{name: ""}), not selected)]
+    for value, count in counts.items():
+        choices.append(Choice(value, query.url(**{name: value}), value == selected, count if count >= 0 else None))
+    return choices
+
+
+def task_names(tasks: Mapping[str, Any], base: type) -> list[str]:
+    """The names of the app's registered tasks that are ``base`` (DedupTask) subclasses, sorted."""
+    return sorted(name for name, task in tasks.items() if isinstance(task, base))

@@ -1,0 +1,105 @@
+"""What an operator may do to dedup keys: inspect, release, purge, re-enqueue.
+
+Each takes the Celery app whose keys it acts on, so the Django admin and a
+command line share one implementation; they never write Redis themselves.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Any
+
+from . import runtime
+from .exceptions import DedupOperationError
+from .gate import decode_payload
+from .store import ENDED_STATES, KeyDetail, PurgeReport, ReleaseResult
+from .task import DedupTask
+
+#: States of a run that may be re-enqueued: it ended (or died) without success.
+REQUEUE_STATES = ("failed", "revoked", "rejected", "lost", "released")
+
+
+@dataclass(frozen=True)
+class RequeueResult:
+    """The run a re-enqueue led to."""
+
+    task_id: str
+    #: True when the key was held by another run: nothing was published, and
+    #: ``task_id`` is that run's.
+    deduplicated: bool
+
+
+def detail(app: Any, member: str) -> KeyDetail:
+    """Everything known about ``member``: record, history, hold, execution lock."""
+    return runtime.store_for(app).detail(member)
+
+
+def release(app: Any, member: str, *, force_token: str = "", by: str = "") -> ReleaseResult:
+    """Free ``member``'s key; its unended run ends as ``released``.
+
+    Refused while the key's execution lock is alive, unless ``force_token`` is
+    that lock's current token (as shown to the operator): the lock is then
+    deleted, and the history says it was forced, and by whom (``by``).
+    """
+    config = runtime.config_for(app)
+    return runtime.store_for(app).release(member, record_ms=config.record_ms, force_token=force_token, by=by)
+
+
+def purge(app: Any, *, states: Sequence[str] = ENDED_STATES, budget: int = 500, limit: int = 10_000) -> PurgeReport:
+    """Delete records in ended ``states``, ``budget`` examined per Redis call, about ``limit`` at most.
+
+    Records whose key is held or whose lock is alive are kept. Stops early
+    when a call deletes nothing (only kept records were left in its budget).
+
+    Raises:
+        DedupOperationError: a state is not an ended one, or budget/limit is below 1.
+    """
+    unended = [s for s in states if s not in ENDED_STATES]
+    if unended or not states:
+        raise DedupOperationError("purge", ",".join(states), f"only ended states can be purged: {ENDED_STATES}")
+    if budget < 1 or limit < 1:
+        raise DedupOperationError("purge", f"budget={budget} limit={limit}", "both must be at least 1")
+    store = runtime.store_for(app)
+    purged = 0
+    while True:
+        report = store.purge(states, budget=min(budget, limit - purged))
+        purged += report.purged
+        if not report.more or report.purged == 0 or purged >= limit:
+            return PurgeReport(purged, report.kept, report.more)
+
+
+def can_requeue(record: dict[str, str] | None) -> bool:
+    """Whether ``record`` keeps a payload and its run ended without success."""
+    return bool(record and record.get("payload") and record.get("state") in REQUEUE_STATES)
+
+
+def requeue(app: Any, member: str) -> RequeueResult:
+    """Publish a fresh, gated run of ``member``'s task with the arguments its record kept.
+
+    Raises:
+        DedupOperationError: no record, no payload (arguments are kept on a
+            Redis broker while ``dedup_record_args`` is on), the run has not
+            ended without success, the task is not registered in ``app``, or
+            the payload cannot be decoded.
+    """
+    record = runtime.store_for(app).record(member)
+    if record is None:
+        raise DedupOperationError("requeue", member, "there is no status record")
+    state = record.get("state", "")
+    if state not in REQUEUE_STATES:
+        raise DedupOperationError("requeue", member, f"the run is {state}; only {', '.join(REQUEUE_STATES)} runs")
+    payload = record.get("payload")
+    if not payload:
+        raise DedupOperationError(
+            "requeue", member, "the record keeps no payload (kept on a Redis broker with dedup_record_args on)"
+        )
+    task = app.tasks.get(record.get("task", ""))
+    if not isinstance(task, DedupTask):
+        raise DedupOperationError("requeue", member, f"task {record.get('task')!r} is no DedupTask of this app")
+    try:
+        args, kwargs = decode_payload(app, payload)
+    except Exception as exc:  # kombu's decoders raise many kinds (ContentDisallowed, ValueError, ...)
+        raise DedupOperationError("requeue", member, f"cannot decode its payload: {exc}") from exc
+    result = task.apply_async(tuple(args), kwargs)
+    return RequeueResult(result.id, result.deduplicated)

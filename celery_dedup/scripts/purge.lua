@@ -1,0 +1,54 @@
+-- purge: delete finished status records now, a bounded number per call.
+--
+-- KEYS[1]  held set
+-- ARGV[1]  key prefix
+-- ARGV[2]  budget: at most this many index entries examined in this call
+-- ARGV[3..] the states to purge; only ended states (lib's ENDED) are taken
+--
+-- Walks each state's index oldest update first. A record whose key is held
+-- (an idempotency window) or whose execution lock is alive is kept and
+-- stepped over; any other is deleted with its history and index entries
+-- (lib's forget), and so is an index entry whose record expired. An entry
+-- whose record is in another, unended state is only removed from this index.
+--
+-- Returns {purged, kept, more}: more is 1 when the budget ran out before
+-- every entry of the given states was examined (call again).
+
+local held, prefix, budget = KEYS[1], ARGV[1], tonumber(ARGV[2])
+
+local examined, purged, kept, more = 0, 0, 0, 0
+for i = 3, #ARGV do
+  local wanted = ARGV[i]
+  if ENDED[wanted] then
+    local index = prefix .. ':idx:state:' .. wanted
+    local offset = 0
+    while more == 0 do
+      if examined >= budget then
+        if redis.call('ZCARD', index) > offset then
+          more = 1
+        end
+        break
+      end
+      local batch = redis.call('ZRANGE', index, offset, offset + budget - examined - 1)
+      if #batch == 0 then
+        break
+      end
+      for _, member in ipairs(batch) do
+        examined = examined + 1
+        local record = prefix .. ':rec:' .. member
+        if redis.call('SISMEMBER', held, member) == 1 or redis.call('EXISTS', prefix .. ':lock:' .. member) == 1 then
+          kept = kept + 1
+          offset = offset + 1
+        else
+          local state = redis.call('HGET', record, 'state')
+          if not state or ENDED[state] then
+            forget(prefix, record, member)
+            purged = purged + 1
+          end
+          redis.call('ZREM', index, member)
+        end
+      end
+    end
+  end
+end
+return {purged, kept, more}

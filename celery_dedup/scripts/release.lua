@@ -1,0 +1,75 @@
+-- release: an operator frees a stuck key. Owner-safe: a live execution lock is
+-- deleted only when forced, and only while it still holds the token the
+-- operator was shown (compare-and-delete).
+--
+-- KEYS[1]  held set
+-- KEYS[2]  the member's status record (HASH)
+-- KEYS[3]  the member's execution lock
+-- ARGV[1]  member
+-- ARGV[2]  key prefix
+-- ARGV[3]  history length
+-- ARGV[4]  record TTL, ms: how long the record is kept after the release
+-- ARGV[5]  "" not forced; else the lock token to delete if the lock is alive
+-- ARGV[6]  who releases it (for the history note), may be ""
+--
+-- Releasing drops the member from the held set and sets held_until 0. A
+-- record whose run has not ended (queued, started, retry, lost, ...) moves to
+-- the ended state `released`: its queued message or a redelivered copy is
+-- then skipped by the delivery guard. An ended record keeps its state; the
+-- release is noted in its history either way.
+--
+-- Returns {code, detail, was_held, forced}:
+--   {1, state, was_held, forced}  released; state: the record's state now
+--                                 ("" if there is no record)
+--   {0, pttl, 0, 0}               refused: the lock is alive and ARGV[5] is ""
+--   {2, holder, 0, 0}             refused: the lock is alive under another
+--                                 token than ARGV[5] (it changed meanwhile)
+--   {3, "", 0, 0}                 nothing to release: no record, no hold, no lock
+
+local held, record, lock = KEYS[1], KEYS[2], KEYS[3]
+local member, prefix = ARGV[1], ARGV[2]
+local history_len, record_ms = tonumber(ARGV[3]), tonumber(ARGV[4])
+local force, who = ARGV[5], ARGV[6]
+
+local holder = redis.call('GET', lock)
+local forced = 0
+if holder then
+  if force == '' then
+    return {0, redis.call('PTTL', lock), 0, 0}
+  end
+  if holder ~= force then
+    return {2, holder, 0, 0}
+  end
+  redis.call('DEL', lock)
+  forced = 1
+end
+
+local was_held = redis.call('SREM', held, member)
+local current = redis.call('HMGET', record, 'state', 'task_id', 'lock')
+local state, task_id = current[1], current[2]
+if not state then
+  if was_held == 0 and forced == 0 then
+    return {3, '', 0, 0}
+  end
+  return {1, '', was_held, forced}
+end
+
+local now = now_ms()
+local note = 'released'
+if forced == 1 then
+  note = 'forced release, lock ' .. holder .. ' deleted'
+  if current[3] == holder then
+    redis.call('HSETNX', record, 'lock_lost_at', now)
+  end
+end
+if who ~= '' then
+  note = note .. ' by ' .. who
+end
+redis.call('HSET', record, 'held_until', 0)
+if not ENDED[state] then
+  redis.call('HSET', record, 'finished_at', now)
+  state = 'released'
+end
+transition(prefix, record, member, state, now, task_id or '', note, history_len)
+expire_record(prefix, record, member, record_ms)
+return {1, state, was_held, forced}

@@ -1,0 +1,521 @@
+"""The Django admin over the status records: real Valkey, records made by the real scripts, Django's test client."""
+
+from __future__ import annotations
+
+import io
+import os
+from collections.abc import Iterator
+from typing import Any
+
+import django
+import pytest
+import redis
+from celery import Celery
+from celery.app import app_or_default
+from django.conf import settings
+
+if not settings.configured:
+    os.environ.setdefault("DJANGO_SETTINGS_MODULE", "tests.django_settings")
+django.setup()
+
+from celery.result import AsyncResult  # noqa: E402
+from django.contrib.admin.utils import quote  # noqa: E402
+from django.contrib.auth.models import Permission, User  # noqa: E402
+from django.core.management import call_command  # noqa: E402
+from django.test import Client, override_settings  # noqa: E402
+from django.test.utils import setup_test_environment, teardown_test_environment  # noqa: E402
+
+from celery_dedup import DedupTask, runtime  # noqa: E402
+from celery_dedup.contrib.django.conf import celery_app  # noqa: E402
+from celery_dedup.exceptions import DedupConfigError  # noqa: E402
+from celery_dedup.keys import KeySchema, member_for, new_nonce, new_task_id  # noqa: E402
+
+from ._records import Records, keyed_tasks  # noqa: E402
+from .conftest import AppFactory, in_process_worker, wait_for  # noqa: E402
+
+SCHEMA = KeySchema("dedup")
+LIST = "/admin/celery_dedup/record/"
+PURGE = LIST + "purge/"
+
+#: Set by a test to check that ``CELERY_DEDUP_APP`` resolves a dotted path.
+APP: Celery | None = None
+
+
+def detail_url(member: str) -> str:
+    return f"{LIST}{quote(member)}/change/"
+
+
+def release_url(member: str) -> str:
+    return f"{LIST}{quote(member)}/release/"
+
+
+def requeue_url(member: str) -> str:
+    return f"{LIST}{quote(member)}/requeue/"
+
+
+@pytest.fixture(scope="module")
+def users() -> Iterator[dict[str, User]]:
+    """An in-memory database with one user per access level."""
+    setup_test_environment()
+    call_command("migrate", verbosity=0, interactive=False)
+    view = Permission.objects.get(codename="view_record", content_type__app_label="celery_dedup")
+    made = {
+        "root": User.objects.create_superuser("root", "root@example.com", "pw"),
+        "nobody": User.objects.create_user("nobody", is_staff=True),
+        "viewer": User.objects.create_user("viewer", is_staff=True),
+    }
+    made["viewer"].user_permissions.add(view)
+    yield made
+    teardown_test_environment()
+
+
+def client_for(users: dict[str, User], name: str | None, **options: Any) -> Client:
+    client = Client(**options)
+    if name is not None:
+        client.force_login(users[name])
+    return client
+
+
+@pytest.fixture
+def app(make_app: AppFactory) -> Iterator[Celery]:
+    app = make_app()
+    with override_settings(CELERY_DEDUP_APP=app):
+        yield app
+
+
+@pytest.fixture
+def tasks(app: Celery) -> tuple[Any, Any]:
+    return keyed_tasks(app)
+
+
+@pytest.fixture
+def charges(app: Celery, tasks: tuple[Any, Any]) -> Records:
+    return Records(app, tasks[0])
+
+
+@pytest.fixture
+def refunds(app: Celery, tasks: tuple[Any, Any]) -> Records:
+    return Records(app, tasks[1])
+
+
+@pytest.fixture
+def root(users: dict[str, User]) -> Client:
+    return client_for(users, "root")
+
+
+def listed(response: Any) -> list[str]:
+    """The members of the rows a list page rendered."""
+    assert response.status_code == 200, response.status_code
+    return [row.member for row in response.context["listing"].rows]
+
+
+def record(app: Celery, member: str) -> dict[str, str]:
+    found = runtime.store_for(app).record(member)
+    assert found is not None
+    return found
+
+
+# --- setup ---------------------------------------------------------------------------------------
+
+
+def test_no_migration_is_missing(users: dict[str, User]) -> None:
+    out = io.StringIO()
+    call_command("makemigrations", "celery_dedup", "--check", "--dry-run", stdout=out)
+    assert "No changes detected" in out.getvalue()
+
+
+def test_admin_index_has_the_section(app: Celery, root: Client) -> None:
+    page = root.get("/admin/").content.decode()
+    assert "Celery dedup" in page
+    assert f'href="{LIST}"' in page and "Status records" in page
+
+
+def test_app_setting_takes_a_dotted_path(make_app: AppFactory, monkeypatch: pytest.MonkeyPatch) -> None:
+    app = make_app()
+    monkeypatch.setattr(f"{__name__}.APP", app)
+    for path in (f"{__name__}:APP", f"{__name__}.APP"):
+        with override_settings(CELERY_DEDUP_APP=path):
+            assert celery_app() is app
+
+
+def test_app_setting_defaults_to_the_current_app(make_app: AppFactory) -> None:
+    previous = app_or_default()
+    app = make_app()
+    app.set_current()
+    try:
+        assert not hasattr(settings, "CELERY_DEDUP_APP")
+        assert celery_app() is app
+    finally:
+        previous.set_current()
+
+
+@pytest.mark.parametrize(
+    ("value", "reason"),
+    [
+        ("no_such_module.celery:app", "cannot import 'no_such_module.celery'"),
+        ("tests.django_settings:nope", "has no attribute 'nope'"),
+        ("tests.django_settings:SECRET_KEY", "names a str, not a Celery app"),
+        ("app", 'must be "module:attribute"'),
+        (42, "must be a dotted path"),
+    ],
+)
+def test_app_setting_misconfigured_names_setting_and_value(value: Any, reason: str) -> None:
+    with override_settings(CELERY_DEDUP_APP=value), pytest.raises(DedupConfigError) as caught:
+        celery_app()
+    assert caught.value.setting == "CELERY_DEDUP_APP" and caught.value.value == value
+    assert reason in str(caught.value)
+
+
+def test_app_setting_refuses_an_app_never_installed(make_app: AppFactory, root: Client) -> None:
+    bare = make_app(install=False)
+    with override_settings(CELERY_DEDUP_APP=bare), pytest.raises(DedupConfigError, match="install"):
+        root.get(LIST)
+
+
+# --- who may do what -----------------------------------------------------------------------------
+
+
+def test_anonymous_is_sent_to_login(app: Celery, charges: Records, users: dict[str, User]) -> None:
+    run = charges.queued(1)
+    client = client_for(users, None)
+    for url in (LIST, detail_url(run.member), release_url(run.member), requeue_url(run.member), PURGE):
+        response = client.get(url)
+        assert response.status_code == 302 and response["Location"].startswith("/admin/login/"), url
+    assert client.post(release_url(run.member)).status_code == 302
+    assert record(app, run.member)["state"] == "queued"
+
+
+def test_staff_without_permission_is_forbidden(app: Celery, charges: Records, users: dict[str, User]) -> None:
+    run = charges.queued(1)
+    client = client_for(users, "nobody")
+    for url in (LIST, detail_url(run.member), release_url(run.member), requeue_url(run.member), PURGE):
+        assert client.get(url).status_code == 403, url
+    assert client.post(release_url(run.member)).status_code == 403
+    assert client.post(PURGE, {"states": ["succeeded"]}).status_code == 403
+    assert "Celery dedup" not in client.get("/admin/").content.decode()
+
+
+def test_view_permission_lists_and_shows_but_may_not_act(app: Celery, charges: Records, users: dict[str, User]) -> None:
+    run = charges.queued(1)
+    done = charges.ended(2, "succeeded")
+    failed = charges.ended(3, "failed")
+    client = client_for(users, "viewer")
+
+    assert listed(client.get(LIST)) == [failed.member, done.member, run.member]
+    page = client.get(detail_url(failed.member))
+    assert page.status_code == 200
+    assert "Release key" not in page.content.decode() and "Re-enqueue" not in page.content.decode()
+    assert client.get(requeue_url(failed.member)).status_code == 403
+    assert client.post(requeue_url(failed.member)).status_code == 403
+    assert record(app, failed.member)["task_id"] == failed.task_id
+    assert "Purge finished records" not in client.get(LIST).content.decode()
+    assert client.get(release_url(run.member)).status_code == 403
+    assert client.post(release_url(run.member), {"force": "on"}).status_code == 403
+    assert client.get(PURGE).status_code == 403
+    assert client.post(PURGE, {"states": ["succeeded"]}).status_code == 403
+    assert record(app, run.member)["state"] == "queued"
+    assert record(app, done.member)["state"] == "succeeded"
+
+
+def test_post_without_csrf_token_is_rejected(app: Celery, charges: Records, users: dict[str, User]) -> None:
+    run = charges.queued(1)
+    client = client_for(users, "root", enforce_csrf_checks=True)
+
+    assert client.post(release_url(run.member)).status_code == 403
+    assert client.post(PURGE, {"states": ["succeeded"]}).status_code == 403
+    assert record(app, run.member)["state"] == "queued"
+
+    client.get(release_url(run.member))  # sets the CSRF cookie, as a browser would
+    token = client.cookies["csrftoken"].value
+    response = client.post(release_url(run.member), {"csrfmiddlewaretoken": token})
+    assert response.status_code == 302
+    assert record(app, run.member)["state"] == "released"
+
+
+# --- the list ------------------------------------------------------------------------------------
+
+
+def test_list_shows_every_column_and_links_to_the_record(app: Celery, charges: Records, root: Client) -> None:
+    run = charges.started(7)
+
+    response = root.get(LIST)
+
+    assert listed(response) == [run.member]
+    page = response.content.decode()
+    for header in ("Key", "Task", "State", "Task id", "Last update", "Worker", "Attempts", "Retries"):
+        assert f"<span>{header}</span>" in page
+    assert "<span>Duplicates suppressed</span>" in page
+    assert f'<a href="{detail_url(run.member)}">order:7</a>' in page
+    row = response.context["listing"].rows[0]
+    assert (row.task, row.state, row.task_id, row.worker, row.attempts) == (
+        "shop.charge",
+        "started",
+        run.task_id,
+        "worker-1",
+        "1",
+    )
+    assert row.updated is not None and row.updated.year >= 2024
+
+
+def test_list_filters_by_state_and_task_and_searches_by_key_prefix(
+    app: Celery, charges: Records, refunds: Records, root: Client
+) -> None:
+    queued = charges.queued(10)
+    failed = charges.ended(11, "failed", error="boom")
+    refund = refunds.ended(12, "succeeded")
+    other = charges.queued(200)
+    charges.task.delay(10)  # a duplicate: counted on the record
+
+    assert listed(root.get(LIST, {"state": "failed"})) == [failed.member]
+    assert listed(root.get(LIST, {"state": "queued"})) == [other.member, queued.member]
+    assert listed(root.get(LIST, {"task": "shop.refund"})) == [refund.member]
+    assert set(listed(root.get(LIST, {"task": "shop.charge"}))) == {queued.member, failed.member, other.member}
+    assert listed(root.get(LIST, {"q": "order:1"})) == [queued.member, failed.member, refund.member]
+    assert listed(root.get(LIST, {"q": "order:1", "task": "shop.charge", "state": "queued"})) == [queued.member]
+    assert listed(root.get(LIST, {"state": "revoked"})) == []
+    assert listed(root.get(LIST, {"task": "shop.unknown"})) == []
+
+    response = root.get(LIST, {"state": "queued"})
+    listing = response.context["listing"]
+    counts = {c.label: c.count for c in listing.state_choices}
+    assert (counts["queued"], counts["failed"], counts["succeeded"], counts["started"]) == (2, 1, 1, 0)
+    task_counts = {c.label: c.count for c in listing.task_choices}
+    assert (task_counts["All"], task_counts["shop.charge"], task_counts["shop.refund"]) == (None, 3, 1)
+    assert [c.label for c in listing.state_choices if c.selected] == ["queued"]
+    duplicates = {row.member: row.duplicates for row in listing.rows}
+    assert duplicates[queued.member] == "1"
+
+
+def test_list_pages_with_the_cursor(app: Celery, charges: Records, root: Client) -> None:
+    runs = [charges.queued(n) for n in range(230)]
+    client_redis: redis.Redis = runtime.store_for(app).client
+    newest_first = [m.decode() for m in client_redis.zrevrange(SCHEMA.index, 0, -1)]  # ties: by member
+    assert sorted(newest_first) == sorted(run.member for run in runs)
+
+    first = root.get(LIST)
+    second = root.get(LIST + first.context["listing"].next_url)
+    third = root.get(LIST + second.context["listing"].next_url)
+
+    assert listed(first) == newest_first[:100]
+    assert listed(second) == newest_first[100:200]
+    assert listed(third) == newest_first[200:]
+    assert third.context["listing"].next_url is None
+    back = root.get(LIST + third.context["listing"].previous_url)
+    assert listed(back) == newest_first[100:200]
+    assert listed(root.get(LIST + back.context["listing"].previous_url)) == newest_first[:100]
+    assert listed(root.get(LIST + third.context["listing"].first_url)) == newest_first[:100]
+    assert listed(root.get(LIST, {"cursor": "not-a-number"})) == newest_first[:100]
+
+
+# --- one record ----------------------------------------------------------------------------------
+
+
+def test_detail_shows_fields_history_hold_and_lock(app: Celery, charges: Records, root: Client) -> None:
+    run = charges.started("a/b_c%d")  # type: ignore[arg-type]  # odd characters survive the URL
+
+    response = root.get(detail_url(run.member))
+
+    assert response.status_code == 200
+    page = response.content.decode()
+    fields = {field.name: field for field in response.context["fields"]}
+    fields_wanted = {"state", "task", "task_id", "queued_at", "started_at", "updated_at", "worker", "lock", "args"}
+    assert fields_wanted <= set(fields)
+    assert fields["state"].value == "started"
+    assert fields["started_at"].time is not None
+    assert [(e.state, e.task_id) for e in response.context["history"]] == [
+        ("started", run.task_id),
+        ("queued", run.task_id),
+    ]
+    assert all(e.time is not None for e in response.context["history"])
+    assert f'<code class="lock-token">{run.token}</code>' in page
+    assert response.context["detail"].held
+    assert 0 < response.context["lock_ttl_s"] <= 60
+    assert '<div class="readonly key-held">yes</div>' in page
+    assert "Release key" in page
+
+
+def test_detail_of_an_unknown_key_is_not_found(app: Celery, root: Client) -> None:
+    assert root.get(detail_url("shop.charge:order:none")).status_code == 404
+    assert root.get(release_url("shop.charge:order:none")).status_code == 404
+
+
+def test_short_record_url_redirects_to_the_record(app: Celery, charges: Records, root: Client) -> None:
+    run = charges.queued(3)
+    response = root.get(f"{LIST}{quote(run.member)}/")
+    assert response.status_code == 302 and response["Location"] == detail_url(run.member)
+
+
+# --- actions -------------------------------------------------------------------------------------
+
+
+def test_release_confirms_then_frees_a_queued_key(app: Celery, charges: Records, root: Client) -> None:
+    run = charges.queued(5)
+
+    confirm = root.get(release_url(run.member))
+    assert confirm.status_code == 200
+    assert "ends as <strong>released</strong>" in confirm.content.decode()
+    assert record(app, run.member)["state"] == "queued"  # GET changes nothing
+
+    done = root.post(release_url(run.member), {"token": ""}, follow=True)
+
+    assert done.redirect_chain == [(detail_url(run.member), 302)]
+    assert "Released shop.charge:order:5" in done.content.decode()
+    assert record(app, run.member)["state"] == "released"
+    assert runtime.store_for(app).history(run.member)[0].endswith("released by root")
+    assert not charges.task.delay(5).deduplicated
+
+
+def test_release_refuses_a_live_lock_without_force(app: Celery, charges: Records, root: Client) -> None:
+    run = charges.started(6)
+
+    confirm = root.get(release_url(run.member))
+    assert confirm.context["form"]["token"].value() == run.token
+    assert 'name="force"' in confirm.content.decode()
+
+    refused = root.post(release_url(run.member), {"token": run.token}, follow=True)
+
+    assert refused.redirect_chain == [(release_url(run.member), 302)]
+    assert "Not released: a worker holds the execution lock" in refused.content.decode()
+    assert record(app, run.member)["state"] == "started"
+    assert runtime.store_for(app).client.get(SCHEMA.lock(run.member)) == run.token.encode()
+
+
+def test_forced_release_deletes_the_lock_it_was_shown_and_names_the_user(
+    app: Celery, charges: Records, root: Client
+) -> None:
+    run = charges.started(8)
+    stale = root.post(release_url(run.member), {"force": "on", "token": "gone:1:ffff"}, follow=True)
+    assert f"the lock now belongs to {run.token}" in stale.content.decode()
+    assert record(app, run.member)["state"] == "started"
+
+    done = root.post(release_url(run.member), {"force": "on", "token": run.token}, follow=True)
+
+    assert "its execution lock was deleted" in done.content.decode()
+    store = runtime.store_for(app)
+    assert record(app, run.member)["state"] == "released"
+    assert store.client.get(SCHEMA.lock(run.member)) is None
+    assert not store.is_held(run.member)
+    assert store.history(run.member)[0].endswith(f"forced release, lock {run.token} deleted by root")
+    page = done.content.decode()
+    assert f"forced release, lock {run.token} deleted by root" in page
+
+
+def test_purge_deletes_finished_records_and_leaves_queued_and_started(
+    app: Celery, charges: Records, root: Client
+) -> None:
+    queued = charges.queued(1)
+    started = charges.started(2)
+    finished = [charges.ended(3, "succeeded"), charges.ended(4, "failed")]
+
+    confirm = root.get(PURGE)
+    assert confirm.status_code == 200
+    assert confirm.context["counts"]["succeeded"] == 1 and confirm.context["counts"]["failed"] == 1
+    assert len(listed(root.get(LIST))) == 4  # GET changes nothing
+
+    done = root.post(PURGE, {"states": ["succeeded", "failed", "released"]}, follow=True)
+
+    assert "Purged 2 finished records." in done.content.decode()
+    assert set(listed(done)) == {queued.member, started.member}
+    store = runtime.store_for(app)
+    assert all(store.record(run.member) is None for run in finished)
+    assert store.record(queued.member) is not None and store.record(started.member) is not None
+
+
+def test_purge_refuses_states_that_are_not_ended(app: Celery, charges: Records, root: Client) -> None:
+    run = charges.queued(1)
+    response = root.post(PURGE, {"states": ["queued"]})
+    assert response.status_code == 200 and response.context["form"].errors
+    assert record(app, run.member)["state"] == "queued"
+
+
+def test_requeue_publishes_a_run_that_a_worker_executes(make_app: AppFactory, users: dict[str, User]) -> None:
+    app = make_app()
+    calls: list[tuple[int, str]] = []
+
+    @app.task(name="shop.flaky", base=DedupTask, dedup_key="order:{order_id}", shared=False)
+    def flaky(order_id: int, note: str = "") -> int:
+        calls.append((order_id, note))
+        if len(calls) == 1:
+            raise RuntimeError("the first run fails")
+        return order_id
+
+    store = runtime.store_for(app)
+    member = member_for("shop.flaky", "order:9")
+    root = client_for(users, "root")
+    with override_settings(CELERY_DEDUP_APP=app), in_process_worker(app):
+        first = flaky.delay(9, note="again")
+        wait_for(lambda: (store.record(member) or {}).get("state") == "failed", 10, "the first run to fail")
+        assert f'href="{requeue_url(member)}"' in root.get(detail_url(member)).content.decode()
+
+        confirm = root.get(requeue_url(member))
+        assert confirm.context["arguments"] == ([9], {"note": "again"})
+        assert store.record(member)["task_id"] == first.id  # type: ignore[index]  # GET changes nothing
+
+        done = root.post(requeue_url(member), follow=True)
+
+        new_id = store.record(member)["task_id"]  # type: ignore[index]
+        assert new_id != first.id
+        assert f"Re-enqueued as task id {new_id}." in done.content.decode()
+        assert AsyncResult(new_id, app=app).get(timeout=10) == 9
+    assert calls == [(9, "again"), (9, "again")]
+    assert store.record(member)["state"] == "succeeded"  # type: ignore[index]
+
+
+def test_requeue_without_payload_is_refused_with_a_reason(make_app: AppFactory, users: dict[str, User]) -> None:
+    app = make_app(dedup_record_args=False)
+    charges = Records(app, keyed_tasks(app)[0])
+    failed = charges.ended(1, "failed")
+    root = client_for(users, "root")
+    with override_settings(CELERY_DEDUP_APP=app):
+        assert "Re-enqueue" not in root.get(detail_url(failed.member)).content.decode()
+        assert "cannot be re-enqueued" in root.get(requeue_url(failed.member)).content.decode()
+        done = root.post(requeue_url(failed.member), follow=True)
+    assert "Not re-enqueued: the record keeps no payload" in done.content.decode()
+    assert record(app, failed.member)["task_id"] == failed.task_id
+
+
+# --- 100,000 records -----------------------------------------------------------------------------
+
+
+def seed(app: Celery, tasks: tuple[str, ...], count: int, *, batch: int = 1000) -> None:
+    """``count`` queued records (keys ``order:000000``...), gated by the real script, ``batch`` per pipeline."""
+    store = runtime.store_for(app)
+    schema = store.schema
+    with store.client.pipeline(transaction=False) as pipe:
+        for n in range(count):
+            task = tasks[n % len(tasks)]
+            key = f"order:{n:06d}"
+            member = member_for(task, key)
+            store.scripts.gate(
+                [schema.held, schema.record(member)],
+                [member, new_task_id(key), new_nonce(), 3_600_000, task, 60_000, schema.prefix, 10, "", ""],
+                client=pipe,
+            )
+            if len(pipe) >= batch:
+                assert all(code == 1 for code, _ in pipe.execute())
+        assert all(code == 1 for code, _ in pipe.execute())
+
+
+@pytest.mark.slow
+def test_list_stays_correct_over_100k_records(app: Celery, tasks: tuple[Any, Any], root: Client) -> None:
+    seed(app, ("shop.charge", "shop.refund"), 100_000)
+    store = runtime.store_for(app)
+    index = [m.decode() for m in store.client.zrevrange(SCHEMA.index, 0, 199)]
+
+    first = root.get(LIST)
+    second = root.get(LIST + first.context["listing"].next_url)
+
+    assert listed(first) == index[:100]
+    assert listed(second) == index[100:200]
+    assert not set(listed(first)) & set(listed(second))
+    assert first.context["total"] == 100_000
+
+    refunds = [m.decode() for m in store.client.zrevrange(SCHEMA.task_index("shop.refund"), 0, 199)]
+    page = root.get(LIST, {"task": "shop.refund"})
+    assert listed(page) == refunds[:100]
+    assert listed(root.get(LIST + page.context["listing"].next_url)) == refunds[100:200]
+
+    found = listed(root.get(LIST, {"q": "order:01234"}))
+    assert found == [member_for(("shop.charge", "shop.refund")[n % 2], f"order:{n:06d}") for n in range(12340, 12350)]
+    assert listed(root.get(LIST, {"state": "queued"})) == index[:100]
+    assert listed(root.get(LIST, {"state": "failed"})) == []
