@@ -25,6 +25,7 @@ INSTALLED_APPS = [
     "django.contrib.sessions",
     "django.contrib.messages",
     "django.contrib.staticfiles",
+    "celery_dedup.contrib.django",
     "demo_project.shop",
 ]
 
@@ -80,6 +81,8 @@ CELERY_BROKER_CONNECTION_RETRY_ON_STARTUP = True
 CELERY_WORKER_HIJACK_ROOT_LOGGER = False
 CELERY_TASK_SERIALIZER = "json"
 CELERY_DEDUP_REAP_INTERVAL = 30
+# the Celery app whose status records the dedup admin shows
+CELERY_DEDUP_APP = "demo_project.celery:app"
 
 LOGGING = {
     "version": 1,
