@@ -1,0 +1,117 @@
+"""The demo in a real browser: log in, order, double-click "pay", find one succeeded charge in the dedup admin.
+
+Drives Debian's Chromium (``/usr/bin/chromium``) through Playwright; skipped
+without it (``python3 run-tests`` installs it when run as root). The admin
+page is saved as ``docs/_static/admin-dedup-records.png`` when
+``CELERY_DEDUP_SCREENSHOTS=1`` (otherwise into the test's temporary
+directory, so a test run leaves the work tree alone).
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import signal
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from tests._demo import ROOT, Client, DemoProcess, alive, port_free
+from tests.conftest import wait_for
+
+CHROMIUM = Path("/usr/bin/chromium")
+CHROMIUM_ARGS = [
+    "--no-sandbox",
+    "--disable-gpu",
+    "--disable-quic",
+    "--no-first-run",
+    "--disable-background-networking",
+    "--disable-component-update",
+    "--disable-sync",
+]
+SCREENSHOT = ROOT / "docs" / "_static" / "admin-dedup-records.png"
+
+pytestmark = [
+    pytest.mark.slow,
+    pytest.mark.skipif(not CHROMIUM.exists(), reason=f"{CHROMIUM} is missing: install Debian's chromium"),
+]
+
+
+@pytest.fixture
+def demo(tmp_path: Path) -> Iterator[DemoProcess]:
+    process = DemoProcess(tmp_path / "data", tmp_path / "demo.log")
+    try:
+        yield process.wait_ready()
+    finally:
+        if process.process.poll() is None:
+            process.kill()
+
+
+@pytest.fixture
+def page(tmp_path: Path) -> Iterator[Any]:
+    sync_api = pytest.importorskip("playwright.sync_api")
+    with sync_api.sync_playwright() as playwright:
+        browser = playwright.chromium.launch(executable_path=str(CHROMIUM), args=CHROMIUM_ARGS)
+        try:
+            yield browser.new_page(viewport={"width": 1600, "height": 800})
+        finally:
+            browser.close()
+
+
+def test_double_click_pay_leaves_one_succeeded_record(demo: DemoProcess, page: Any, tmp_path: Path) -> None:
+    page.goto(f"{demo.base}/admin/login/?next=/admin/")
+    page.fill("#id_username", "demo")
+    page.fill("#id_password", "demo")
+    page.click("input[type=submit]")
+    page.wait_for_url(f"{demo.base}/admin/")
+
+    page.goto(f"{demo.base}/")
+    page.fill("#id_qty_POT-003", "1")
+    page.fill("#id_email", "browser@example.com")
+    page.click("#place-order")
+    page.wait_for_url(re.compile(r"/orders/\d+/$"))
+    order_id = int(page.url.rstrip("/").rsplit("/", 1)[1])
+
+    # Presses 10 ms apart: the first request leaves, the second press cancels its navigation and posts
+    # again, as on a slow page. (Two presses in the same tick make Chromium send only the second.)
+    page.dblclick("#pay", delay=10)
+    client = Client(demo.base)
+
+    def settled() -> Any:
+        order = client.get_json(f"/orders/{order_id}.json")
+        return order if (order["charge_dedup"] or {}).get("state") == "succeeded" else None
+
+    order = wait_for(settled, 60, f"order {order_id}'s charge succeeded")
+    assert order["charge_dedup"]["duplicates"] == "1", "the double click should send two pay requests"
+    assert order["charges"] == 1
+
+    page.goto(f"{demo.base}/orders/{order_id}/")
+    page.click("text=dedup records for this order")
+    page.wait_for_selector("#result_list")
+    rows = page.locator("#result_list tbody tr")
+    charges = [
+        rows.nth(i).locator(".field-state").inner_text().strip()
+        for i in range(rows.count())
+        if rows.nth(i).locator(".field-key").inner_text().strip() == order["charge_key"]
+        and rows.nth(i).locator(".field-task").inner_text().strip().endswith("charge_payment")
+    ]
+    assert charges == ["succeeded"]
+    if page.locator("#toggle-nav-sidebar").count():
+        page.click("#toggle-nav-sidebar")  # room for every column in the screenshot
+    target = SCREENSHOT if os.environ.get("CELERY_DEDUP_SCREENSHOTS") == "1" else tmp_path / SCREENSHOT.name
+    target.parent.mkdir(parents=True, exist_ok=True)
+    page.screenshot(path=str(target), full_page=True)
+
+    page.goto(f"{demo.base}/admin/shop/order/")
+    assert page.locator(".field-charge_key_state").first.inner_text().strip() == "succeeded"
+    page.goto(f"{demo.base}/admin/shop/order/{order_id}/change/")
+    record = page.locator(".field-charge_key_record").inner_text()
+    assert "state=succeeded" in record
+    assert "duplicates=1" in record
+
+    processes = demo.descendants()
+    assert demo.stop(signal.SIGTERM) == 0, demo.output()
+    assert not [pid for pid in processes if alive(pid)]
+    assert port_free(demo.port)
