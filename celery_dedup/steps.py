@@ -41,9 +41,10 @@ class ReaperStep(bootsteps.StartStopStep):
             self.tref.cancel()
             self.tref = None
 
-    # A worker told to terminate (not to stop) calls this; the base class's
-    # version only knows steps that keep their service in ``obj``.
-    terminate = stop
+    def terminate(self, worker: Any) -> None:
+        # A terminating worker calls this, not stop; the base class's version
+        # only stops services kept in ``obj``.
+        self.stop(worker)
 
     def reap(self, app: Any) -> None:
         try:
@@ -72,6 +73,10 @@ class DispatchStep(bootsteps.StartStopStep):
 
     #: Runs pushed per script call.
     BATCH = 100
+    # Start after the pool has forked its children: a child forked while this
+    # thread held the import lock (its first script call imports lazily) would
+    # wait for that lock forever.
+    requires = ("celery.worker.components:Pool",)
 
     def __init__(self, worker: Any, **kwargs: Any) -> None:
         super().__init__(worker, **kwargs)
@@ -99,7 +104,8 @@ class DispatchStep(bootsteps.StartStopStep):
             self.thread.join(timeout=5)
             self.thread = None
 
-    terminate = stop
+    def terminate(self, worker: Any) -> None:
+        self.stop(worker)
 
     def run(self, app: Any) -> None:
         store = runtime.store_for(app)
