@@ -7,7 +7,9 @@ it through the functions here.
 from __future__ import annotations
 
 import logging
+import os
 import threading
+import weakref
 from collections import Counter
 from typing import Any
 
@@ -39,6 +41,7 @@ class Runtime:
         self.fail_open: Counter[str] = Counter()
         self._store: DedupStore | None = None
         self._lock = threading.Lock()
+        _runtimes.add(self)
 
     @property
     def store(self) -> DedupStore:
@@ -50,6 +53,18 @@ class Runtime:
                     client = client_from_url(url, conf.broker_transport_options)
                     self._store = DedupStore(client, self.config.key_prefix, history_length=self.config.history_length)
         return self._store
+
+
+_runtimes: weakref.WeakSet[Runtime] = weakref.WeakSet()
+
+
+def _new_locks_after_fork() -> None:
+    """A child forked while another thread held a runtime's lock would wait for it forever."""
+    for runtime in list(_runtimes):
+        runtime._lock = threading.Lock()
+
+
+os.register_at_fork(after_in_child=_new_locks_after_fork)
 
 
 def _broker_url(app: Any) -> str:
