@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from collections.abc import Mapping, Sequence
+from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from importlib import resources
 from typing import Any
@@ -128,6 +128,19 @@ class ReapReport:
 
 
 @dataclass(frozen=True)
+class GateCall:
+    """One prepared run of the gate script."""
+
+    keys: list[str]
+    args: list[Any]
+
+
+def _outcome(reply: Sequence[Any]) -> Outcome:
+    code = int(reply[0])
+    return Outcome(accepted=code in (1, 2), task_id=_text(reply[1]), collapsed=code == 3)
+
+
+@dataclass(frozen=True)
 class Dispatch:
     """What one dispatcher call did."""
 
@@ -220,7 +233,7 @@ class DedupStore:
             return self
         return DedupStore(self.client, prefix, self.scripts, history_length=self.history_length)
 
-    def gate(
+    def gate_call(
         self,
         member: str,
         task_id: str,
@@ -239,11 +252,10 @@ class DedupStore:
         unacked_key: str = "",
         payload: str = "",
         debounce: tuple[int, int, bool] | None = None,
-        client: redis.Redis | None = None,
-    ) -> Outcome:
-        """Hold ``member`` for ``task_id`` and push ``message`` onto ``queue``, or neither.
+    ) -> GateCall:
+        """The gate script's keys and arguments: hold ``member`` for ``task_id``, push ``message`` onto ``queue``.
 
-        Without a queue this only holds the key (the non-atomic fallback).
+        Without a queue it only holds the key (the non-atomic fallback).
         ``debounce`` is ``(window_ms, max_wait_ms, latest)``: the message is
         parked until due instead of pushed, and calls while held join its run.
         """
@@ -273,9 +285,47 @@ class DedupStore:
                 max_wait_ms,
                 "1" if latest else "0",
             ]
-        code, owner = self.scripts.gate(keys, args, client=client or self.client)
-        code = int(code)
-        return Outcome(accepted=code in (1, 2), task_id=_text(owner), collapsed=code == 3)
+        return GateCall(keys, args)
+
+    def gate(
+        self, member: str, task_id: str, nonce: str, *, client: redis.Redis | None = None, **fields: Any
+    ) -> Outcome:
+        """Run the gate once (one round trip); ``fields`` as for :meth:`gate_call`."""
+        return self.run_gate(self.gate_call(member, task_id, nonce, **fields), client=client)
+
+    def run_gate(self, call: GateCall, *, client: redis.Redis | None = None) -> Outcome:
+        """Run one prepared gate call (one round trip)."""
+        return _outcome(self.scripts.gate(call.keys, call.args, client=client or self.client))
+
+    def gate_many(self, chunks: Iterable[Sequence[GateCall]], *, client: redis.Redis | None = None) -> list[Outcome]:
+        """Run gate calls chunk by chunk on one connection; each call is atomic on its own.
+
+        A chunk is sent before the previous chunk's replies are read, so the
+        server runs one chunk while the caller builds the next (``chunks``
+        may be a generator). One extra round trip makes sure the script is
+        loaded. On an error the connection is dropped: which calls of the
+        chunks in flight ran is unknown (their records' nonces tell).
+        """
+        client = client or self.client
+        sha = client.script_load(self.scripts.gate.script)
+        pool = client.connection_pool
+        connection = pool.get_connection()
+        outcomes: list[Outcome] = []
+        unread = 0
+        try:
+            for chunk in chunks:
+                commands = [("EVALSHA", sha, len(call.keys), *call.keys, *call.args) for call in chunk]
+                packed = connection.pack_commands(commands)  # type: ignore[no-untyped-call]
+                connection.send_packed_command(packed)  # type: ignore[no-untyped-call]
+                outcomes += [_outcome(connection.read_response()) for _ in range(unread)]
+                unread = len(commands)
+            outcomes += [_outcome(connection.read_response()) for _ in range(unread)]
+        except BaseException:
+            connection.disconnect()  # type: ignore[no-untyped-call]
+            raise
+        finally:
+            pool.release(connection)
+        return outcomes
 
     def start(
         self,

@@ -5,7 +5,7 @@ from __future__ import annotations
 import datetime
 import inspect
 import logging
-from collections.abc import Callable
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, ClassVar, cast
 
@@ -339,6 +339,30 @@ class DedupTask(_TaskBase):
         if not outcome.accepted:
             return self._on_duplicate(policy, business_key, outcome.task_id, options)
         return result
+
+    def delay(self, *args: Any, **kwargs: Any) -> DedupResult:
+        """``apply_async(args, kwargs)``, typed to return a :class:`DedupResult`."""
+        return self.apply_async(args, kwargs)
+
+    def apply_async_many(
+        self, calls: Iterable[tuple[Sequence[Any], Mapping[str, Any]]], *, chunk: int = 1000, **options: Any
+    ) -> list[DedupResult]:
+        """Enqueue many ``(args, kwargs)`` calls, each gated atomically, in pipelined round trips.
+
+        One result per call, in order; duplicates (held before, or repeated in
+        the batch) are marked ``deduplicated``. See :mod:`celery_dedup.bulk`.
+
+        Example:
+            >>> results = notify.apply_async_many([((customer_id,), {}) for customer_id in customers])
+            >>> sent = sum(not r.deduplicated for r in results)
+        """
+        from .bulk import apply_async_many  # noqa: PLC0415 - bulk builds on this module
+
+        return apply_async_many(self, calls, chunk=chunk, **options)
+
+    def delay_many(self, argument_tuples: Iterable[Sequence[Any]], **options: Any) -> list[DedupResult]:
+        """:meth:`apply_async_many` for positional arguments only: ``notify.delay_many([(1,), (2,)])``."""
+        return self.apply_async_many(((args, {}) for args in argument_tuples), **options)
 
     def _publish_or_unclaim(
         self, store: DedupStore, member: str, run_id: str, headers: dict[str, Any], publish: _Publish

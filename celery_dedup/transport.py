@@ -17,7 +17,7 @@ from kombu.utils.json import dumps
 
 from .exceptions import DedupRoutingError
 from .gate import GateHeader, message_payload, report
-from .store import DedupStore, Scripts
+from .store import DedupStore, GateCall, Scripts
 
 
 class GatedChannelMixin:
@@ -44,16 +44,34 @@ class GatedChannelMixin:
     def _dedup_scripts(self) -> Scripts:
         return Scripts(self._dedup_client)
 
+    def dedup_store(self, prefix: str, history_length: int) -> DedupStore:
+        """The dedup store for messages of ``prefix``, on this channel's connection pool."""
+        stores: dict[tuple[str, int], DedupStore] = self.__dict__.setdefault("_dedup_stores", {})
+        key = (prefix, history_length)
+        if key not in stores:
+            stores[key] = DedupStore(self._dedup_client, prefix, self._dedup_scripts, history_length=history_length)
+        return stores[key]
+
     def basic_publish(self, message: dict[str, Any], exchange: str, routing_key: str, **kwargs: Any) -> Any:
         gate = GateHeader.decode(message.get("headers"))
         if gate is None:
             return super().basic_publish(message, exchange, routing_key, **kwargs)  # type: ignore[misc]
-        headers = message["headers"]
-        task_name = str(headers.get("task"))
         if kwargs.get("_publish_batch") is not None:
             raise DedupRoutingError(
-                task_name, gate.member, "Producer.batch cannot gate messages; use apply_async (or the bulk API)"
+                str(message["headers"].get("task")),
+                gate.member,
+                "Producer.batch cannot gate messages; use apply_async or apply_async_many",
             )
+        store, call = self.gate_call(message, exchange, routing_key, gate)
+        report(gate.nonce, store.run_gate(call))
+        return None
+
+    def gate_call(
+        self, message: dict[str, Any], exchange: str, routing_key: str, gate: GateHeader
+    ) -> tuple[DedupStore, GateCall]:
+        """Finish ``message`` as kombu would publish it, and prepare the gate script that pushes it."""
+        headers = message["headers"]
+        task_name = str(headers.get("task"))
         self._inplace_augment_message(message, exchange, routing_key)  # type: ignore[attr-defined]
         queue = self._single_queue(task_name, gate, exchange, routing_key)
         priority = self._get_message_priority(message, reverse=False)  # type: ignore[attr-defined]
@@ -63,9 +81,9 @@ class GatedChannelMixin:
         if self._expires and queue in self._expires:
             expire = [prefix + self._q_for_pri(queue, p) for p in self.priority_steps]  # type: ignore[attr-defined]
             expires_ms = self._expires[queue]
-        store = DedupStore(self._dedup_client, gate.prefix, self._dedup_scripts, history_length=gate.history)
+        store = self.dedup_store(gate.prefix, gate.history)
         keep_payload = gate.record_args or (gate.debounce and gate.latest)
-        outcome = store.gate(
+        call = store.gate_call(
             gate.member,
             str(headers["id"]),
             gate.nonce,
@@ -83,8 +101,7 @@ class GatedChannelMixin:
             payload=message_payload(message) if keep_payload else "",
             debounce=(gate.window_ms, gate.max_wait_ms, gate.latest) if gate.debounce else None,
         )
-        report(gate.nonce, outcome)
-        return None
+        return store, call
 
     def _single_queue(self, task_name: str, gate: GateHeader, exchange: str, routing_key: str) -> str:
         if not exchange:

@@ -1,0 +1,234 @@
+"""Bulk gated enqueue: many calls of one DedupTask, each gated atomically, in pipelined round trips.
+
+Fan-out code (notify 10,000 customers) is where duplicates are born. A loop
+of ``apply_async`` pays one round trip and Celery's whole publish path per
+call; here every message is built once, the way Celery builds it, and the
+gate scripts run back to back in one pipeline per ``chunk`` calls. Each
+script is as atomic as ``apply_async``'s, so a batch cut short by a
+connection error can simply be sent again: what was accepted answers as a
+duplicate.
+
+The lean path covers the options fan-out uses (queue, exchange,
+routing_key, priority, countdown, eta, serializer, time limits,
+ignore_result, headers). Anything else (links, chains, chords, groups,
+``expires``, compression), a non-Redis broker and eager mode take a loop of
+``apply_async`` instead, with the same results. Celery's publish signals and
+task-sent events are not sent by the lean path.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Mapping, Sequence
+from dataclasses import replace
+from typing import TYPE_CHECKING, Any
+
+import redis
+from celery.utils.nodenames import anon_nodename
+from celery.utils.saferepr import saferepr
+from kombu import serialization
+from kombu.exceptions import OperationalError
+
+from . import runtime
+from .exceptions import DedupUnavailableError, DuplicateTaskError
+from .gate import HEADER, GateHeader
+from .keys import member_for, new_nonce, new_task_id, split_member
+from .store import DedupStore, GateCall
+from .task import DedupResult, delay_seconds
+from .transport import GatedChannelMixin
+
+if TYPE_CHECKING:
+    from .task import DedupTask
+
+#: kombu's delivery modes by name (``kombu.entity.DELIVERY_MODES``, untyped there).
+DELIVERY_MODES = {"transient": 1, "persistent": 2}
+
+#: Options the lean path builds messages for; any other option takes the loop.
+LEAN_OPTIONS = frozenset(
+    {
+        "queue",
+        "exchange",
+        "routing_key",
+        "priority",
+        "countdown",
+        "eta",
+        "serializer",
+        "time_limit",
+        "soft_time_limit",
+        "ignore_result",
+        "headers",
+        "delivery_mode",
+    }
+)
+
+Call = tuple[Sequence[Any], Mapping[str, Any]]
+
+
+def apply_async_many(task: DedupTask, calls: Iterable[Call], *, chunk: int = 1000, **options: Any) -> list[DedupResult]:
+    """Enqueue ``calls`` (``(args, kwargs)`` pairs) of ``task``; one result per call, in order.
+
+    Every key is derived before anything is sent, so a bad call raises
+    :class:`~celery_dedup.DedupKeyError` with nothing enqueued. A duplicate
+    (held before, or earlier in the batch) gets the accepted run's result
+    marked ``deduplicated``; ``dedup_on_duplicate="raise"`` does not apply.
+
+    Raises:
+        DedupKeyError: a call's key cannot be derived.
+        DedupUnavailableError: Redis failed mid-batch (``published=None``:
+            earlier chunks went out; sending the batch again is safe).
+    """
+    normalised = [(tuple(args or ()), dict(kwargs or {})) for args, kwargs in calls]
+    policy = task.dedup_policy
+    members = [member_for(task.name, policy.spec.business_key(args, kwargs)) for args, kwargs in normalised]
+    app = task.app
+    if not normalised:
+        return []
+    lean = (
+        runtime.is_atomic(app)
+        and not app.conf.task_always_eager
+        and policy.mode.gates_enqueue
+        and not app.conf.task_compression
+        and set(options) <= LEAN_OPTIONS
+    )
+    if not lean:
+        return [_marked_loop(task, args, kwargs, options) for args, kwargs in normalised]
+    with app.producer_or_acquire() as producer:
+        channel = producer.channel
+        if not isinstance(channel, GatedChannelMixin):
+            return [_marked_loop(task, args, kwargs, options) for args, kwargs in normalised]
+        builder = _Builder(task, producer, options)
+        chunks = (
+            [
+                builder.gate_call(channel, member, new_task_id(split_member(member)[1]), args, kwargs)
+                for (args, kwargs), member in zip(
+                    normalised[start : start + chunk], members[start : start + chunk], strict=True
+                )
+            ]
+            for start in range(0, len(normalised), chunk)
+        )
+        try:
+            outcomes = builder.store(channel).gate_many(chunks)
+        except (redis.RedisError, OperationalError) as exc:
+            key = split_member(members[0])[1]
+            raise DedupUnavailableError(task.name, f"{key} (first of a batch)", exc, published=None) from exc
+    results = []
+    for outcome in outcomes:
+        result = task.AsyncResult(outcome.task_id)
+        result.deduplicated = not outcome.accepted
+        results.append(result)
+    return results
+
+
+def _marked_loop(
+    task: DedupTask, args: tuple[Any, ...], kwargs: dict[str, Any], options: dict[str, Any]
+) -> DedupResult:
+    """One call the lean path cannot build: ``apply_async``, answering a duplicate instead of raising."""
+    try:
+        return task.apply_async(args, kwargs, **options)
+    except DuplicateTaskError as duplicate:
+        result = task.AsyncResult(duplicate.task_id)
+        result.deduplicated = True
+        return result
+
+
+def _short_repr(value: Any, limit: int = 1024) -> str:
+    """``repr`` as Celery's headers keep it; ``saferepr`` (bounded, slower) only for long values."""
+    text = repr(value)
+    return text if len(text) <= limit else saferepr(value, limit)
+
+
+class _Builder:
+    """Builds each call's message as Celery's ``send_task`` and kombu's ``Producer.publish`` would."""
+
+    def __init__(self, task: DedupTask, producer: Any, options: dict[str, Any]) -> None:
+        app = task.app
+        self.task = task
+        self.app = app
+        self.amqp = app.amqp
+        self.options = options
+        exec_options = {k: v for k, v in task._get_exec_options().items() if v is not None}  # type: ignore[attr-defined]
+        self.base_options = {**exec_options, **options}
+        self.route_per_call = bool(app.conf.task_routes)
+        self.routed = None if self.route_per_call else self._route((), {})
+        self.serializer = self.base_options.get("serializer") or app.conf.task_serializer
+        self.delay = delay_seconds(options.get("countdown"), options.get("eta"))
+        self.producer = producer
+        self.declared: set[str] = set()
+        parent = app.current_worker_task
+        self.parent_id = parent.request.id if parent else None
+        self.root_id = (parent.request.root_id or parent.request.id) if parent else None
+        ignore_result = options.get("ignore_result")
+        self.ignore_result = task.ignore_result if ignore_result is None else ignore_result
+        self.default_delivery_mode = app.conf.task_default_delivery_mode
+        self.origin = anon_nodename()
+        self.reply_to = app.thread_oid
+        self.gate_template: GateHeader | None = None
+
+    def _route(self, args: tuple[Any, ...], kwargs: dict[str, Any]) -> dict[str, Any]:
+        routed = self.amqp.router.route(
+            dict(self.base_options),
+            self.task.name,
+            args,
+            kwargs,
+            self.task,  # type: ignore[arg-type]
+        )
+        return dict(routed)
+
+    def gate_call(
+        self, channel: GatedChannelMixin, member: str, run_id: str, args: tuple[Any, ...], kwargs: dict[str, Any]
+    ) -> GateCall:
+        routed = self._route(args, kwargs) if self.route_per_call or self.routed is None else self.routed
+        message = self.amqp.create_task_message(
+            run_id,
+            self.task.name,
+            args,
+            kwargs,
+            countdown=routed.get("countdown"),
+            eta=routed.get("eta"),
+            reply_to=self.reply_to,
+            time_limit=routed.get("time_limit"),
+            soft_time_limit=routed.get("soft_time_limit"),
+            root_id=self.root_id,
+            parent_id=self.parent_id,
+            ignore_result=self.ignore_result,
+            origin=self.origin,
+            argsrepr=_short_repr(args),
+            kwargsrepr=_short_repr(kwargs),
+        )
+        headers, properties, body, _ = message
+        headers.update(routed.get("headers") or {})
+        if self.gate_template is None:
+            self.gate_template = self.task.dedup_gate_header(member, self.delay)
+        gate = replace(self.gate_template, member=member, nonce=new_nonce())
+        headers[HEADER] = gate.encode()
+        queue = routed["queue"]
+        exchange, routing_key = self._destination(queue, routed)
+        if queue.name not in self.declared:
+            self.producer.maybe_declare(queue)
+            self.declared.add(queue.name)
+        content_type, content_encoding, data = serialization.dumps(body, serializer=self.serializer)
+        properties["delivery_mode"] = self._delivery_mode(queue, routed)
+        kombu_message = channel.prepare_message(  # type: ignore[attr-defined]
+            data, routed.get("priority"), content_type, content_encoding, headers, properties
+        )
+        return channel.gate_call(kombu_message, exchange, routing_key, gate)[1]
+
+    def store(self, channel: GatedChannelMixin) -> DedupStore:
+        config = runtime.config_for(self.app)
+        return channel.dedup_store(config.key_prefix, config.history_length)
+
+    @staticmethod
+    def _destination(queue: Any, routed: Mapping[str, Any]) -> tuple[str, str]:
+        """Exchange and routing key, as ``send_task_message`` picks them."""
+        exchange, routing_key = routed.get("exchange"), routed.get("routing_key")
+        exchange_type = getattr(queue.exchange, "type", "direct")
+        if (not exchange or not routing_key) and exchange_type == "direct":
+            return "", str(queue.name)
+        name = getattr(exchange, "name", exchange) or queue.exchange.name
+        return str(name), str(routing_key or queue.routing_key)
+
+    def _delivery_mode(self, queue: Any, routed: Mapping[str, Any]) -> int:
+        mode = routed.get("delivery_mode") or getattr(queue.exchange, "delivery_mode", None)
+        mode = mode or self.default_delivery_mode
+        if isinstance(mode, str):
+            return DELIVERY_MODES.get(mode, DELIVERY_MODES["persistent"])
+        return int(mode or DELIVERY_MODES["persistent"])
