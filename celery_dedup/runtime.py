@@ -9,6 +9,7 @@ from __future__ import annotations
 import logging
 import os
 import threading
+import time
 import weakref
 from collections import Counter
 from typing import Any
@@ -30,6 +31,35 @@ TRANSPORTS = {
 }
 
 
+class RecentKeys:
+    """Members this process saw held lately, each until its hold would end.
+
+    Only a hint that a call is probably a duplicate, so ``apply_async`` asks
+    the server (one small script) before building a message. Bounded: the
+    oldest entries make room.
+    """
+
+    def __init__(self, size: int = 10_000) -> None:
+        self.size = size
+        self._until: dict[str, float] = {}
+        self._lock = threading.Lock()
+
+    def hint(self, member: str) -> bool:
+        until = self._until.get(member)
+        return until is not None and until > time.monotonic()
+
+    def saw(self, member: str, seconds: float) -> None:
+        with self._lock:
+            self._until.pop(member, None)
+            self._until[member] = time.monotonic() + seconds
+            if len(self._until) > self.size:
+                del self._until[next(iter(self._until))]
+
+    def forget(self, member: str) -> None:
+        with self._lock:
+            self._until.pop(member, None)
+
+
 class Runtime:
     """What celery-dedup knows about one Celery app."""
 
@@ -39,6 +69,7 @@ class Runtime:
         self.installed = installed
         self.atomic = False
         self.fail_open: Counter[str] = Counter()
+        self.recent = RecentKeys()
         self._store: DedupStore | None = None
         self._lock = threading.Lock()
         _runtimes.add(self)

@@ -56,6 +56,7 @@ class Scripts:
         self.renew: Script = client.register_script(load_script("renew"))
         self.reap: Script = client.register_script(load_script("reap"))
         self.dispatch: Script = client.register_script(load_script("dispatch"))
+        self.peek: Script = client.register_script(load_script("peek"))
         self.release: Script = client.register_script(load_script("release"))
         self.purge: Script = client.register_script(load_script("purge"))
 
@@ -296,6 +297,11 @@ class DedupStore:
     def run_gate(self, call: GateCall, *, client: redis.Redis | None = None) -> Outcome:
         """Run one prepared gate call (one round trip)."""
         return _outcome(self.scripts.gate(call.keys, call.args, client=client or self.client))
+
+    def peek(self, member: str) -> str | None:
+        """The run holding ``member`` (its duplicate counter incremented), or None if it is free."""
+        code, owner = self.scripts.peek([self.schema.held, self.schema.record(member)], [member])
+        return _text(owner) if int(code) == 0 else None
 
     def gate_many(self, chunks: Iterable[Sequence[GateCall]], *, client: redis.Redis | None = None) -> list[Outcome]:
         """Run gate calls chunk by chunk on one connection; each call is atomic on its own.

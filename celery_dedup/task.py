@@ -276,25 +276,23 @@ class DedupTask(_TaskBase):
         policy = self.dedup_policy
         app = self.app
         atomic = runtime.is_atomic(app)  # also refuses an app that was never installed
-        if not policy.mode.gates_enqueue or (policy.mode.parks and app.conf.task_always_eager):
+        if not self._gated(atomic):
             policy.spec.business_key(args, kwargs)  # a bad key fails here, not on the worker
             plain = super().apply_async(args, kwargs, task_id, producer, link, link_error, shadow, **options)
             return cast(DedupResult, plain)
-        if policy.mode.parks and not atomic:
-            raise DedupConfigError(
-                "dedup_mode",
-                policy.mode.name,
-                "needs the Redis broker: a debounced run's message is parked in Redis until due",
-                task=self.name,
-            )
         config = runtime.config_for(app)
         headers = dict(options.pop("headers", None) or {})
         previous = GateHeader.decode(headers)
-        if previous is not None and task_id is not None:
-            member = previous.member  # Task.retry: the run keeps its key, even if args changed
-        else:
+        # Task.retry re-publishes the run under its id: it keeps its key, even if args changed.
+        if previous is None or task_id is None:
             member = member_for(self.name, policy.spec.business_key(args, kwargs))
+        else:
+            member = previous.member
         business_key = split_member(member)[1]
+        recent = runtime.runtime_for(app).recent
+        known = self._peek(member) if task_id is None and previous is None and not policy.mode.parks else None
+        if known is not None:
+            return self._on_duplicate(policy, business_key, known, options)
         run_id = task_id or new_task_id(business_key)
         gate = self.dedup_gate_header(member, delay_seconds(options.get("countdown"), options.get("eta")))
         headers[HEADER] = gate.encode()
@@ -336,9 +334,24 @@ class DedupTask(_TaskBase):
         if outcome.collapsed:
             logger.debug("%s key %r: call joined the burst of %s", self.name, business_key, outcome.task_id)
             return self._marked(outcome.task_id)
+        recent.saw(member, gate.hold_ms / 1000)
         if not outcome.accepted:
             return self._on_duplicate(policy, business_key, outcome.task_id, options)
         return result
+
+    def _gated(self, atomic: bool) -> bool:
+        """Whether a call goes through the gate (else it is published as Celery would)."""
+        mode = self.dedup_policy.mode
+        if not mode.gates_enqueue or (mode.parks and self.app.conf.task_always_eager):
+            return False
+        if mode.parks and not atomic:
+            raise DedupConfigError(
+                "dedup_mode",
+                mode.name,
+                "needs the Redis broker: a debounced run's message is parked in Redis until due",
+                task=self.name,
+            )
+        return True
 
     def delay(self, *args: Any, **kwargs: Any) -> DedupResult:
         """``apply_async(args, kwargs)``, typed to return a :class:`DedupResult`."""
@@ -363,6 +376,24 @@ class DedupTask(_TaskBase):
     def delay_many(self, argument_tuples: Iterable[Sequence[Any]], **options: Any) -> list[DedupResult]:
         """:meth:`apply_async_many` for positional arguments only: ``notify.delay_many([(1,), (2,)])``."""
         return self.apply_async_many(((args, {}) for args in argument_tuples), **options)
+
+    def _peek(self, member: str) -> str | None:
+        """The accepted run's id if ``member`` is held, asked before any message is built.
+
+        Asked only for keys this process saw held lately (a hint, never
+        trusted: the server answers); a key freed since costs this one extra
+        round trip.
+        """
+        recent = runtime.runtime_for(self.app).recent
+        if not recent.hint(member):
+            return None
+        try:
+            known = runtime.store_for(self.app).peek(member)
+        except redis.RedisError:
+            return None  # the gate decides, with its own error handling
+        if known is None:
+            recent.forget(member)
+        return known
 
     def _publish_or_unclaim(
         self, store: DedupStore, member: str, run_id: str, headers: dict[str, Any], publish: _Publish

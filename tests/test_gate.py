@@ -10,7 +10,7 @@ import redis
 from celery import Celery
 from kombu import Exchange, Queue
 
-from celery_dedup import DedupResult, DedupRoutingError, DedupTask, DuplicateTaskError
+from celery_dedup import DedupResult, DedupRoutingError, DedupTask, DuplicateTaskError, runtime
 from celery_dedup.keys import KeySchema
 
 from .conftest import AppFactory, in_process_worker, queued_messages
@@ -156,3 +156,47 @@ def test_producer_batch_is_refused(make_app: AppFactory, r: redis.Redis) -> None
         charge.apply_async((1,), producer=producer)
     assert r.scard(HELD) == 0
     assert queued_messages(r) == []
+
+
+# --- a duplicate this process has seen is answered before a message is built ----------------------
+
+
+def _script_calls(client: redis.Redis) -> tuple[int, int]:
+    """(SISMEMBER, SADD) calls so far: the peek script asks the first, the gate the second."""
+    stats = client.info("commandstats")
+    return (
+        int(stats.get("cmdstat_sismember", {}).get("calls", 0)),
+        int(stats.get("cmdstat_sadd", {}).get("calls", 0)),
+    )
+
+
+def test_a_known_duplicate_is_answered_by_a_peek(make_app: AppFactory, r: redis.Redis) -> None:
+    app = make_app(task_ignore_result=True)
+    charge = charge_task(app)
+    first = charge.delay(1)
+    before = _script_calls(r)
+    second = charge.delay(1)
+    after = _script_calls(r)
+    assert (second.id, second.deduplicated) == (first.id, True)
+    assert (after[0] - before[0], after[1] - before[1]) == (1, 0), "a peek, and no gate script"
+    assert len(queued_messages(r)) == 1
+    assert r.hget(f"dedup:rec:{charge.name}:order:1", "duplicates") == b"1"
+
+
+def test_a_key_freed_since_it_was_seen_is_gated_again(make_app: AppFactory, r: redis.Redis) -> None:
+    app = make_app(task_ignore_result=True)
+    charge = charge_task(app)
+    first = charge.delay(1)
+    assert runtime.store_for(app).finish(f"{charge.name}:order:1", first.id, "succeeded", drop=True, record_ms=1000)[0]
+    again = charge.delay(1)
+    assert not again.deduplicated and again.id != first.id
+    assert len(queued_messages(r)) == 2
+
+
+def test_a_peeked_duplicate_follows_the_conflict_policy(make_app: AppFactory, r: redis.Redis) -> None:
+    app = make_app(task_ignore_result=True)
+    charge = charge_task(app, dedup_on_duplicate="raise")
+    first = charge.delay(1)
+    with pytest.raises(DuplicateTaskError) as raised:
+        charge.delay(1)
+    assert raised.value.task_id == first.id

@@ -1,0 +1,25 @@
+-- peek: answer a duplicate before its message is built.
+--
+-- KEYS[1]  held set
+-- KEYS[2]  the member's status record (HASH)
+-- ARGV[1]  member
+--
+-- The same test as gate.lua's duplicate branch: the member is held and its
+-- record names a run whose hold has not passed. Then the record's duplicate
+-- counter is incremented, as the gate would.
+--
+-- Returns {0, owner} for a duplicate of run `owner`; {-1, ""} when the key is
+-- free (or stale): the caller runs the gate, which decides.
+
+local held, record, member = KEYS[1], KEYS[2], ARGV[1]
+if redis.call('SISMEMBER', held, member) == 0 then
+  return {-1, ''}
+end
+local owner = redis.call('HMGET', record, 'task_id', 'held_until')
+local t = redis.call('TIME')
+local now = tonumber(t[1]) * 1000 + math.floor(tonumber(t[2]) / 1000)
+if not owner[1] or tonumber(owner[2] or 0) <= now then
+  return {-1, ''}
+end
+redis.call('HINCRBY', record, 'duplicates', 1)
+return {0, owner[1]}
