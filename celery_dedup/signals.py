@@ -110,7 +110,8 @@ def gate_send_task(app: Any) -> None:
         return
 
     def send_task_message(producer: Any, name: str, message: Any, **options: Any) -> Any:
-        if HEADER not in message.headers:
+        # apply_async passes its header as an option; Celery merges it after this.
+        if HEADER not in message.headers and HEADER not in (options.get("headers") or {}):
             _add_gate_header(app, name, message.headers, message.body)
         return send(producer, name, message, **options)
 

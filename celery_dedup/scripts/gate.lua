@@ -96,30 +96,41 @@ if same_run then
   redis.call('HSET', record, 'nonce', nonce, 'held_until', until_ms)
 else
   retire(prefix, record, member, now, history_len, owner[4], owner[1])
-  redis.call('HSET', record,
-    'task_id', task_id, 'nonce', nonce, 'task', task_name,
-    'held_until', now + hold_ms, 'queued_at', now, 'duplicates', 0, 'attempts', 0)
+  local fields = {'task_id', task_id, 'nonce', nonce, 'task', task_name, 'held_until', now + hold_ms,
+    'queued_at', now, 'duplicates', 0, 'attempts', 0}
+  local function add(...)
+    for _, value in ipairs({...}) do
+      fields[#fields + 1] = value
+    end
+  end
   if argsrepr ~= '' or kwargsrepr ~= '' then
-    redis.call('HSET', record, 'args', argsrepr, 'kwargs', kwargsrepr)
+    add('args', argsrepr, 'kwargs', kwargsrepr)
   end
   if payload ~= '' then
-    redis.call('HSET', record, 'payload', payload)
+    add('payload', payload)
   end
   if debounce then
     local due = now + math.min(window_ms, max_wait_ms)
-    redis.call('HSET', record, 'first_at', now, 'due_at', due, 'debounced', 0, 'message', message,
-      'queue', queue, 'tag', tag, 'unacked', unacked)
+    add('first_at', now, 'due_at', due, 'debounced', 0, 'message', message, 'queue', queue, 'tag', tag,
+      'unacked', unacked)
+    redis.call('HSET', record, unpack(fields))
     redis.call('ZADD', due_key, due, member)
-    transition(prefix, record, member, 'pending', now, task_id, '', history_len)
+    transition(prefix, record, member, 'pending', now, task_id, '', history_len, false)
     expire_record(prefix, record, member, hold_ms + grace_ms)
     return {1, task_id}
   end
-  transition(prefix, record, member, 'queued', now, task_id, '', history_len)
+  if queue then
+    add('queue', queue, 'tag', tag, 'unacked', unacked, 'pushed_at', now)
+  end
+  redis.call('HSET', record, unpack(fields))
+  transition(prefix, record, member, 'queued', now, task_id, '', history_len, false)
 end
 expire_record(prefix, record, member, hold_ms + grace_ms)
 
 if queue then
-  redis.call('HSET', record, 'queue', queue, 'tag', tag, 'unacked', unacked, 'pushed_at', now)
+  if same_run then
+    redis.call('HSET', record, 'queue', queue, 'tag', tag, 'unacked', unacked, 'pushed_at', now)
+  end
   redis.call('LPUSH', queue, message)
   if expires_ms and expires_ms ~= '' then
     for i = 4, #KEYS do

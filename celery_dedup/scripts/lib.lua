@@ -22,8 +22,12 @@ local function split_member(member)
 end
 
 -- Move M's record to `state`: fields, indexes and history, in one place.
-local function transition(prefix, record, member, state, now, task_id, note, history_len)
-  local old = redis.call('HGET', record, 'state')
+-- `known_old`: the record's state if the caller knows it (false: none); nil: read it.
+local function transition(prefix, record, member, state, now, task_id, note, history_len, known_old)
+  local old = known_old
+  if old == nil then
+    old = redis.call('HGET', record, 'state')
+  end
   local ns, key = split_member(member)
   redis.call('HSET', record, 'state', state, 'updated_at', now)
   local idx = prefix .. ':idx'
