@@ -25,7 +25,7 @@ from .exceptions import (
     DuplicateTaskError,
 )
 from .gate import Outcome, last_outcome
-from .runtime import reap
+from .runtime import reap, stats
 from .store import Page, ReapReport, Record
 from .task import DedupResult, DedupTask
 
@@ -48,6 +48,7 @@ __all__ = [
     "last_outcome",
     "reap",
     "records",
+    "stats",
 ]
 
 

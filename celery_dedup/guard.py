@@ -23,10 +23,10 @@ from typing import TYPE_CHECKING, Any
 import redis
 from celery.exceptions import Ignore, Reject, Retry
 
-from . import runtime
+from . import decisions, runtime
 from .exceptions import DedupError, DedupUnavailableError
 from .gate import GateHeader, decode_payload
-from .keys import member_for
+from .keys import member_for, split_member
 from .lock import ExecutionLock, new_token, renewer
 from .store import DedupStore, StartDecision
 
@@ -38,6 +38,10 @@ logger = logging.getLogger("celery_dedup")
 SUCCEEDED, FAILED, RETRY, REVOKED = "succeeded", "failed", "retry", "revoked"
 REJECTED, IGNORED, LOST, SKIPPED = "rejected", "ignored", "lost", "skipped"
 _ERROR_LIMIT = 500
+
+
+def _key(member: str) -> str:
+    return split_member(member)[1]
 
 
 def error_summary(exc: BaseException) -> str:
@@ -94,6 +98,7 @@ def guarded_call(
             task_name=task.name,
             record_ms=record_ms,
             want_payload=policy.mode.parks and policy.debounce == "latest",
+            on_locked=policy.on_locked,
         )
     except redis.RedisError as exc:
         return store_unreachable(task, member, exc, lambda: body(args, kwargs))
@@ -147,12 +152,8 @@ def store_unreachable(task: DedupTask, member: str, exc: Exception, body: Callab
     app = task.app
     if runtime.config_for(app).on_redis_error == "fail_open":
         runtime.count_fail_open(app, task.name)
-        logger.warning(
-            "%s[%s] key %r: dedup store unreachable, running unguarded (fail_open): %s",
-            task.name,
-            task.request.id,
-            member,
-            exc,
+        decisions.log(
+            "fail_open", task.name, _key(member), task.request.id, f"dedup store unreachable, ran unguarded ({exc})"
         )
         return body()
     unavailable = DedupUnavailableError(task.name, member, exc, published=False)
@@ -174,28 +175,21 @@ def refuse(task: DedupTask, store: DedupStore, member: str, decision: StartDecis
     """Acknowledge a delivery that may not run (raises Ignore), deferring it where it might be needed."""
     request = task.request
     code = decision.code
+    key = _key(member)
     if code == StartDecision.DONE:
-        logger.info(
-            "%s[%s] key %r: skipped delivery, the run already %s", task.name, request.id, member, decision.detail
-        )
+        decisions.log("skipped", task.name, key, request.id, f"a delivery of a run that already {decision.detail}")
     elif code == StartDecision.SUPERSEDED:
-        logger.info(
-            "%s[%s] key %r: skipped delivery, the key belongs to run %s now",
-            task.name,
-            request.id,
-            member,
-            decision.detail,
-        )
+        decisions.log("skipped", task.name, key, request.id, f"the key belongs to run {decision.detail} now")
     elif code == StartDecision.LOCKED or task.dedup_policy.on_locked == "reschedule":
-        defer(task, int(decision.detail))
+        defer(task, key, int(decision.detail))
     else:
-        logger.info("%s[%s] key %r: skipped, another run holds the execution lock", task.name, request.id, member)
+        decisions.log("skipped", task.name, key, request.id, "another run holds the execution lock")
         record_ms = runtime.config_for(task.app).record_ms
         finish(task, store, member, str(request.id), SKIPPED, drop=True, token="", record_ms=record_ms)
     raise Ignore()
 
 
-def defer(task: DedupTask, lock_pttl_ms: int) -> None:
+def defer(task: DedupTask, key: str, lock_pttl_ms: int) -> None:
     """Re-publish this run to arrive once the lock that blocks it would have expired.
 
     If the holder is alive it will have finished (the copy is then skipped as
@@ -204,9 +198,7 @@ def defer(task: DedupTask, lock_pttl_ms: int) -> None:
     """
     request = task.request
     countdown = max(lock_pttl_ms, 0) / 1000 + random.uniform(0.2, 1.0)
-    logger.info(
-        "%s[%s]: execution lock held elsewhere, deferring this delivery by %.1fs", task.name, request.id, countdown
-    )
+    decisions.log("deferred", task.name, key, request.id, f"execution lock held elsewhere; again in {countdown:.1f}s")
     task.signature_from_request(request, countdown=countdown).apply_async()
 
 
@@ -233,7 +225,7 @@ def finish(
         )
         return False
     if not lock_kept:
-        logger.error("%s[%s] key %r ended (%s) after losing its execution lock", task.name, task_id, member, state)
+        decisions.log("lock_lost", task.name, _key(member), task_id, f"ended {state} after losing its execution lock")
     if not owned:
         logger.info("%s[%s] ended (%s) but key %r belongs to another run", task.name, task_id, state, member)
     return owned

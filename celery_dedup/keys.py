@@ -224,6 +224,11 @@ class KeySchema:
         return f"{self.prefix}:idx:task:{task_name}"
 
     @property
+    def stats(self) -> str:
+        """HASH of decision counters, fields ``<escaped task name>:<decision>``."""
+        return f"{self.prefix}:stats"
+
+    @property
     def due(self) -> str:
         """ZSET of members whose debounced run is parked, scored by when it is due (ms)."""
         return f"{self.prefix}:due"

@@ -9,10 +9,12 @@ from __future__ import annotations
 from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
+from urllib.parse import unquote
 
-from . import runtime
+from . import decisions, runtime
 from .exceptions import DedupOperationError
 from .gate import decode_payload
+from .keys import split_member
 from .store import ENDED_STATES, KeyDetail, PurgeReport, ReleaseResult
 from .task import DedupTask
 
@@ -43,7 +45,14 @@ def release(app: Any, member: str, *, force_token: str = "", by: str = "") -> Re
     deleted, and the history says it was forced, and by whom (``by``).
     """
     config = runtime.config_for(app)
-    return runtime.store_for(app).release(member, record_ms=config.record_ms, force_token=force_token, by=by)
+    store = runtime.store_for(app)
+    result = store.release(member, record_ms=config.record_ms, force_token=force_token, by=by)
+    if result.released:
+        namespace, key = split_member(member)
+        how = "forced: a live execution lock was deleted" if result.forced else "key freed"
+        task_id = (store.record(member) or {}).get("task_id")
+        decisions.log("released", unquote(namespace), key, task_id, f"{how}, by {by or 'an operator'}")
+    return result
 
 
 def purge(app: Any, *, states: Sequence[str] = ENDED_STATES, budget: int = 500, limit: int = 10_000) -> PurgeReport:

@@ -13,7 +13,9 @@ import time
 import weakref
 from collections import Counter
 from typing import Any
+from urllib.parse import unquote
 
+import redis
 from kombu.transport import TRANSPORT_ALIASES
 
 from .config import DedupConfig
@@ -69,6 +71,7 @@ class Runtime:
         self.installed = installed
         self.atomic = False
         self.fail_open: Counter[str] = Counter()
+        self.unflushed: Counter[str] = Counter()
         self.recent = RecentKeys()
         self._store: DedupStore | None = None
         self._lock = threading.Lock()
@@ -178,7 +181,44 @@ def is_atomic(app: Any) -> bool:
 
 
 def count_fail_open(app: Any, task_name: str) -> None:
-    runtime_for(app).fail_open[task_name] += 1
+    """Count a ``fail_open`` publish or run: in this process now, in Redis once it answers again."""
+    runtime = runtime_for(app)
+    with runtime._lock:
+        runtime.fail_open[task_name] += 1
+        runtime.unflushed[task_name] += 1
+
+
+def flush_counts(app: Any) -> None:
+    """Add this process's ``fail_open`` counts to the counters in Redis (raises RedisError if it is down)."""
+    runtime = runtime_for(app)
+    with runtime._lock:
+        pending, runtime.unflushed = runtime.unflushed, Counter()
+    try:
+        for task_name, amount in pending.items():
+            runtime.store.count(task_name, "fail_open", amount)
+            pending[task_name] = 0
+    finally:
+        with runtime._lock:
+            runtime.unflushed.update(+pending)
+
+
+def stats(app: Any) -> dict[str, dict[str, int]]:
+    """Decisions per task name, counted in Redis by every process of the app.
+
+    Decisions: accepted, deduplicated, collapsed (debounce), skipped and
+    deferred (deliveries), lock_lost, released (by an operator), reaped, and
+    fail_open. This process's ``fail_open`` counts that could not reach Redis
+    yet are included.
+    """
+    try:
+        flush_counts(app)
+    except redis.RedisError:
+        logger.warning("could not add fail_open counts to the dedup store; they are kept in this process")
+    counts = {unquote(namespace): dict(decisions) for namespace, decisions in store_for(app).stats().items()}
+    for task_name, amount in runtime_for(app).unflushed.items():
+        decisions = counts.setdefault(task_name, {})
+        decisions["fail_open"] = decisions.get("fail_open", 0) + amount
+    return counts
 
 
 def reap(app: Any, *, budget: int = 500) -> ReapReport:

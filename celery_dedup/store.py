@@ -17,7 +17,7 @@ from .gate import Outcome
 from .keys import KeySchema, split_member, task_namespace
 
 #: Scripts that change status records get the shared helpers of ``lib.lua`` first.
-_WITH_LIB = frozenset({"gate", "start", "finish", "reap", "dispatch", "release", "purge"})
+_WITH_LIB = frozenset({"gate", "start", "finish", "reap", "dispatch", "peek", "release", "purge"})
 
 #: Every state a record can be in, and those in which its run has ended (as in ``lib.lua``).
 STATES = (
@@ -126,6 +126,8 @@ class ReapReport:
     stale: int
     #: Queued runs whose message the transport lost after fetching it.
     vanished: int = 0
+    #: ``(member, task id, why)`` of each run this call marked lost.
+    runs: tuple[tuple[str, str, str], ...] = ()
 
 
 @dataclass(frozen=True)
@@ -298,9 +300,21 @@ class DedupStore:
         """Run one prepared gate call (one round trip)."""
         return _outcome(self.scripts.gate(call.keys, call.args, client=client or self.client))
 
+    def stats(self) -> dict[str, dict[str, int]]:
+        """Decision counters: escaped task name -> decision -> count (see lib.lua's ``count``)."""
+        found: dict[str, dict[str, int]] = {}
+        for field, value in self.client.hgetall(self.schema.stats).items():
+            namespace, _, decision = _text(field).rpartition(":")
+            found.setdefault(namespace, {})[decision] = int(value)
+        return found
+
+    def count(self, task_name: str, decision: str, amount: int = 1) -> None:
+        """Add to a decision counter from Python (for decisions made without Redis: fail_open)."""
+        self.client.hincrby(self.schema.stats, f"{task_namespace(task_name)}:{decision}", amount)
+
     def peek(self, member: str) -> str | None:
         """The run holding ``member`` (its duplicate counter incremented), or None if it is free."""
-        code, owner = self.scripts.peek([self.schema.held, self.schema.record(member)], [member])
+        code, owner = self.scripts.peek([self.schema.held, self.schema.record(member)], [member, self.schema.prefix])
         return _text(owner) if int(code) == 0 else None
 
     def gate_many(self, chunks: Iterable[Sequence[GateCall]], *, client: redis.Redis | None = None) -> list[Outcome]:
@@ -348,6 +362,7 @@ class DedupStore:
         task_name: str,
         record_ms: int,
         want_payload: bool = False,
+        on_locked: str = "skip",
     ) -> StartDecision:
         """The delivery guard: may this delivery run? If so the lock is taken (one round trip)."""
         keys = [self.schema.held, self.schema.record(member), self.schema.lock(member)]
@@ -366,6 +381,7 @@ class DedupStore:
             self.history_length,
             record_ms,
             "1" if want_payload else "0",
+            on_locked,
         ]
         reply = self.scripts.start(keys, args)
         payload = _text(reply[2]) if len(reply) > 2 else ""
@@ -539,10 +555,12 @@ class DedupStore:
 
     def reap(self, *, budget: int = 500, record_ms: int, grace_ms: int = 30_000) -> ReapReport:
         """One bounded clean-up pass (see ``reap.lua``)."""
-        released, lost, stale, vanished = self.scripts.reap(
+        released, lost, stale, vanished, reaped = self.scripts.reap(
             [self.schema.held], [self.schema.prefix, budget, record_ms, self.history_length, grace_ms]
         )
-        return ReapReport(int(released), int(lost), int(stale), int(vanished))
+        flat = [_text(item) for item in reaped]
+        runs = tuple((flat[i], flat[i + 1], flat[i + 2]) for i in range(0, len(flat), 3))
+        return ReapReport(int(released), int(lost), int(stale), int(vanished), runs)
 
     def release(self, member: str, *, record_ms: int, force_token: str = "", by: str = "") -> ReleaseResult:
         """Free ``member``'s key (see ``release.lua``): owner-safe, noted in its history as ``by``.

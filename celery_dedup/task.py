@@ -15,7 +15,7 @@ from celery.result import AsyncResult
 from celery.utils.saferepr import saferepr
 from kombu.exceptions import OperationalError
 
-from . import runtime
+from . import decisions, runtime
 from .config import check_debounce, check_mode, check_on_duplicate, check_on_locked, check_ttl
 from .exceptions import DedupConfigError, DedupUnavailableError, DuplicateTaskError
 from .gate import HEADER, UNGATED, GateHeader, Outcome, open_ticket
@@ -332,11 +332,12 @@ class DedupTask(_TaskBase):
             if outcome.accepted:
                 result = self._publish_or_unclaim(store, member, run_id, headers, publish)
         if outcome.collapsed:
-            logger.debug("%s key %r: call joined the burst of %s", self.name, business_key, outcome.task_id)
+            decisions.log("collapsed", self.name, business_key, outcome.task_id, "joined the burst of its run")
             return self._marked(outcome.task_id)
         recent.saw(member, gate.hold_ms / 1000)
         if not outcome.accepted:
             return self._on_duplicate(policy, business_key, outcome.task_id, options)
+        decisions.log("accepted", self.name, business_key, run_id)
         return result
 
     def _gated(self, atomic: bool) -> bool:
@@ -438,9 +439,7 @@ class DedupTask(_TaskBase):
         if runtime.config_for(app).on_redis_error == "fail_closed":
             raise DedupUnavailableError(self.name, key, exc, published=False) from exc
         runtime.count_fail_open(app, self.name)
-        logger.warning(
-            "dedup store unreachable, publishing %s[%s] key %r ungated (fail_open): %s", self.name, run_id, key, exc
-        )
+        decisions.log("fail_open", self.name, key, run_id, f"dedup store unreachable, published ungated ({exc})")
         headers[HEADER] = UNGATED  # not a gate header, and tells the publish hook to leave it alone
         return publish(headers)
 
@@ -452,6 +451,7 @@ class DedupTask(_TaskBase):
         # Canvas dispatch on a worker (chain/link callbacks) passes parent_id;
         # raising there would fail the parent task, so it gets the result instead.
         if policy.on_duplicate == "raise" and "parent_id" not in options:
+            decisions.log("deduplicated", self.name, key, existing_id, "already accepted (raise)")
             raise DuplicateTaskError(self.name, key, existing_id)
         if options.get("group_id") or options.get("chord"):
             # Celery fixed this member's id before publishing and waits for it.
@@ -462,8 +462,7 @@ class DedupTask(_TaskBase):
                 key,
                 existing_id,
             )
-        log = logger.info if policy.on_duplicate == "drop" else logger.debug
-        log("duplicate %s key %r: already accepted as %s", self.name, key, existing_id)
+        decisions.log("deduplicated", self.name, key, existing_id, f"already accepted ({policy.on_duplicate})")
         return self._marked(existing_id)
 
     def _marked(self, existing_id: str) -> DedupResult:

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import io
 import os
+import re
 from collections.abc import Iterator
 from typing import Any
 
@@ -36,6 +37,7 @@ from .conftest import AppFactory, in_process_worker, wait_for  # noqa: E402
 SCHEMA = KeySchema("dedup")
 LIST = "/admin/celery_dedup/record/"
 PURGE = LIST + "purge/"
+STATS = LIST + "stats/"
 
 #: Set by a test to check that ``CELERY_DEDUP_APP`` resolves a dotted path.
 APP: Celery | None = None
@@ -188,7 +190,7 @@ def test_anonymous_is_sent_to_login(app: Celery, charges: Records, users: dict[s
 def test_staff_without_permission_is_forbidden(app: Celery, charges: Records, users: dict[str, User]) -> None:
     run = charges.queued(1)
     client = client_for(users, "nobody")
-    for url in (LIST, detail_url(run.member), release_url(run.member), requeue_url(run.member), PURGE):
+    for url in (LIST, detail_url(run.member), release_url(run.member), requeue_url(run.member), PURGE, STATS):
         assert client.get(url).status_code == 403, url
     assert client.post(release_url(run.member)).status_code == 403
     assert client.post(PURGE, {"states": ["succeeded"]}).status_code == 403
@@ -519,3 +521,19 @@ def test_list_stays_correct_over_100k_records(app: Celery, tasks: tuple[Any, Any
     assert found == [member_for(("shop.charge", "shop.refund")[n % 2], f"order:{n:06d}") for n in range(12340, 12350)]
     assert listed(root.get(LIST, {"state": "queued"})) == index[:100]
     assert listed(root.get(LIST, {"state": "failed"})) == []
+
+
+def test_decision_counters_page_shows_what_the_gate_counted(
+    app: Celery, tasks: tuple[Any, Any], users: dict[str, User]
+) -> None:
+    charge = tasks[0]
+    charge.delay(1)
+    charge.delay(1)
+    charge.delay(1)
+    page = client_for(users, "viewer").get(STATS)
+    assert page.status_code == 200
+    row = re.search(rf"<tr><td>{re.escape(charge.name)}</td>(.*?)</tr>", page.content.decode())
+    assert row is not None
+    cells = re.findall(r"<td>(\d+)</td>", row.group(1))
+    assert cells[:2] == ["1", "2"], "accepted 1, deduplicated 2"
+    assert STATS in client_for(users, "viewer").get(LIST).content.decode()

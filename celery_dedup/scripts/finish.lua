@@ -38,6 +38,7 @@ if token ~= '' then
     redis.call('DEL', lock)
   else
     lock_kept = 0
+    count(prefix, member, 'lock_lost')
   end
 end
 if current[1] ~= task_id then

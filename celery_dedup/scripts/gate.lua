@@ -71,6 +71,7 @@ if same_run then
 elseif not fresh and owner[1] and tonumber(owner[3] or 0) > now then
   if not debounce then
     redis.call('HINCRBY', record, 'duplicates', 1)
+    count(prefix, member, 'deduplicated')
     return {0, owner[1]}
   end
   if owner[4] == 'pending' then
@@ -87,6 +88,7 @@ elseif not fresh and owner[1] and tonumber(owner[3] or 0) > now then
       redis.call('HSET', record, 'args', argsrepr, 'kwargs', kwargsrepr)
     end
   end
+  count(prefix, member, 'collapsed')
   return {3, owner[1]}
 end
 
@@ -117,6 +119,7 @@ else
     redis.call('ZADD', due_key, due, member)
     transition(prefix, record, member, 'pending', now, task_id, '', history_len, false)
     expire_record(prefix, record, member, hold_ms + grace_ms)
+    count(prefix, member, 'accepted')
     return {1, task_id}
   end
   if queue then
@@ -124,6 +127,7 @@ else
   end
   redis.call('HSET', record, unpack(fields))
   transition(prefix, record, member, 'queued', now, task_id, '', history_len, false)
+  count(prefix, member, 'accepted')
 end
 expire_record(prefix, record, member, hold_ms + grace_ms)
 

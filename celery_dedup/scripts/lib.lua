@@ -9,6 +9,7 @@
 --                                                     key-prefix search (ZRANGEBYLEX)
 --   P:hist:M         LIST of "ms state task_id [note]", newest first, capped
 --   P:due            ZSET M -> due time (ms)          debounced runs parked until due
+--   P:stats          HASH "N:decision" -> count        decisions per task (see count)
 -- A member M is N ":" K, and N holds no ":".
 
 local function now_ms()
@@ -19,6 +20,13 @@ end
 local function split_member(member)
   local colon = string.find(member, ':', 1, true)
   return string.sub(member, 1, colon - 1), string.sub(member, colon + 1)
+end
+
+-- Count one decision about M for its task: accepted, deduplicated, collapsed,
+-- skipped, deferred, lock_lost, released, reaped (fail_open comes from Python).
+local function count(prefix, member, decision)
+  local ns = split_member(member)
+  redis.call('HINCRBY', prefix .. ':stats', ns .. ':' .. decision, 1)
 end
 
 -- Move M's record to `state`: fields, indexes and history, in one place.

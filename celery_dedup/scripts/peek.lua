@@ -3,6 +3,7 @@
 -- KEYS[1]  held set
 -- KEYS[2]  the member's status record (HASH)
 -- ARGV[1]  member
+-- ARGV[2]  key prefix (for the decision counters)
 --
 -- The same test as gate.lua's duplicate branch: the member is held and its
 -- record names a run whose hold has not passed. Then the record's duplicate
@@ -11,15 +12,14 @@
 -- Returns {0, owner} for a duplicate of run `owner`; {-1, ""} when the key is
 -- free (or stale): the caller runs the gate, which decides.
 
-local held, record, member = KEYS[1], KEYS[2], ARGV[1]
+local held, record, member, prefix = KEYS[1], KEYS[2], ARGV[1], ARGV[2]
 if redis.call('SISMEMBER', held, member) == 0 then
   return {-1, ''}
 end
 local owner = redis.call('HMGET', record, 'task_id', 'held_until')
-local t = redis.call('TIME')
-local now = tonumber(t[1]) * 1000 + math.floor(tonumber(t[2]) / 1000)
-if not owner[1] or tonumber(owner[2] or 0) <= now then
+if not owner[1] or tonumber(owner[2] or 0) <= now_ms() then
   return {-1, ''}
 end
 redis.call('HINCRBY', record, 'duplicates', 1)
+count(prefix, member, 'deduplicated')
 return {0, owner[1]}

@@ -21,7 +21,8 @@
 --      pushed after it (queues are FIFO) or the queue is empty. Any doubt (an
 --      ungated oldest message, a restored message at the head) keeps it.
 -- Returns {expired holds released, dead runs marked lost, index entries
--- removed, vanished messages' runs marked lost}.
+-- removed, vanished messages' runs marked lost, {member, task id, why, ...}
+-- for each run marked lost}.
 
 local held, prefix = KEYS[1], ARGV[1]
 local budget, record_ms, history_len = tonumber(ARGV[2]), tonumber(ARGV[3]), tonumber(ARGV[4])
@@ -29,6 +30,7 @@ local grace_ms = tonumber(ARGV[5])
 local now = now_ms()
 local cursor_key = prefix .. ':reaper:cursor'
 
+local reaped = {}
 local released = 0
 local scan = redis.call('SSCAN', held, redis.call('GET', cursor_key) or '0', 'COUNT', budget)
 redis.call('SET', cursor_key, scan[1])
@@ -51,7 +53,11 @@ for _, member in ipairs(started) do
     redis.call('SREM', held, member)
     transition(prefix, record, member, 'lost', now, task_id, 'reaped: lock expired', history_len)
     expire_record(prefix, record, member, record_ms)
+    count(prefix, member, 'reaped')
     lost = lost + 1
+    table.insert(reaped, member)
+    table.insert(reaped, task_id)
+    table.insert(reaped, 'its worker died: lock expired while started')
   end
 end
 
@@ -97,9 +103,13 @@ for _, state in ipairs({'queued', 'retry'}) do
         redis.call('HSET', record, 'held_until', 0, 'finished_at', now)
         transition(prefix, record, member, 'lost', now, r[5] or '', 'message lost by the transport', history_len)
         expire_record(prefix, record, member, record_ms)
+        count(prefix, member, 'reaped')
         vanished = vanished + 1
+        table.insert(reaped, member)
+        table.insert(reaped, r[5] or '')
+        table.insert(reaped, 'message lost by the transport')
       end
     end
   end
 end
-return {released, lost, stale, vanished}
+return {released, lost, stale, vanished, reaped}

@@ -71,5 +71,6 @@ if not ENDED[state] then
   state = 'released'
 end
 transition(prefix, record, member, state, now, task_id or '', note, history_len)
+count(prefix, member, 'released')
 expire_record(prefix, record, member, record_ms)
 return {1, state, was_held, forced}

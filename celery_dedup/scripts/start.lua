@@ -22,6 +22,8 @@
 -- ARGV[13] record TTL, ms (for records this script creates)
 -- ARGV[14] "1" to return the record's payload (a debounced run takes the
 --          arguments its burst left there)
+-- ARGV[15] the task's dedup_on_locked ("skip" or "reschedule"): whether a
+--          refusal for another run's lock is counted skipped or deferred
 --
 -- Returns {code, detail[, payload]}:
 --   {1, attempts, payload}  run: lock taken, record says started (attempts
@@ -31,7 +33,8 @@
 --   {2, state}      done: this run already ended (a state in lib's ENDED)
 --   {3, owner}      superseded: the key belongs to another run now
 --   {4, pttl}       locked by another run (while_executing, until_executing)
--- Every refusal increments the record's `skipped` counter.
+-- Every refusal increments the record's `skipped` counter, and the task's
+-- `skipped` or `deferred` decision counter (see lib's count).
 
 local held, record, lock = KEYS[1], KEYS[2], KEYS[3]
 local member, task_id, token, lock_ms = ARGV[1], ARGV[2], ARGV[3], tonumber(ARGV[4])
@@ -39,6 +42,7 @@ local gated, key_mode = ARGV[5] == '1', ARGV[6]
 local hostname, pid, retries, task_name = ARGV[7], ARGV[8], ARGV[9], ARGV[10]
 local prefix, history_len, record_ms = ARGV[11], tonumber(ARGV[12]), tonumber(ARGV[13])
 local want_payload = ARGV[14] == '1'
+local on_locked = ARGV[15]
 
 local now = now_ms()
 local current = redis.call('HMGET', record, 'task_id', 'state', 'held_until')
@@ -46,10 +50,12 @@ local owner, state = current[1], current[2]
 
 if owner == task_id and ENDED[state] then
   redis.call('HINCRBY', record, 'skipped', 1)
+  count(prefix, member, 'skipped')
   return {2, state}
 end
 if gated and owner and owner ~= task_id then
   redis.call('HINCRBY', record, 'skipped', 1)
+  count(prefix, member, 'skipped')
   return {3, owner}
 end
 local holder = redis.call('GET', lock)
@@ -58,6 +64,7 @@ if holder then
     redis.call('HINCRBY', record, 'skipped', 1)
   end
   local same = owner == task_id and redis.call('HGET', record, 'lock') == holder
+  count(prefix, member, (same or on_locked == 'reschedule') and 'deferred' or 'skipped')
   return {same and 0 or 4, redis.call('PTTL', lock)}
 end
 

@@ -19,6 +19,7 @@ from django.template.response import TemplateResponse
 from django.urls import URLPattern, path, reverse
 from django.views.generic import RedirectView
 
+import celery_dedup
 from celery_dedup import DedupTask, operations, runtime
 from celery_dedup.exceptions import DedupOperationError
 from celery_dedup.gate import decode_payload
@@ -49,6 +50,7 @@ class RecordAdmin(admin.ModelAdmin):  # type: ignore[type-arg]
         return [
             path("", wrap(self.changelist_view), name=f"{name}_changelist"),
             path("purge/", wrap(self.purge_view), name=f"{name}_purge"),
+            path("stats/", wrap(self.stats_view), name=f"{name}_stats"),
             path("<path:object_id>/change/", wrap(self.change_view), name=f"{name}_change"),
             path("<path:object_id>/release/", wrap(self.release_view), name=f"{name}_release"),
             path("<path:object_id>/requeue/", wrap(self.requeue_view), name=f"{name}_requeue"),
@@ -113,6 +115,7 @@ class RecordAdmin(admin.ModelAdmin):  # type: ignore[type-arg]
             total=sizes.total,
             page_size=PAGE_SIZE,
             purge_url=self._url("purge"),
+            stats_url=self._url("stats"),
             **(extra_context or {}),
         )
         return TemplateResponse(request, f"{TEMPLATES}/change_list.html", context)
@@ -211,6 +214,13 @@ class RecordAdmin(admin.ModelAdmin):  # type: ignore[type-arg]
         )
         return TemplateResponse(request, f"{TEMPLATES}/requeue.html", context)
 
+    def stats_view(self, request: HttpRequest) -> HttpResponse:
+        self._require(request)
+        counts = celery_dedup.stats(celery_app())
+        rows = [(task, [by.get(decision, 0) for decision in DECISIONS]) for task, by in sorted(counts.items())]
+        context = self._context(request, "Decision counters", decisions=DECISIONS, rows=rows)
+        return TemplateResponse(request, f"{TEMPLATES}/stats.html", context)
+
     def purge_view(self, request: HttpRequest) -> HttpResponse:
         self._require(request, change=True)
         app = celery_app()
@@ -230,6 +240,20 @@ class RecordAdmin(admin.ModelAdmin):  # type: ignore[type-arg]
         sizes = runtime.store_for(app).index_sizes(states=ENDED_STATES)
         context = self._context(request, "Purge finished records?", form=form, counts=sizes.states)
         return TemplateResponse(request, f"{TEMPLATES}/purge.html", context)
+
+
+#: Columns of the decision counters page, in the order a task's life meets them.
+DECISIONS = (
+    "accepted",
+    "deduplicated",
+    "collapsed",
+    "skipped",
+    "deferred",
+    "lock_lost",
+    "released",
+    "reaped",
+    "fail_open",
+)
 
 
 def _released_message(member: str, result: ReleaseResult) -> str:
