@@ -908,7 +908,10 @@ def test_reap_releases_expired_holds_marks_dead_runs_lost_and_drops_stale_index_
 
     report = celery_dedup.reap(app)
 
-    assert report == ReapReport(released=2, lost=1, stale=1), "released: H and L's holds; lost: L; stale: S"
+    dead_id = record_of(r, lost_member)["task_id"]
+    assert report == ReapReport(
+        released=2, lost=1, stale=1, runs=((lost_member, dead_id, "its worker died: lock expired while started"),)
+    ), "released: H and L's holds; lost: L; stale: S"
     assert not is_held(r, hold_member)
     assert (record_of(r, hold_member) or {}).get("task_id") == hold.id
     lost = record_of(r, lost_member)
@@ -952,3 +955,31 @@ def test_worker_reaper_step_reaps_without_being_asked(make_app: AppFactory, r: r
             "the worker's reaper",
         )
     assert history_of(r, lost_member)[0][1:3] == ["lost", "job:dead~run"]
+
+
+def test_reaper_judges_a_message_lost_only_if_it_stays_missing(make_app: AppFactory, r: redis.Redis) -> None:
+    """A message a live consumer fetched but has not recorded as unacked yet is not lost.
+
+    kombu's consumer BRPOPs a message, then writes it to the unacked hash; a
+    reaper pass in between sees it nowhere. It is judged lost only when it is
+    still missing a grace later.
+    """
+    grace = 0.3
+    app = make_app(dedup_reap_grace=grace, task_ignore_result=True)
+    work = register(app)["guard.work.until_executed"]
+    in_flight = work.delay("in-flight")
+    gone = work.delay("gone")
+    time.sleep(grace + 0.1)  # both waited in the queue longer than the grace
+    fetched = {loads(raw)["headers"]["id"]: loads(raw) for raw in (r.rpop("celery"), r.rpop("celery"))}
+    assert set(fetched) == {in_flight.id, gone.id}
+
+    assert celery_dedup.reap(app).vanished == 0, "missing at one look is not lost"
+    tag = fetched[in_flight.id]["properties"]["delivery_tag"]
+    r.hset("unacked", tag, json.dumps([fetched[in_flight.id], "", "celery"]))  # the consumer records it
+    time.sleep(grace + 0.1)
+    report = celery_dedup.reap(app)
+    assert report.vanished == 1
+    assert [run[1] for run in report.runs] == [gone.id]
+    assert record_of(r, member_for(work.name, "job:in-flight"))["state"] == "queued"
+    assert record_of(r, member_for(work.name, "job:gone"))["state"] == "lost"
+    assert work.delay("in-flight").deduplicated, "the fetched run keeps its key"

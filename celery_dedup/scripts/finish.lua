@@ -59,6 +59,7 @@ end
 if drop and record_ms == 0 then
   redis.call('SREM', held, member)
   forget(prefix, record, member)
+  count(prefix, member, 'accepted', -1)  -- its publish failed: it was never accepted after all
   return {1, lock_kept}
 end
 

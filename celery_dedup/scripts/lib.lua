@@ -24,9 +24,9 @@ end
 
 -- Count one decision about M for its task: accepted, deduplicated, collapsed,
 -- skipped, deferred, lock_lost, released, reaped (fail_open comes from Python).
-local function count(prefix, member, decision)
+local function count(prefix, member, decision, amount)
   local ns = split_member(member)
-  redis.call('HINCRBY', prefix .. ':stats', ns .. ':' .. decision, 1)
+  redis.call('HINCRBY', prefix .. ':stats', ns .. ':' .. decision, amount or 1)
 end
 
 -- Move M's record to `state`: fields, indexes and history, in one place.

@@ -16,10 +16,13 @@
 --   4. queued (or retry-waiting) runs whose message the transport lost after
 --      fetching it (kombu's Redis transport pops a message before recording
 --      it as unacked: a worker killed in between loses it) are marked lost and
---      their key released. A message is judged lost when its delivery tag is
---      not in the unacked hash and the oldest message still in its queue was
---      pushed after it (queues are FIFO) or the queue is empty. Any doubt (an
---      ungated oldest message, a restored message at the head) keeps it.
+--      their key released. A message is missing when its delivery tag is not
+--      in the unacked hash and the oldest message still in its queue was
+--      pushed after it (queues are FIFO) or the queue is empty; it is judged
+--      lost when it is missing at two passes at least ARGV[5] apart (a live
+--      consumer's fetch, or a restore, is missing only for an instant). Any
+--      doubt (an ungated oldest message, a restored message at the head)
+--      keeps it.
 -- Returns {expired holds released, dead runs marked lost, index entries
 -- removed, vanished messages' runs marked lost, {member, task id, why, ...}
 -- for each run marked lost}.
@@ -95,20 +98,33 @@ for _, state in ipairs({'queued', 'retry'}) do
     local record = prefix .. ':rec:' .. member
     local r = redis.call('HMGET', record, 'queue', 'tag', 'unacked', 'pushed_at', 'task_id')
     local pushed_at = tonumber(r[4] or 0)
+    local missing = false
     if r[1] and pushed_at > 0 and pushed_at < now - grace_ms
         and redis.call('HEXISTS', r[3], r[2]) == 0 then
       local head = oldest_pushed(r[1])
-      if head == false or (head and head > pushed_at) then
-        redis.call('SREM', held, member)
-        redis.call('HSET', record, 'held_until', 0, 'finished_at', now)
-        transition(prefix, record, member, 'lost', now, r[5] or '', 'message lost by the transport', history_len)
-        expire_record(prefix, record, member, record_ms)
-        count(prefix, member, 'reaped')
-        vanished = vanished + 1
-        table.insert(reaped, member)
-        table.insert(reaped, r[5] or '')
-        table.insert(reaped, 'message lost by the transport')
+      missing = head == false or (head and head > pushed_at)
+    end
+    -- A message between a consumer's BRPOP and its unacked entry, or being
+    -- restored, is missing for an instant: only one missing at two looks a
+    -- grace apart is lost.
+    local since = tonumber(redis.call('HGET', record, 'missing_since') or 0)
+    if not missing then
+      if since > 0 then
+        redis.call('HDEL', record, 'missing_since')
       end
+    elseif since == 0 then
+      redis.call('HSET', record, 'missing_since', now)
+    elseif since <= now - grace_ms then
+      redis.call('HDEL', record, 'missing_since')
+      redis.call('SREM', held, member)
+      redis.call('HSET', record, 'held_until', 0, 'finished_at', now)
+      transition(prefix, record, member, 'lost', now, r[5] or '', 'message lost by the transport', history_len)
+      expire_record(prefix, record, member, record_ms)
+      count(prefix, member, 'reaped')
+      vanished = vanished + 1
+      table.insert(reaped, member)
+      table.insert(reaped, r[5] or '')
+      table.insert(reaped, 'message lost by the transport')
     end
   end
 end

@@ -82,7 +82,7 @@ end
 local attempts = redis.call('HINCRBY', record, 'attempts', 1)
 redis.call('HSET', record, 'started_at', now, 'worker', hostname, 'pid', pid, 'retries', retries,
   'lock', token)
-redis.call('HDEL', record, 'finished_at', 'lock_lost_at', 'window_until')
+redis.call('HDEL', record, 'finished_at', 'lock_lost_at', 'window_until', 'missing_since')
 local held_until = tonumber(redis.call('HGET', record, 'held_until') or 0)
 if key_mode == 'release' then
   redis.call('SREM', held, member)
