@@ -14,6 +14,19 @@ import logging
 
 logger = logging.getLogger("celery_dedup")
 
+#: Every decision, in the order a task's life meets them (as tables show them).
+DECISIONS = (
+    "accepted",
+    "deduplicated",
+    "collapsed",
+    "skipped",
+    "deferred",
+    "lock_lost",
+    "released",
+    "reaped",
+    "fail_open",
+)
+
 LEVELS = {
     "accepted": logging.DEBUG,
     "collapsed": logging.DEBUG,

@@ -21,6 +21,7 @@ from django.views.generic import RedirectView
 
 import celery_dedup
 from celery_dedup import DedupTask, operations, runtime
+from celery_dedup.decisions import DECISIONS
 from celery_dedup.exceptions import DedupOperationError
 from celery_dedup.gate import decode_payload
 from celery_dedup.store import ENDED_STATES, STATES, KeyDetail, ReleaseResult
@@ -240,20 +241,6 @@ class RecordAdmin(admin.ModelAdmin):  # type: ignore[type-arg]
         sizes = runtime.store_for(app).index_sizes(states=ENDED_STATES)
         context = self._context(request, "Purge finished records?", form=form, counts=sizes.states)
         return TemplateResponse(request, f"{TEMPLATES}/purge.html", context)
-
-
-#: Columns of the decision counters page, in the order a task's life meets them.
-DECISIONS = (
-    "accepted",
-    "deduplicated",
-    "collapsed",
-    "skipped",
-    "deferred",
-    "lock_lost",
-    "released",
-    "reaped",
-    "fail_open",
-)
 
 
 def _released_message(member: str, result: ReleaseResult) -> str:

@@ -1,0 +1,208 @@
+"""What ``celery dedup check`` inspects: the live setup, against what the guarantees need.
+
+Each finding says how it stands (ok, unknown, warning, error) and why, in one
+line. ``unknown`` is for what the server will not tell (CONFIG disabled on a
+managed Redis), never a failure.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import redis
+from celery import Celery
+from kombu.utils.url import maybe_sanitize_url
+
+from . import runtime
+from .exceptions import DedupError
+from .task import DedupTask
+
+#: kombu's Redis transport redelivers an unacknowledged message after this many seconds by default.
+DEFAULT_VISIBILITY_TIMEOUT = 3600
+#: Server and local clocks further apart than this (seconds) are reported.
+CLOCK_TOLERANCE = 1.0
+
+
+@dataclass(frozen=True)
+class Finding:
+    """One thing ``check`` looked at: how it stands (ok, unknown, warning, error), and why, in one line."""
+
+    check: str
+    level: str
+    message: str
+
+
+def eviction_finding(policy: str, maxmemory: int) -> Finding:
+    """Only ``noeviction`` keeps dedup keys: they carry TTLs, so ``volatile-*`` evicts them too."""
+    if policy == "noeviction":
+        return Finding("maxmemory-policy", "ok", "noeviction: the server refuses writes rather than evict keys")
+    limit = " (maxmemory is 0 now: nothing is evicted until a limit is set)" if maxmemory == 0 else ""
+    return Finding(
+        "maxmemory-policy",
+        "warning",
+        f"{policy} can evict held keys and locks under memory pressure (they carry TTLs, so volatile-* "
+        f"policies evict them too), letting a duplicate run; set noeviction{limit}",
+    )
+
+
+def persistence_finding(save: str, appendonly: str) -> Finding:
+    if not save.strip() and appendonly == "no":
+        return Finding(
+            "persistence",
+            "warning",
+            "off (save '' and appendonly no): a restart forgets every held key and lock, so duplicates run",
+        )
+    return Finding("persistence", "ok", f"save {save!r}, appendonly {appendonly}")
+
+
+def clock_finding(offset: float) -> Finding:
+    """``offset``: the server's clock minus this host's, seconds."""
+    offset = round(offset, 3) or 0.0  # no "-0.000"
+    if abs(offset) <= CLOCK_TOLERANCE:
+        return Finding("clock", "ok", f"server and this host agree within {CLOCK_TOLERANCE:g} s ({offset:+.3f} s)")
+    side = "ahead of" if offset > 0 else "behind"
+    return Finding(
+        "clock",
+        "warning",
+        f"the server's clock is {abs(offset):.1f} s {side} this host's: holds and locks use the server's, "
+        "but countdowns and ETAs are computed on each client's clock",
+    )
+
+
+def visibility_finding(visibility: float, lock_ttls: Sequence[tuple[float, str]], countdown: float = 0) -> Finding:
+    """Whether kombu redelivers messages too early for the longest lock TTL and countdown.
+
+    ``lock_ttls``: (seconds, whose) of each task and the setting; the first longest is named.
+    """
+    lock, whose = max(lock_ttls, key=lambda pair: pair[0])
+    problems = []
+    if countdown > visibility:
+        problems.append(
+            (countdown, f"a message due in {countdown:g} s (--countdown) is delivered again before it is due")
+        )
+    if lock > visibility:
+        problems.append(
+            (
+                lock,
+                f"a message redelivered after its worker died can meet that worker's lock ({whose}: "
+                f"{lock:g} s) still alive, and is skipped",
+            )
+        )
+    if problems:
+        return Finding(
+            "visibility_timeout",
+            "warning",
+            f"{visibility:g} s is too short: {'; '.join(why for _, why in problems)}. Raise "
+            f"broker_transport_options['visibility_timeout'] to at least {max(problems)[0]:g}",
+        )
+    tail = (
+        f" and --countdown {countdown:g} s"
+        if countdown
+        else f"; a countdown or ETA beyond {visibility:g} s would be delivered twice (check yours with --countdown)"
+    )
+    return Finding(
+        "visibility_timeout", "ok", f"{visibility:g} s covers the longest execution lock ({whose}: {lock:g} s){tail}"
+    )
+
+
+def _config_get(client: redis.Redis, name: str) -> str:
+    reply: dict[Any, Any] = client.config_get(name)
+    for field, value in reply.items():
+        text = field.decode() if isinstance(field, bytes) else str(field)
+        if text == name:
+            return value.decode() if isinstance(value, bytes) else str(value)
+    raise redis.ResponseError(f"CONFIG GET {name} returned nothing")
+
+
+def _server_findings(client: redis.Redis) -> list[Finding]:
+    findings = []
+    try:
+        findings.append(
+            eviction_finding(_config_get(client, "maxmemory-policy"), int(_config_get(client, "maxmemory")))
+        )
+        findings.append(persistence_finding(_config_get(client, "save"), _config_get(client, "appendonly")))
+    except redis.ResponseError as exc:  # CONFIG renamed or forbidden, as on managed services
+        for name in ("maxmemory-policy", "persistence"):
+            findings.append(
+                Finding(name, "unknown", f"CONFIG GET is not allowed here ({exc}): check it with your host")
+            )
+    before = time.time()
+    try:
+        seconds, micros = client.time()
+    except redis.ResponseError as exc:
+        findings.append(Finding("clock", "unknown", f"TIME is not allowed here ({exc})"))
+        return findings
+    after = time.time()
+    findings.append(clock_finding(seconds + micros / 1e6 - (before + after) / 2))
+    return findings
+
+
+def _task_findings(app: Celery, config_lock_ttl: float) -> tuple[list[Finding], list[tuple[float, str]]]:
+    """Errors of DedupTasks whose options do not resolve, and the lock TTLs of the setting and each task."""
+    findings: list[Finding] = []
+    lock_ttls: list[tuple[float, str]] = []
+    fallback = (config_lock_ttl, "setting dedup_lock_ttl")
+    try:
+        app.loader.import_default_modules()
+        tasks = sorted(app.tasks.items())  # binding the tasks validates their options
+    except DedupError as exc:
+        return [Finding("tasks", "error", str(exc))], [fallback]
+    for name, task in tasks:
+        if isinstance(task, DedupTask):
+            try:
+                lock_ttls.append((task.dedup_policy.lock_ttl, name))
+            except DedupError as exc:
+                findings.append(Finding("tasks", "error", str(exc)))
+    return findings, [*lock_ttls, fallback]
+
+
+def run_checks(app: Celery, *, countdown: float = 0) -> list[Finding]:
+    """Inspect ``app``'s settings, tasks and Redis server for what would break the guarantees."""
+    try:
+        state = runtime.runtime_for(app)
+    except DedupError as exc:
+        return [Finding("settings", "error", str(exc))]
+    findings = []
+    if state.installed:
+        findings.append(Finding("install", "ok", "celery_dedup.install(app) was called"))
+    else:
+        findings.append(
+            Finding("install", "error", "celery_dedup.install(app) was not called: keyed tasks refuse to publish")
+        )
+    broker = runtime._broker_url(app)
+    scheme = runtime._scheme(broker)
+    redis_broker = scheme in runtime.TRANSPORTS
+    config = state.config
+    if not redis_broker:
+        findings.append(
+            Finding("broker", "warning", f"{scheme}:// is not Redis: the gate is not atomic (hold, publish, drop)")
+        )
+    elif config.redis_url is not None and config.redis_url != broker:
+        findings.append(
+            Finding(
+                "broker",
+                "warning",
+                f"dedup_redis_url {maybe_sanitize_url(config.redis_url)} is not the broker URL "
+                f"{maybe_sanitize_url(broker)}: keys and messages live apart, so the gate is not atomic",
+            )
+        )
+    else:
+        findings.append(Finding("broker", "ok", f"{scheme}:// broker, keys on it: the gate is atomic"))
+    task_findings, lock_ttls = _task_findings(app, config.lock_ttl)
+    findings += task_findings
+    if redis_broker:
+        options = app.conf.broker_transport_options or {}
+        findings.append(
+            visibility_finding(
+                float(options.get("visibility_timeout", DEFAULT_VISIBILITY_TIMEOUT)), lock_ttls, countdown
+            )
+        )
+    store_url = maybe_sanitize_url(config.redis_url or broker)
+    try:
+        findings += _server_findings(state.store.client)
+    except (redis.RedisError, DedupError) as exc:
+        findings.append(Finding("server", "error", f"cannot inspect the dedup store at {store_url}: {exc}"))
+    return findings

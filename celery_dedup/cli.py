@@ -1,0 +1,448 @@
+"""``celery -A proj dedup``: look at dedup keys, free stuck ones, and check the setup, from a shell.
+
+A ``celery.commands`` plugin (entry point ``dedup``), so it runs with the
+project's own app and settings. Every action goes through
+:mod:`celery_dedup.operations` and the store, as the Django admin's do.
+
+Commands: ``list``, ``show``, ``release``, ``purge``, ``reap``, ``stats`` and
+``check``. Tables are for people; ``--json`` prints one JSON document for
+scripts. Errors go to stderr.
+
+Exit codes::
+
+    0  ok
+    1  usage, configuration or connection error
+    2  nothing found: show or release of a key with no record, hold or lock
+    3  refused: release of a key whose execution lock is alive, without --force
+    4  check found an error (warnings too, with --strict)
+"""
+
+from __future__ import annotations
+
+import datetime
+import getpass
+import json
+import socket
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import asdict
+from typing import Any
+from urllib.parse import unquote
+
+import click
+import redis
+from celery import Celery
+from celery.bin.base import CLIContext
+
+import celery_dedup
+
+from . import operations
+from .checks import run_checks
+from .decisions import DECISIONS
+from .exceptions import DedupError
+from .keys import member_for, split_member
+from .store import ENDED_STATES, STATES, KeyDetail, ReleaseResult
+
+OK, USAGE, NOT_FOUND, REFUSED, CHECK_FAILED = 0, 1, 2, 3, 4
+
+
+_HELP = """Inspect and repair celery-dedup keys.
+
+\b
+Exit codes:
+  0  ok
+  1  usage, configuration or connection error
+  2  nothing found (show/release of an unknown key)
+  3  refused (release of a live execution lock without --force)
+  4  check found an error (or a warning, with --strict)
+"""
+
+
+class CliError(click.ClickException):
+    """A failure reported on stderr, exit code 1."""
+
+    exit_code = USAGE
+
+
+class NotFound(CliError):
+    """Nothing to show or release: exit code 2."""
+
+    exit_code = NOT_FOUND
+
+
+class Refused(CliError):
+    """A release refused because the key is executing: exit code 3."""
+
+    exit_code = REFUSED
+
+
+class _UsageError(click.UsageError):
+    """A usage error shown as click shows it, with exit code 1 (click's 2 means "not found" here)."""
+
+    exit_code = USAGE
+
+    def __init__(self, original: click.UsageError) -> None:
+        super().__init__(original.message, original.ctx)
+        self.original = original
+
+    def show(self, file: Any = None) -> None:
+        self.original.show(file)
+
+
+class _DedupGroup(click.Group):
+    """Gives usage errors exit code 1 and reports Redis and celery-dedup errors without a traceback."""
+
+    def make_context(
+        self, info_name: str | None, args: list[str], parent: click.Context | None = None, **extra: Any
+    ) -> click.Context:
+        try:
+            return super().make_context(info_name, args, parent, **extra)
+        except click.UsageError as exc:
+            raise _UsageError(exc) from exc
+
+    def invoke(self, ctx: click.Context) -> Any:
+        try:
+            return super().invoke(ctx)
+        except _UsageError:
+            raise
+        except click.UsageError as exc:
+            raise _UsageError(exc) from exc
+        except redis.RedisError as exc:
+            raise CliError(f"Redis: {type(exc).__name__}: {exc}") from exc
+        except DedupError as exc:
+            raise CliError(str(exc)) from exc
+
+
+@click.group(cls=_DedupGroup, help=_HELP)
+def dedup() -> None:
+    """Inspect and repair celery-dedup keys (the group's help is ``_HELP``)."""
+
+
+def _app(ctx: click.Context) -> Celery:
+    obj = ctx.find_object(CLIContext)
+    if obj is None:
+        raise CliError("run this as: celery -A <your app> dedup ...")
+    return obj.app
+
+
+def _member(key: str, task: str | None) -> str:
+    """The member of ``key`` of ``task``; without a task, ``key`` must be a whole ``<task>:<key>`` member."""
+    if task:
+        return member_for(task, key)
+    namespace, business_key = split_member(key)
+    if not namespace or not business_key:
+        raise click.UsageError(f"{key!r}: give --task NAME, or the whole member '<task>:<key>'")
+    return key
+
+
+def _operator() -> str:
+    """Who releases a key, for its history: ``user@host``."""
+    try:
+        user = getpass.getuser()
+    except (KeyError, OSError):  # no login name in the environment or the password database
+        user = "unknown"
+    return f"{user}@{socket.gethostname()}"
+
+
+def _emit_json(document: Any) -> None:
+    click.echo(json.dumps(document, indent=2, sort_keys=True))
+
+
+def _table(rows: Sequence[Sequence[str]], headers: Sequence[str] = (), indent: str = "") -> str:
+    """Rows as aligned columns, two spaces apart, under ``headers`` if given."""
+    lines = [headers, *rows] if headers else list(rows)
+    widths = [max(len(cell) for cell in column) for column in zip(*lines, strict=True)]
+    return "\n".join(
+        indent + "  ".join(c.ljust(w) for c, w in zip(line, widths, strict=True)).rstrip() for line in lines
+    )
+
+
+def _age(seconds: float) -> str:
+    future, seconds = seconds < 0, abs(seconds)
+    for unit, size in (("d", 86400), ("h", 3600), ("m", 60)):
+        if seconds >= size:
+            amount = f"{int(seconds // size)}{unit}"
+            break
+    else:
+        amount = f"{int(seconds)}s"
+    return f"in {amount}" if future else f"{amount} ago"
+
+
+def human_time(ms: str | None, now: float | None = None) -> str:
+    """A record's millisecond timestamp as local time and age; ``-`` for missing or 0."""
+    try:
+        value = int(ms or 0)
+    except ValueError:
+        return ms or "-"
+    if value <= 0:
+        return "-"
+    moment = datetime.datetime.fromtimestamp(value / 1000)
+    return f"{moment:%Y-%m-%d %H:%M:%S} ({_age((time.time() if now is None else now) - value / 1000)})"
+
+
+def _json_flag(function: Callable[..., Any]) -> Callable[..., Any]:
+    return click.option("--json", "as_json", is_flag=True, help="Print one JSON document.")(function)
+
+
+def _yes_flag(function: Callable[..., Any]) -> Callable[..., Any]:
+    return click.option("--yes", "-y", is_flag=True, help="Do not ask for confirmation.")(function)
+
+
+def _task_option(function: Callable[..., Any]) -> Callable[..., Any]:
+    return click.option("--task", help="The task name; without it KEY is the whole member '<task>:<key>'.")(function)
+
+
+@dedup.command("list")
+@click.option("--state", type=click.Choice(STATES), help="Only records in this state.")
+@click.option("--task", help="Only records of this task name.")
+@click.option("--prefix", metavar="KEYPREFIX", help="Only business keys starting with this (key order then).")
+@click.option("--limit", type=click.IntRange(1, 1000), default=50, show_default=True, help="Records per page.")
+@click.option("--cursor", help="Where to go on: the cursor the previous page printed.")
+@_json_flag
+@click.pass_context
+def list_(
+    ctx: click.Context,
+    state: str | None,
+    task: str | None,
+    prefix: str | None,
+    limit: int,
+    cursor: str | None,
+    as_json: bool,
+) -> None:
+    """List status records, newest update first."""
+    try:
+        page = celery_dedup.records(_app(ctx), state=state, task=task, prefix=prefix, cursor=cursor, limit=limit)
+    except ValueError as exc:
+        raise click.BadParameter(f"{cursor!r} is not a cursor this command printed", param_hint="--cursor") from exc
+    if as_json:
+        records = [{"member": rec.member, "key": rec.key, "fields": rec.fields} for rec in page.records]
+        _emit_json({"records": records, "cursor": page.cursor, "total": page.total})
+        return
+    if not page.records:
+        click.echo("no records")
+    else:
+        headers = ("KEY", "TASK", "STATE", "TASK ID", "UPDATED", "WORKER", "ATTEMPTS", "DUPLICATES")
+        now = time.time()
+        rows = [
+            (
+                rec.key,
+                rec.task,
+                rec.state,
+                rec.task_id,
+                human_time(rec.fields.get("updated_at"), now),
+                rec.fields.get("worker", "-") or "-",
+                rec.fields.get("attempts", "0"),
+                rec.fields.get("duplicates", "0"),
+            )
+            for rec in page.records
+        ]
+        click.echo(_table(rows, headers))
+    click.echo(f"{len(page.records)} shown, index holds {page.total}")
+    if page.cursor:
+        click.echo(f"next page: --cursor {page.cursor}")
+
+
+def _is_absent(found: KeyDetail) -> bool:
+    return found.record is None and not found.held and found.lock_token is None
+
+
+def _history_entry(entry: str) -> dict[str, Any]:
+    ms, state, task_id, note = [*entry.split(" ", 3), "", "", ""][:4]
+    return {"at_ms": int(ms) if ms.isdigit() else ms, "state": state, "task_id": task_id, "note": note}
+
+
+def _detail_json(found: KeyDetail) -> dict[str, Any]:
+    namespace, key = split_member(found.member)
+    namespace = unquote(namespace)
+    lock = {"token": found.lock_token, "ttl_ms": found.lock_ttl_ms} if found.lock_token is not None else None
+    return {
+        "member": found.member,
+        "task": namespace,
+        "key": key,
+        "held": found.held,
+        "lock": lock,
+        "record": found.record,
+        "history": [_history_entry(entry) for entry in found.history],
+    }
+
+
+def _field_text(field: str, value: str, now: float) -> str:
+    """A record field as shown: millisecond times get their local time and age after them."""
+    if (field.endswith("_at") or field == "held_until") and value not in ("", "0"):
+        return f"{value}  {human_time(value, now)}"
+    return value
+
+
+@dedup.command()
+@click.argument("key")
+@_task_option
+@_json_flag
+@click.pass_context
+def show(ctx: click.Context, key: str, task: str | None, as_json: bool) -> None:
+    """Everything about one key: record, history, hold and execution lock."""
+    found = operations.detail(_app(ctx), _member(key, task))
+    if _is_absent(found):
+        raise NotFound(f"{found.member!r} has no record, hold or lock")
+    if as_json:
+        _emit_json(_detail_json(found))
+        return
+    namespace, business_key = split_member(found.member)
+    namespace = unquote(namespace)
+    lock = f"{found.lock_token} ({found.lock_ttl_ms / 1000:.1f} s left)" if found.lock_token else "none"
+    head = [("member", found.member), ("task", namespace), ("key", business_key)]
+    head += [("held", "yes" if found.held else "no"), ("lock", lock)]
+    click.echo(_table(head))
+    now = time.time()
+    fields = sorted((found.record or {}).items())
+    click.echo("\nrecord:" if fields else "\nrecord: none")
+    if fields:
+        click.echo(_table([(field, _field_text(field, value, now)) for field, value in fields], indent="  "))
+    click.echo("\nhistory (newest first):" if found.history else "\nhistory: none")
+    rows = [
+        (human_time(str(e["at_ms"]), now), e["state"], e["task_id"], e["note"])
+        for e in map(_history_entry, found.history)
+    ]
+    if rows:
+        click.echo(_table(rows, indent="  "))
+
+
+@dedup.command()
+@click.argument("key")
+@_task_option
+@click.option(
+    "--force",
+    is_flag=True,
+    help="Also delete a live execution lock (compare-and-delete of the token read now). Only if its worker is gone.",
+)
+@_yes_flag
+@_json_flag
+@click.pass_context
+def release(ctx: click.Context, key: str, task: str | None, force: bool, yes: bool, as_json: bool) -> None:
+    """Free a stuck key; its unfinished run ends as 'released'.
+
+    Refused (exit 3) while a worker holds the key's execution lock, unless
+    --force: the lock whose token is read now is then deleted, and only if it
+    still holds that token.
+    """
+    app = _app(ctx)
+    found = operations.detail(app, _member(key, task))
+    member = found.member
+    if _is_absent(found):
+        raise NotFound(f"nothing to release: {member!r} has no record, hold or lock")
+    token = found.lock_token
+    if token and not force:
+        raise Refused(
+            f"refused: {member!r} is executing: lock {token} ({found.lock_ttl_ms / 1000:.1f} s left). "
+            "Pass --force only if that worker is gone."
+        )
+    if not yes:
+        what = f" and delete the live lock {token}" if token else ""
+        click.confirm(f"Release {member!r}{what}?", abort=True, err=True)
+    result = operations.release(app, member, force_token=(token or "") if force else "", by=_operator())
+    if result.code == ReleaseResult.REFUSED_LOCKED:
+        raise Refused(f"refused: {member!r} started executing meanwhile ({int(result.detail) / 1000:.1f} s left)")
+    if result.code == ReleaseResult.REFUSED_LOCK_CHANGED:
+        raise Refused(f"refused: the lock of {member!r} now belongs to {result.detail}, not {token}")
+    if result.code == ReleaseResult.NOTHING:
+        raise NotFound(f"nothing to release: {member!r} has no record, hold or lock any more")
+    if as_json:
+        _emit_json({"member": member, "state": result.detail, "was_held": result.was_held, "forced": result.forced})
+        return
+    parts = [f"released {member!r}", f"run now {result.detail or 'without a record'}"]
+    parts.append("key was held" if result.was_held else "key was not held")
+    if result.forced:
+        parts.append(f"lock {token} deleted")
+    click.echo("; ".join(parts))
+
+
+@dedup.command()
+@click.option(
+    "--state",
+    "states",
+    multiple=True,
+    required=True,
+    type=click.Choice(ENDED_STATES),
+    help="An ended state to purge (repeat for several).",
+)
+@click.option("--limit", type=click.IntRange(1), default=10_000, show_default=True, help="About this many at most.")
+@_yes_flag
+@_json_flag
+@click.pass_context
+def purge(ctx: click.Context, states: tuple[str, ...], limit: int, yes: bool, as_json: bool) -> None:
+    """Delete status records of ended runs; held or locked keys keep theirs."""
+    if not yes:
+        click.confirm(f"Delete up to {limit} records in state {', '.join(states)}?", abort=True, err=True)
+    report = operations.purge(_app(ctx), states=states, limit=limit)
+    if as_json:
+        _emit_json(asdict(report))
+        return
+    click.echo(f"purged {report.purged} records; kept {report.kept} whose key is held or whose lock is alive")
+    if report.more:
+        click.echo("more remain: run purge again")
+
+
+@dedup.command()
+@_json_flag
+@click.pass_context
+def reap(ctx: click.Context, as_json: bool) -> None:
+    """One clean-up pass, as workers run every dedup_reap_interval seconds."""
+    report = celery_dedup.reap(_app(ctx))
+    if as_json:
+        _emit_json(asdict(report))
+        return
+    click.echo(
+        f"released {report.released} expired holds; marked {report.lost} runs of dead workers lost; "
+        f"removed {report.stale} stale index entries; marked {report.vanished} runs whose message vanished lost"
+    )
+
+
+@dedup.command()
+@_json_flag
+@click.pass_context
+def stats(ctx: click.Context, as_json: bool) -> None:
+    """Decisions per task, counted in Redis by every process of the app."""
+    counts = celery_dedup.stats(_app(ctx))
+    if as_json:
+        _emit_json(counts)
+        return
+    if not counts:
+        click.echo("no decisions counted yet")
+        return
+    seen = {decision for per_task in counts.values() for decision in per_task}
+    columns = [*DECISIONS, *sorted(seen - set(DECISIONS))]
+    rows = [(name, *(str(counts[name].get(d, 0)) for d in columns)) for name in sorted(counts)]
+    click.echo(_table(rows, ("TASK", *(c.upper() for c in columns))))
+
+
+@dedup.command()
+@click.option(
+    "--countdown",
+    type=click.FloatRange(0),
+    default=0,
+    help="The longest countdown or ETA (seconds) your code uses, checked against visibility_timeout.",
+)
+@click.option("--strict", is_flag=True, help="Exit 4 on warnings too.")
+@_json_flag
+@click.pass_context
+def check(ctx: click.Context, countdown: float, strict: bool, as_json: bool) -> None:
+    """Warn about what would break the guarantees in this app's setup.
+
+    Looks at: install, the broker and dedup_redis_url, task options,
+    visibility_timeout, the server's maxmemory-policy and persistence, and
+    its clock. 'unknown' (CONFIG not allowed) never fails the check.
+    """
+    findings = run_checks(_app(ctx), countdown=countdown)
+    failing = {"error", "warning"} if strict else {"error"}
+    failed = any(f.level in failing for f in findings)
+    if as_json:
+        _emit_json({"findings": [asdict(f) for f in findings], "failed": failed})
+    else:
+        obj = ctx.find_object(CLIContext)
+        colors = {"ok": "green", "unknown": "yellow", "warning": "yellow", "error": "red"}
+        width = max(len(f.check) for f in findings)
+        for f in findings:
+            level = f.level.ljust(7)
+            styled = obj.style(level, fg=colors[f.level]) if obj is not None else level
+            click.echo(f"{styled}  {f.check.ljust(width)}  {f.message}")
+    if failed:
+        ctx.exit(CHECK_FAILED)

@@ -1,0 +1,480 @@
+"""``celery -A <app> dedup ...`` run through celery's own click group, against the real server.
+
+Most tests invoke the command in-process with click's runner (as ``celery``
+would, entry point included); one runs ``python -m celery`` to prove the
+plugin is registered for a real shell, and one releases a key a real worker
+is executing.
+"""
+
+from __future__ import annotations
+
+import importlib
+import json
+import os
+import re
+import signal
+import subprocess
+import sys
+from collections.abc import Callable, Iterator
+from types import ModuleType
+from typing import Any
+
+import pytest
+import redis
+from celery.bin.celery import celery as celery_cli
+from click.testing import CliRunner, Result
+
+from celery_dedup import checks, cli, runtime
+from celery_dedup.keys import KeySchema, member_for
+
+from ._records import Records
+from .conftest import ROOT, Server, WorkerProcess, wait_for
+
+SCHEMA = KeySchema("dedup")
+Invoke = Callable[..., Result]
+
+
+@pytest.fixture
+def apps(server: Server, r: redis.Redis, monkeypatch: pytest.MonkeyPatch) -> ModuleType:
+    """tests/cli_app.py, built for the session's server (it reads the URL at import)."""
+    monkeypatch.setenv("CELERY_DEDUP_TEST_BROKER", server.url)
+    module = importlib.import_module("tests.cli_app")
+    assert server.url == module.BROKER
+    return module
+
+
+@pytest.fixture
+def dedup(apps: ModuleType) -> Invoke:
+    """Run ``celery -A tests.cli_app[:<app>] dedup <args>`` in-process; returns click's result."""
+    runner = CliRunner()
+
+    def invoke(*args: str, app: str = "", input: str | None = None) -> Result:
+        target = f"tests.cli_app:{app}" if app else "tests.cli_app"
+        return runner.invoke(celery_cli, ["-A", target, "dedup", *args], input=input, catch_exceptions=False)
+
+    return invoke
+
+
+def as_json(result: Result) -> Any:
+    assert result.exit_code == 0, (result.exit_code, result.stdout, result.stderr)
+    return json.loads(result.stdout)
+
+
+@pytest.fixture
+def server_config(r: redis.Redis) -> Iterator[Callable[[str, str], None]]:
+    """``set(name, value)`` a server setting for one test; every one set is restored after it."""
+    saved: dict[str, str] = {}
+
+    def set_config(name: str, value: str) -> None:
+        if name not in saved:
+            saved[name] = str(r.config_get(name)[name])
+        r.config_set(name, value)
+
+    yield set_config
+    for name, value in saved.items():
+        r.config_set(name, value)
+
+
+def member(key: str, task: str = "cli.charge") -> str:
+    return member_for(task, key)
+
+
+# -- registration, usage, exit codes ------------------------------------------------------------
+
+
+def test_dedup_is_registered_as_a_celery_command_plugin() -> None:
+    assert celery_cli.commands["dedup"] is cli.dedup
+
+
+def test_help_documents_every_exit_code(dedup: Invoke) -> None:
+    result = dedup("--help")
+
+    assert result.exit_code == 0
+    for command in ("list", "show", "release", "purge", "reap", "stats", "check"):
+        assert command in result.stdout
+    for code, meaning in ((0, "ok"), (1, "usage"), (2, "nothing found"), (3, "refused"), (4, "check found")):
+        assert f"{code}  {meaning}" in result.stdout
+    assert "Exit codes" in (cli.__doc__ or "")
+
+
+@pytest.mark.parametrize(
+    "args",
+    [
+        ("nosuchcommand",),
+        ("list", "--limit", "0"),
+        ("list", "--state", "bogus"),
+        ("show", "no-colon-and-no-task"),
+        ("purge", "--state", "queued", "--yes"),
+        ("purge", "--yes"),
+    ],
+)
+def test_usage_errors_exit_1_on_stderr(dedup: Invoke, args: tuple[str, ...]) -> None:
+    result = dedup(*args)
+
+    assert result.exit_code == cli.USAGE
+    assert "Error" in result.stderr
+    assert result.stdout == ""
+
+
+def test_unreachable_store_exits_1_with_the_reason(dedup: Invoke) -> None:
+    result = dedup("list", app="unreachable")
+
+    assert result.exit_code == cli.USAGE
+    assert "Redis: ConnectionError" in result.stderr
+
+
+def test_entry_point_works_from_a_real_shell(apps: ModuleType, server: Server) -> None:
+    apps.charge.delay(7)
+    env = dict(os.environ, CELERY_DEDUP_TEST_BROKER=server.url, PYTHONPATH=str(ROOT))
+
+    def celery(*args: str) -> subprocess.CompletedProcess[str]:
+        command = [sys.executable, "-m", "celery", "-A", "tests.cli_app", "dedup", *args]
+        return subprocess.run(command, cwd=ROOT, env=env, capture_output=True, text=True, timeout=60, check=False)
+
+    listed = celery("list", "--json")
+    assert listed.returncode == 0, listed.stderr
+    assert [rec["member"] for rec in json.loads(listed.stdout)["records"]] == [member("order:7")]
+
+    missing = celery("show", "order:8", "--task", "cli.charge")
+    assert missing.returncode == cli.NOT_FOUND
+    assert "has no record, hold or lock" in missing.stderr
+    assert missing.stdout == ""
+
+
+# -- list ---------------------------------------------------------------------------------------
+
+
+def test_list_shows_records_as_a_table_and_as_json(apps: ModuleType, dedup: Invoke) -> None:
+    for order in (1, 2, 3):
+        apps.charge.delay(order)
+    assert apps.charge.delay(2).deduplicated
+
+    table = dedup("list")
+    assert table.exit_code == 0
+    lines = table.stdout.splitlines()
+    assert lines[0].split() == ["KEY", "TASK", "STATE", "TASK", "ID", "UPDATED", "WORKER", "ATTEMPTS", "DUPLICATES"]
+    rows = {line.split()[0]: line.split() for line in lines[1:4]}
+    assert set(rows) == {"order:1", "order:2", "order:3"}
+    assert rows["order:2"][1:3] == ["cli.charge", "queued"]
+    assert rows["order:2"][3].startswith("order:2~")
+    assert rows["order:2"][-1] == "1"  # one duplicate
+    assert rows["order:1"][-1] == "0"
+    assert lines[4] == "3 shown, index holds 3"
+    columns = [lines[0].index(h) for h in ("KEY", "TASK", "STATE", "UPDATED", "DUPLICATES")]
+    for line in lines[1:4]:  # aligned: every value starts under its header
+        assert all(line[c - 1] == " " and line[c] != " " for c in columns[1:])
+
+    document = as_json(dedup("list", "--json"))
+    assert document["total"] == 3 and document["cursor"] is None
+    by_key = {rec["key"]: rec for rec in document["records"]}
+    assert by_key["order:2"]["member"] == member("order:2")
+    assert by_key["order:2"]["fields"]["state"] == "queued"
+    assert by_key["order:2"]["fields"]["duplicates"] == "1"
+
+
+def test_list_filters_and_pages_with_the_printed_cursor(apps: ModuleType, dedup: Invoke) -> None:
+    for order in (10, 11, 12, 20):
+        apps.charge.delay(order)
+
+    first = as_json(dedup("list", "--limit", "3", "--json"))
+    assert len(first["records"]) == 3 and first["cursor"]
+    rest = as_json(dedup("list", "--limit", "3", "--cursor", first["cursor"], "--json"))
+    assert rest["cursor"] is None
+    assert {rec["key"] for rec in first["records"] + rest["records"]} == {
+        "order:10",
+        "order:11",
+        "order:12",
+        "order:20",
+    }
+    assert f"next page: --cursor {first['cursor']}" in dedup("list", "--limit", "3").stdout
+
+    by_prefix = as_json(dedup("list", "--prefix", "order:1", "--json"))
+    assert sorted(rec["key"] for rec in by_prefix["records"]) == ["order:10", "order:11", "order:12"]
+    assert len(as_json(dedup("list", "--state", "queued", "--task", "cli.charge", "--json"))["records"]) == 4
+    assert as_json(dedup("list", "--task", "cli.other", "--json"))["records"] == []
+    assert dedup("list", "--state", "succeeded").stdout.startswith("no records\n")
+    assert dedup("list", "--cursor", "not-a-cursor").exit_code == cli.USAGE
+
+
+# -- show ---------------------------------------------------------------------------------------
+
+
+def test_show_prints_record_hold_lock_and_history(apps: ModuleType, dedup: Invoke) -> None:
+    run = Records(apps.app, apps.charge).started(5)
+
+    text = dedup("show", "order:5", "--task", "cli.charge")
+    assert text.exit_code == 0
+    assert f"member  {run.member}" in text.stdout
+    assert "held    yes" in text.stdout
+    assert f"lock    {run.token} (" in text.stdout
+    assert re.search(r"^  state +started$", text.stdout, re.M)
+    assert "history (newest first):" in text.stdout
+    assert "  started  " in text.stdout and "  queued  " in text.stdout
+
+    for args in (("order:5", "--task", "cli.charge"), (run.member,)):
+        document = as_json(dedup("show", *args, "--json"))
+        assert document["member"] == run.member
+        assert (document["task"], document["key"], document["held"]) == ("cli.charge", "order:5", True)
+        assert document["lock"]["token"] == run.token and 0 < document["lock"]["ttl_ms"] <= 60_000
+        assert document["record"]["task_id"] == run.task_id
+        assert [entry["state"] for entry in document["history"]] == ["started", "queued"]
+        assert all(entry["task_id"] == run.task_id and entry["at_ms"] > 0 for entry in document["history"])
+
+
+def test_show_unknown_key_exits_2(dedup: Invoke) -> None:
+    result = dedup("show", "order:404", "--task", "cli.charge", "--json")
+
+    assert result.exit_code == cli.NOT_FOUND
+    assert result.stdout == ""
+    assert repr(member("order:404")) in result.stderr
+
+
+# -- release ------------------------------------------------------------------------------------
+
+
+def test_release_frees_a_queued_key_after_confirmation(apps: ModuleType, dedup: Invoke, r: redis.Redis) -> None:
+    first = apps.charge.delay(1)
+
+    declined = dedup("release", "order:1", "--task", "cli.charge", input="n\n")
+    assert declined.exit_code == 1
+    assert r.sismember(SCHEMA.held, member("order:1"))
+
+    released = dedup("release", "order:1", "--task", "cli.charge", input="y\n")
+    assert released.exit_code == 0, released.stderr
+    assert f"released {member('order:1')!r}; run now released; key was held" in released.stdout
+    assert not r.sismember(SCHEMA.held, member("order:1"))
+    history = as_json(dedup("show", member("order:1"), "--json"))["history"]
+    assert history[0]["state"] == "released"
+    assert history[0]["note"] == f"released by {cli._operator()}"
+    assert "@" in history[0]["note"]
+    again = apps.charge.delay(1)
+    assert not again.deduplicated and again.id != first.id
+
+
+def test_release_unknown_key_exits_2(dedup: Invoke) -> None:
+    result = dedup("release", "order:404", "--task", "cli.charge", "--yes")
+
+    assert result.exit_code == cli.NOT_FOUND
+    assert "nothing to release" in result.stderr
+
+
+def test_release_refuses_a_live_lock_unless_forced(apps: ModuleType, dedup: Invoke, r: redis.Redis) -> None:
+    run = Records(apps.app, apps.charge).started(3)
+
+    refused = dedup("release", "order:3", "--task", "cli.charge", "--yes")
+    assert refused.exit_code == cli.REFUSED
+    assert "refused" in refused.stderr and run.token in refused.stderr
+    assert r.get(SCHEMA.lock(run.member)) == run.token.encode()
+    assert r.sismember(SCHEMA.held, run.member)
+
+    forced = dedup("release", "order:3", "--task", "cli.charge", "--force", "--yes", "--json")
+    assert as_json(forced) == {"member": run.member, "state": "released", "was_held": True, "forced": True}
+    assert r.get(SCHEMA.lock(run.member)) is None
+    assert not r.sismember(SCHEMA.held, run.member)
+    assert "forced" in as_json(dedup("show", run.member, "--json"))["history"][0]["note"]
+
+
+@pytest.mark.slow
+def test_release_of_a_key_a_real_worker_is_executing(apps: ModuleType, dedup: Invoke, server: Server) -> None:
+    worker = WorkerProcess(server.url, app="tests.cli_app", pool="solo", concurrency=1).wait_ready()
+    try:
+        apps.slow.delay(1)
+        slow = member("job:1", "cli.slow")
+
+        def executing() -> Any:
+            shown = dedup("show", slow, "--json")
+            return shown.exit_code == 0 and json.loads(shown.stdout)["lock"]
+
+        lock = wait_for(executing, 30, "the worker to start cli.slow")
+        refused = dedup("release", slow, "--yes")
+        assert refused.exit_code == cli.REFUSED
+        assert lock["token"] in refused.stderr
+
+        forced = as_json(dedup("release", slow, "--force", "--yes", "--json"))
+        assert forced["forced"] and forced["was_held"]
+        # The running task notices its lock is gone (it returns early) and its ending counts as lock_lost.
+        wait_for(
+            lambda: as_json(dedup("stats", "--json")).get("cli.slow", {}).get("lock_lost") == 1,
+            30,
+            lambda: f"lock_lost counted; worker said:\n{''.join(worker.output[-20:])}",
+        )
+        assert as_json(dedup("stats", "--json"))["cli.slow"]["released"] == 1
+    finally:
+        worker.stop(signal.SIGTERM)
+
+
+# -- purge, reap, stats -------------------------------------------------------------------------
+
+
+def test_purge_deletes_ended_records_only(apps: ModuleType, dedup: Invoke) -> None:
+    records = Records(apps.app, apps.charge)
+    for order in (1, 2):
+        records.ended(order, "succeeded")
+    records.ended(3, "failed")
+    records.queued(4)
+
+    declined = dedup("purge", "--state", "succeeded", input="n\n")
+    assert declined.exit_code == 1
+    assert len(as_json(dedup("list", "--json"))["records"]) == 4
+
+    report = as_json(dedup("purge", "--state", "succeeded", "--state", "failed", "--yes", "--json"))
+    assert report == {"purged": 3, "kept": 0, "more": False}
+    assert [rec["key"] for rec in as_json(dedup("list", "--json"))["records"]] == ["order:4"]
+    text = dedup("purge", "--state", "succeeded", "--yes")
+    assert text.stdout == "purged 0 records; kept 0 whose key is held or whose lock is alive\n"
+
+
+def test_reap_marks_runs_of_dead_workers_lost(apps: ModuleType, dedup: Invoke, r: redis.Redis) -> None:
+    run = Records(apps.app, apps.charge).started(9)
+    r.delete(SCHEMA.lock(run.member))  # its worker died: the lock is gone, the record still says started
+
+    report = as_json(dedup("reap", "--json"))
+
+    assert report["lost"] == 1
+    assert runtime.store_for(apps.app).record(run.member)["state"] == "lost"  # type: ignore[index]
+    assert "marked 0 runs of dead workers lost" in dedup("reap").stdout
+
+
+def test_stats_counts_decisions_per_task(apps: ModuleType, dedup: Invoke) -> None:
+    assert dedup("stats").stdout == "no decisions counted yet\n"
+    apps.charge.delay(1)
+    apps.charge.delay(1)
+    apps.charge.delay(2)
+
+    counts = as_json(dedup("stats", "--json"))
+    assert counts["cli.charge"]["accepted"] == 2
+    assert counts["cli.charge"]["deduplicated"] == 1
+
+    lines = dedup("stats").stdout.splitlines()
+    assert lines[0].split()[:3] == ["TASK", "ACCEPTED", "DEDUPLICATED"]
+    assert lines[1].split()[:3] == ["cli.charge", "2", "1"]
+
+
+# -- check --------------------------------------------------------------------------------------
+
+
+def findings(result: Result) -> dict[str, tuple[str, str]]:
+    document = json.loads(result.stdout)
+    return {f["check"]: (f["level"], f["message"]) for f in document["findings"]}
+
+
+def test_check_flags_an_evicting_policy_and_passes_noeviction(
+    dedup: Invoke, server_config: Callable[[str, str], None]
+) -> None:
+    server_config("maxmemory-policy", "allkeys-lru")
+    server_config("save", "3600 1")
+    flagged = dedup("check", "--json")
+    assert flagged.exit_code == 0  # warnings alone
+    level, why = findings(flagged)["maxmemory-policy"]
+    assert level == "warning" and "allkeys-lru" in why and "noeviction" in why
+    assert dedup("check", "--strict").exit_code == cli.CHECK_FAILED
+
+    server_config("maxmemory-policy", "volatile-ttl")
+    assert findings(dedup("check", "--json"))["maxmemory-policy"][0] == "warning"
+
+    server_config("maxmemory-policy", "noeviction")
+    passing = dedup("check", "--json", "--strict")
+    assert passing.exit_code == 0, passing.stdout
+    assert {name: level for name, (level, _) in findings(passing).items()} == {
+        "install": "ok",
+        "broker": "ok",
+        "visibility_timeout": "ok",
+        "maxmemory-policy": "ok",
+        "persistence": "ok",
+        "clock": "ok",
+    }
+    assert json.loads(passing.stdout)["failed"] is False
+    text = dedup("check").stdout.splitlines()
+    assert any(line.split()[:2] == ["ok", "maxmemory-policy"] for line in text)
+
+
+def test_check_warns_when_persistence_is_off(dedup: Invoke, server_config: Callable[[str, str], None]) -> None:
+    server_config("save", "")
+    server_config("appendonly", "no")
+
+    level, why = findings(dedup("check", "--json"))["persistence"]
+
+    assert level == "warning" and "restart" in why
+
+
+def test_check_errors_without_install(dedup: Invoke) -> None:
+    result = dedup("check", "--json", app="uninstalled")
+
+    assert result.exit_code == cli.CHECK_FAILED
+    assert findings(result)["install"][0] == "error"
+    assert json.loads(result.stdout)["failed"] is True
+
+
+def test_check_errors_on_a_task_with_bad_options(dedup: Invoke) -> None:
+    result = dedup("check", "--json", app="bad_options")
+
+    assert result.exit_code == cli.CHECK_FAILED
+    level, why = findings(result)["tasks"]
+    assert level == "error" and "cli.bad" in why and "dedup_mode='sometimes'" in why
+    assert findings(result)["maxmemory-policy"][0] == "ok"  # the other checks still ran
+
+
+def test_check_errors_when_the_store_is_unreachable(dedup: Invoke) -> None:
+    result = dedup("check", "--json", app="unreachable")
+
+    assert result.exit_code == cli.CHECK_FAILED
+    assert findings(result)["server"][0] == "error"
+
+
+def test_check_says_what_to_raise_visibility_timeout_to(dedup: Invoke) -> None:
+    level, why = findings(dedup("check", "--json", app="short_visibility"))["visibility_timeout"]
+    assert level == "warning" and "at least 60" in why and "cli.visible" in why
+
+    level, why = findings(dedup("check", "--json", "--countdown", "7200"))["visibility_timeout"]
+    assert level == "warning" and "at least 7200" in why
+
+
+def test_check_warns_that_the_gate_is_not_atomic(dedup: Invoke) -> None:
+    level, why = findings(dedup("check", "--json", app="separate_store"))["broker"]
+    assert level == "warning" and "not atomic" in why
+
+    amqp = findings(dedup("check", "--json", app="amqp_broker"))
+    assert amqp["broker"][0] == "warning" and "amqp:// is not Redis" in amqp["broker"][1]
+    assert "visibility_timeout" not in amqp
+    assert amqp["clock"][0] == "ok"  # the store on dedup_redis_url is still inspected
+
+
+def test_check_reports_unknown_where_config_is_not_allowed(apps: ModuleType, dedup: Invoke, r: redis.Redis) -> None:
+    user = apps.RESTRICTED_USER
+    r.acl_setuser(user, enabled=True, passwords=[f"+{user}"], keys=["*"], channels=["*"], commands=["+@all", "-config"])
+    try:
+        result = dedup("check", "--json", "--strict", app="restricted")
+    finally:
+        r.acl_deluser(user)
+
+    assert result.exit_code == 0, result.stdout  # unknown never fails the check
+    found = findings(result)
+    assert found["maxmemory-policy"][0] == "unknown" and "CONFIG GET is not allowed" in found["maxmemory-policy"][1]
+    assert found["persistence"][0] == "unknown"
+    assert found["clock"][0] == "ok"
+
+
+# -- pure logic ---------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    ("policy", "level"),
+    [("noeviction", "ok"), ("allkeys-lru", "warning"), ("volatile-lru", "warning"), ("volatile-ttl", "warning")],
+)
+def test_only_noeviction_keeps_dedup_keys(policy: str, level: str) -> None:
+    assert checks.eviction_finding(policy, 1 << 30).level == level
+
+
+def test_clock_offsets_beyond_a_second_are_reported() -> None:
+    assert checks.clock_finding(0.4).level == "ok"
+    assert checks.clock_finding(-0.9).level == "ok"
+    ahead = checks.clock_finding(2.5)
+    assert ahead.level == "warning" and "2.5 s ahead of" in ahead.message
+    assert "behind" in checks.clock_finding(-3).message
+
+
+def test_human_time_shows_local_time_and_age() -> None:
+    assert cli.human_time("0") == "-"
+    assert cli.human_time(None) == "-"
+    assert cli.human_time("1700000000000", now=1700000090.0).endswith("(1m ago)")
+    assert cli.human_time("1700000000000", now=1699999990.0).endswith("(in 10s)")
