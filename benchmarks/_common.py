@@ -9,10 +9,10 @@ from pathlib import Path
 from typing import Any
 
 
-def versions() -> dict[str, str]:
-    """Python's version and those of the packages a benchmark exercises."""
+def versions(*extra: str) -> dict[str, str]:
+    """Python's version and those of the packages a benchmark exercises (and of ``extra`` ones)."""
     found = {"python": platform.python_version()}
-    for dist in ("celery", "kombu", "redis", "celery-dedup"):
+    for dist in ("celery", "kombu", "redis", "celery-dedup", *extra):
         try:
             found[dist] = metadata.version(dist)
         except metadata.PackageNotFoundError:

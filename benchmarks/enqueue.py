@@ -6,9 +6,20 @@ What it measures: the client-side wall time of one ``apply_async`` call, for
 - ``dedup new key``: a DedupTask keyed ``"order:{order_id}"`` with a key no call
   has used before (the gate holds the key and LPUSHes the message in one Lua script);
 - ``dedup duplicate``: the same DedupTask with a key that is already held
-  (the gate publishes nothing and returns the accepted task's id).
+  (the gate publishes nothing and returns the accepted task's id);
 
-All three run on one installed app, over one producer connection (so
+and the same pair for two peers, configured the way their READMEs say, on the
+same server (``--no-peers`` leaves them out):
+
+- ``celery-once new key`` / ``celery-once duplicate``: a ``QueueOnce`` task
+  keyed on ``order_id`` (a redis-py ``Lock``: SET NX PX, then the LPUSH; a
+  duplicate reads the lock's PTTL and raises ``AlreadyQueued``, its default
+  answer, which the call catches);
+- ``celery-singleton new key`` / ``celery-singleton duplicate``: a ``Singleton``
+  task unique on ``order_id`` (SET NX EX holding the task id, then the LPUSH; a
+  duplicate GETs the holder's id and returns its ``AsyncResult``).
+
+All cases run on one app, over one producer connection (so
 connection set-up is not measured), after a warm-up, interleaved round-robin in
 small blocks (the starting case rotates each round) so machine noise hits every
 case alike. Each repeat times ``--calls`` calls per case; the queue and the
@@ -22,7 +33,7 @@ are recorded beside them as a cross-check.
 
 Run it from the repository root::
 
-    .venv/bin/python benchmarks/enqueue.py [--calls 5000] [--repeats 5] [--output FILE]
+    .venv/bin/python benchmarks/enqueue.py [--calls 5000] [--repeats 5] [--no-peers] [--output FILE]
 
 It starts its own server (``celery_dedup.testing.RedisServer``), prints two
 Markdown tables and writes ``benchmarks/results/enqueue.json``. Nothing here
@@ -63,6 +74,10 @@ ROOT = Path(__file__).resolve().parent.parent
 DEFAULT_OUTPUT = ROOT / "benchmarks" / "results" / "enqueue.json"
 QUEUE = "bench-enqueue"
 PREFIX = "bench-dedup"
+SINGLETON_PREFIX = "bench-singleton:"
+ONCE_TASK = "bench.once"
+ONCE_TIMEOUT = 3600  # seconds, celery-once's default: longer than any repeat
+PEERS = ("celery-once", "celery-singleton")
 DUPLICATE_ORDER = 0  # new-key calls count up from 1, so they never meet the held key
 
 Call = Callable[[], None]
@@ -79,14 +94,24 @@ class Case:
 
 
 @dataclass
+class Peers:
+    """The peers' tasks (same signature as the others) and celery-once's duplicate answer."""
+
+    once: Any
+    singleton: Any
+    already_queued: type[Exception]
+
+
+@dataclass
 class Bench:
-    """The app, its two tasks and the producer every call goes through."""
+    """The app, its tasks and the producer every call goes through."""
 
     app: Celery
     client: redis.Redis
     plain: Any
     keyed: Any
     producer: Any
+    peers: Peers | None = None
     next_order: int = 1
 
     def call_plain(self) -> None:
@@ -97,6 +122,26 @@ class Bench:
 
     def call_duplicate(self) -> None:
         self.keyed.apply_async((DUPLICATE_ORDER,), producer=self.producer)
+
+    def call_once_new_key(self) -> None:
+        assert self.peers is not None
+        self.peers.once.apply_async((self._order(),), producer=self.producer)
+
+    def call_once_duplicate(self) -> None:
+        assert self.peers is not None
+        try:
+            self.peers.once.apply_async((DUPLICATE_ORDER,), producer=self.producer)
+        except self.peers.already_queued:
+            return
+        raise RuntimeError("celery-once accepted a duplicate")
+
+    def call_singleton_new_key(self) -> None:
+        assert self.peers is not None
+        self.peers.singleton.apply_async((self._order(),), producer=self.producer)
+
+    def call_singleton_duplicate(self) -> None:
+        assert self.peers is not None
+        self.peers.singleton.apply_async((DUPLICATE_ORDER,), producer=self.producer)
 
     def _order(self) -> int:
         order = self.next_order
@@ -109,20 +154,29 @@ class Bench:
         again = self.keyed.apply_async((DUPLICATE_ORDER,), producer=self.producer)
         if first.deduplicated or not again.deduplicated or again.id != first.id:
             raise RuntimeError(f"the duplicate key is not held as expected: {first.id!r} vs {again.id!r}")
+        if self.peers is None:
+            return
+        self.peers.once.apply_async((DUPLICATE_ORDER,), producer=self.producer)
+        self.call_once_duplicate()
+        held = self.peers.singleton.apply_async((DUPLICATE_ORDER,), producer=self.producer)
+        again = self.peers.singleton.apply_async((DUPLICATE_ORDER,), producer=self.producer, task_id="not-this-one")
+        if again.id != held.id:
+            raise RuntimeError(f"celery-singleton's duplicate key is not held: {held.id!r} vs {again.id!r}")
 
     def clear(self) -> None:
-        """Delete the queue and every dedup key this benchmark made."""
+        """Delete the queue and every dedup key or peer lock this benchmark made."""
         schema = KeySchema(PREFIX)
         queues = [QUEUE, *(f"{QUEUE}\x06\x16{p}" for p in (3, 6, 9))]
         self.client.delete(*queues, schema.held)
-        batch: list[bytes] = []
-        for key in self.client.scan_iter(match=f"{PREFIX}:*", count=1000):
-            batch.append(key)
-            if len(batch) >= 1000:
+        for pattern in (f"{PREFIX}:*", f"qo_{ONCE_TASK}_*", f"{SINGLETON_PREFIX}*"):
+            batch: list[bytes] = []
+            for key in self.client.scan_iter(match=pattern, count=1000):
+                batch.append(key)
+                if len(batch) >= 1000:
+                    self.client.delete(*batch)
+                    batch.clear()
+            if batch:
                 self.client.delete(*batch)
-                batch.clear()
-        if batch:
-            self.client.delete(*batch)
 
     def queued(self) -> int:
         return int(self.client.llen(QUEUE))
@@ -136,6 +190,10 @@ def build_app(url: str) -> Celery:
         task_ignore_result=True,
         broker_connection_retry_on_startup=False,
         dedup_key_prefix=PREFIX,
+        # The peers' documented settings, on the same server (harmless without them).
+        ONCE={"backend": "celery_once.backends.Redis", "settings": {"url": url, "default_timeout": ONCE_TIMEOUT}},
+        singleton_backend_url=url,
+        singleton_key_prefix=SINGLETON_PREFIX,
     )
     celery_dedup.install(app)
     return app
@@ -152,6 +210,22 @@ def make_tasks(app: Celery) -> tuple[Any, Any]:
         return None
 
     return plain, keyed
+
+
+def make_peer_tasks(app: Celery) -> Peers:
+    """The peers' tasks, keyed on ``order_id`` like ``bench.keyed`` (imported here: ``--no-peers`` needs neither)."""
+    from celery_once import AlreadyQueued, QueueOnce  # noqa: PLC0415 - optional: the bench extra
+    from celery_singleton import Singleton  # noqa: PLC0415 - optional: the bench extra
+
+    @app.task(name=ONCE_TASK, base=QueueOnce, once={"keys": ["order_id"]}, ignore_result=True, shared=False)
+    def once(order_id: int) -> None:
+        return None
+
+    @app.task(name="bench.singleton", base=Singleton, unique_on=["order_id"], ignore_result=True, shared=False)
+    def singleton(order_id: int) -> None:
+        return None
+
+    return Peers(once, singleton, AlreadyQueued)
 
 
 def rotated(cases: Sequence[Case], start: int) -> list[Case]:
@@ -340,6 +414,9 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     parser.add_argument("--block", type=int, default=50, help="calls per case before switching case (default 50)")
     parser.add_argument("--warmup", type=int, default=500, help="untimed calls per case first (default 500)")
     parser.add_argument("--rt-calls", type=int, default=200, help="calls per case for round trips (default 200)")
+    parser.add_argument(
+        "--no-peers", dest="peers", action="store_false", help="leave out the celery-once and celery-singleton cases"
+    )
     parser.add_argument("--output", type=Path, default=DEFAULT_OUTPUT, help="JSON result file")
     args = parser.parse_args(argv)
     for name in ("calls", "repeats", "block", "rt_calls"):
@@ -366,20 +443,28 @@ def measure(args: argparse.Namespace) -> Run:
     with RedisServer() as server:
         server_version = server.version()
         print(f"server: {server.binary} ({server_version})")
-        print(", ".join(f"{k} {v}" for k, v in versions().items()))
+        print(", ".join(f"{k} {v}" for k, v in versions(*peer_dists(args)).items()))
         load_before = os.getloadavg()[0]
         print(f"load average before: {load_before:.2f} (cpus: {os.cpu_count()})", flush=True)
         app = build_app(server.url)
         plain, keyed = make_tasks(app)
+        peers = make_peer_tasks(app) if args.peers else None
         client: redis.Redis = redis.Redis.from_url(server.url)
         try:
             with app.producer_or_acquire() as producer:
-                bench = Bench(app, client, plain, keyed, producer)
+                bench = Bench(app, client, plain, keyed, producer, peers)
                 cases = [
                     Case("plain", bench.call_plain, publishes=True),
                     Case("dedup new key", bench.call_new_key, publishes=True),
                     Case("dedup duplicate", bench.call_duplicate, publishes=False),
                 ]
+                if peers is not None:
+                    cases += [
+                        Case("celery-once new key", bench.call_once_new_key, publishes=True),
+                        Case("celery-once duplicate", bench.call_once_duplicate, publishes=False),
+                        Case("celery-singleton new key", bench.call_singleton_new_key, publishes=True),
+                        Case("celery-singleton duplicate", bench.call_singleton_duplicate, publishes=False),
+                    ]
                 if args.warmup:
                     run_repeat(bench, cases, args.warmup, args.block)
                     for case in cases:
@@ -402,6 +487,10 @@ def measure(args: argparse.Namespace) -> Run:
             client.close()
             app.close()
         return Run(server.binary, server_version, load_before, load_after, elapsed, summarize(cases), trips)
+
+
+def peer_dists(args: argparse.Namespace) -> tuple[str, ...]:
+    return PEERS if args.peers else ()
 
 
 def print_report(args: argparse.Namespace, run: Run) -> None:
@@ -429,7 +518,7 @@ def write_result(args: argparse.Namespace, run: Run) -> None:
         "benchmark": "enqueue",
         "when": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
         "server": {"binary": run.server_binary, "version": run.server_version},
-        "versions": versions(),
+        "versions": versions(*peer_dists(args)),
         "machine": {
             "platform": platform.platform(),
             "cpus": os.cpu_count(),
@@ -442,6 +531,8 @@ def write_result(args: argparse.Namespace, run: Run) -> None:
             "block": args.block,
             "warmup": args.warmup,
             "rt_calls": args.rt_calls,
+            "peers": args.peers,
+            "celery_once_duplicate": "raises AlreadyQueued (its default, not graceful), caught by the caller",
         },
         "elapsed_s": run.elapsed_s,
         "timing": run.rows,
