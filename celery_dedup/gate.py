@@ -85,11 +85,7 @@ class GateHeader:
 
 
 def message_payload(message: Mapping[str, Any]) -> str:
-    """A published kombu message's body as a status record keeps it.
-
-    A debounced run executes with the newest payload of its burst, and the
-    admin re-enqueues a failed run from it.
-    """
+    """A published kombu message's body as a status record keeps it (debounce: the run's arguments)."""
     properties = message.get("properties") or {}
     return str(
         dumps(
@@ -101,6 +97,15 @@ def message_payload(message: Mapping[str, Any]) -> str:
             ]
         )
     )
+
+
+def call_payload(app: Any, serializer: str | None, args: Any, kwargs: Any) -> str:
+    """The payload of a call, serialized as its message body would be, to re-enqueue it later."""
+    content_type, content_encoding, data = serialization.dumps(
+        [list(args or ()), dict(kwargs or {}), {}], serializer=serializer or app.conf.task_serializer
+    )
+    raw = data if isinstance(data, bytes) else data.encode(content_encoding or "utf-8")
+    return str(dumps([base64.b64encode(raw).decode("ascii"), "base64", content_type, content_encoding]))
 
 
 def decode_payload(app: Any, payload: str) -> tuple[list[Any], dict[str, Any]]:

@@ -25,7 +25,7 @@ from celery.exceptions import Ignore, Reject, Retry
 
 from . import decisions, runtime
 from .exceptions import DedupError, DedupUnavailableError
-from .gate import GateHeader, decode_payload
+from .gate import GateHeader, call_payload, decode_payload
 from .keys import member_for, split_member
 from .lock import ExecutionLock, new_token, renewer
 from .store import DedupStore, StartDecision
@@ -80,26 +80,11 @@ def guarded_call(
         return body(args, kwargs)
     member, store, gated = located
     policy = task.dedup_policy
-    config = runtime.config_for(task.app)
     token = new_token()
     lock_ms = int(policy.lock_ttl * 1000)
-    record_ms = config.record_ms
+    record_ms = runtime.config_for(task.app).record_ms
     try:
-        decision = store.start(
-            member,
-            task_id,
-            token,
-            lock_ms=lock_ms,
-            gated=gated,
-            key_mode=policy.mode.key_on_start,
-            hostname=request.hostname or socket.gethostname(),
-            pid=os.getpid(),
-            retries=request.retries or 0,
-            task_name=task.name,
-            record_ms=record_ms,
-            want_payload=policy.mode.parks and policy.debounce == "latest",
-            on_locked=policy.on_locked,
-        )
+        decision = start(task, store, member, gated, token, lock_ms, record_ms)
     except redis.RedisError as exc:
         return store_unreachable(task, member, exc, lambda: body(args, kwargs))
     if not decision.run:
@@ -112,7 +97,19 @@ def guarded_call(
     def end(state: str, *, drop: bool, error: str = "") -> None:
         keeper.remove(lock)
         _running.pop(task_id, None)
-        finish(task, store, member, task_id, state, drop=drop, token=token, error=error, record_ms=record_ms)
+        payload = kept_payload(task, state, args, kwargs)
+        finish(
+            task,
+            store,
+            member,
+            task_id,
+            state,
+            drop=drop,
+            token=token,
+            error=error,
+            record_ms=record_ms,
+            payload=payload,
+        )
 
     try:
         if decision.payload:
@@ -141,6 +138,29 @@ def guarded_call(
         raise
     end(SUCCEEDED, drop=not policy.mode.holds_after_success)
     return result
+
+
+def start(
+    task: DedupTask, store: DedupStore, member: str, gated: bool, token: str, lock_ms: int, record_ms: int
+) -> StartDecision:
+    """Ask the store whether this delivery may run; if so, it now holds the lock ``token``."""
+    request = task.request
+    policy = task.dedup_policy
+    return store.start(
+        member,
+        str(request.id),
+        token,
+        lock_ms=lock_ms,
+        gated=gated,
+        key_mode=policy.mode.key_on_start,
+        hostname=request.hostname or socket.gethostname(),
+        pid=os.getpid(),
+        retries=request.retries or 0,
+        task_name=task.name,
+        record_ms=record_ms,
+        want_payload=policy.mode.parks and policy.debounce == "latest",
+        on_locked=policy.on_locked,
+    )
 
 
 def store_unreachable(task: DedupTask, member: str, exc: Exception, body: Callable[[], Any]) -> Any:
@@ -202,6 +222,21 @@ def defer(task: DedupTask, key: str, lock_pttl_ms: int) -> None:
     task.signature_from_request(request, countdown=countdown).apply_async()
 
 
+#: Endings after which an operator may want to run the call again (see operations.requeue).
+_REQUEUABLE = frozenset({FAILED, REJECTED, REVOKED, LOST})
+
+
+def kept_payload(task: DedupTask, state: str, args: Any, kwargs: Any) -> str:
+    """The call's payload for a record ending in ``state``, if arguments are recorded at all."""
+    if state not in _REQUEUABLE or not runtime.config_for(task.app).record_args:
+        return ""
+    try:
+        return call_payload(task.app, task.serializer, args, kwargs)
+    except Exception:  # an argument the serializer refuses must not hide how the run ended
+        logger.exception("%s: could not keep the arguments of a run that ended %s", task.name, state)
+        return ""
+
+
 def finish(
     task: DedupTask,
     store: DedupStore,
@@ -213,11 +248,12 @@ def finish(
     token: str,
     record_ms: int,
     error: str = "",
+    payload: str = "",
 ) -> bool:
     """Record a run's ending; store errors are logged (the key then expires by its TTL)."""
     try:
         owned, lock_kept = store.finish(
-            member, task_id, state, drop=drop, record_ms=record_ms, token=token, error=error
+            member, task_id, state, drop=drop, record_ms=record_ms, token=token, error=error, payload=payload
         )
     except redis.RedisError:
         logger.exception(
@@ -264,7 +300,8 @@ def settle_elsewhere(
             )
             return False
         token = holder
-    return finish(task, store, member, task_id, state, drop=True, token=token, record_ms=record_ms)
+    payload = kept_payload(task, state, args, kwargs)
+    return finish(task, store, member, task_id, state, drop=True, token=token, record_ms=record_ms, payload=payload)
 
 
 def held_elsewhere(token: str) -> bool:

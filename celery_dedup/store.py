@@ -397,6 +397,7 @@ class DedupStore:
         record_ms: int,
         token: str = "",
         error: str = "",
+        payload: str = "",
     ) -> tuple[bool, bool]:
         """Record ``state`` for the run ``task_id``, release its lock, drop its key if ``drop``.
 
@@ -414,6 +415,7 @@ class DedupStore:
             self.schema.prefix,
             self.history_length,
             error,
+            payload,
         ]
         owned, lock_kept = self.scripts.finish(keys, args)
         return bool(owned), bool(lock_kept)

@@ -8,6 +8,7 @@ from typing import Any
 from celery import Celery
 
 from celery_dedup import DedupTask, runtime
+from celery_dedup.guard import kept_payload
 from celery_dedup.keys import member_for
 from celery_dedup.lock import new_token
 
@@ -75,6 +76,8 @@ class Records:
     def ended(self, order_id: int, state: str, *, keep_key: bool = False, error: str = "") -> Run:
         """Started and finished in ``state``; ``keep_key`` keeps the key held (an idempotency window)."""
         run = self.started(order_id, key_mode="window" if keep_key else "lock")
+        # As the worker's guard does: the call's arguments are kept for a run that did not succeed.
+        payload = kept_payload(self.task, state, (order_id,), {})
         owned, kept = self.store.finish(
             run.member,
             run.task_id,
@@ -83,6 +86,7 @@ class Records:
             record_ms=self.record_ms,
             token=run.token,
             error=error,
+            payload=payload,
         )
         assert owned and kept
         return run

@@ -87,6 +87,12 @@ def raw_messages(r: redis.Redis, queue: str = "celery") -> dict[str, Any]:
     return {loads(raw)["headers"]["id"]: raw for raw in r.lrange(queue, 0, -1)}
 
 
+def settled(entries: list[dict[str, Any]]) -> bool:
+    """Every delivery that began (task_prerun) has also ended (task_postrun)."""
+    phases = [entry["phase"] for entry in entries]
+    return bool(phases) and phases.count("prerun") == phases.count("postrun")
+
+
 def pending_ids(r: redis.Redis) -> set[str]:
     """Ids of messages still queued or delivered but not acknowledged (kombu's unacked store)."""
     unacked = [loads(raw)[0] for raw in r.hvals("unacked")]
@@ -618,7 +624,15 @@ def test_copy_of_a_run_that_ended_without_success_is_skipped(make_app: AppFactor
     copy = raw_messages(r)[run.id]
     ended = {"reject": "rejected", "fail": "failed"}[action]
     with in_process_worker(app, pool="threads", concurrency=2):
-        wait_for(lambda: (record_of(r, member) or {}).get("state") == ended and not pending_ids(r), 10, "the end")
+        wait_for(
+            lambda: (
+                (record_of(r, member) or {}).get("state") == ended
+                and not pending_ids(r)
+                and settled(deliveries(r, run.id))
+            ),
+            10,
+            lambda: f"the end: {record_of(r, member)} {deliveries(r, run.id)} {pending_ids(r)}",
+        )
         seen, ran = len(deliveries(r, run.id)), len(starts(events(r, work.name, action)))
         r.rpush("celery", copy)
         wait_for(lambda: len(deliveries(r, run.id)) == seen + 2 and not pending_ids(r), 10, "the copy")

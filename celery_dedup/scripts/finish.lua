@@ -17,6 +17,8 @@
 -- ARGV[7]  key prefix
 -- ARGV[8]  history length
 -- ARGV[9]  error summary, "" for none
+-- ARGV[10] the run's payload (gate.call_payload), "" for none: kept so an
+--          operator can re-enqueue a run that ended without success
 --
 -- Returns {owned, lock_kept}: owned is 1 if the record names this run (else
 -- nothing but the lock is touched); lock_kept is 0 if the run held a token but
@@ -26,7 +28,7 @@
 local held, record, lock = KEYS[1], KEYS[2], KEYS[3]
 local member, task_id, state = ARGV[1], ARGV[2], ARGV[3]
 local drop, record_ms, token = ARGV[4] == '1', tonumber(ARGV[5]), ARGV[6]
-local prefix, history_len, err = ARGV[7], tonumber(ARGV[8]), ARGV[9]
+local prefix, history_len, err, payload = ARGV[7], tonumber(ARGV[8]), ARGV[9], ARGV[10] or ''
 
 local current = redis.call('HMGET', record, 'task_id', 'lock')
 if token == '*' then
@@ -69,6 +71,9 @@ if state ~= 'retry' then
 end
 if err ~= '' then
   redis.call('HSET', record, 'error', err)
+end
+if payload ~= '' then
+  redis.call('HSET', record, 'payload', payload)
 end
 if lock_kept == 0 then
   redis.call('HSETNX', record, 'lock_lost_at', now)
