@@ -87,8 +87,8 @@ def visibility_finding(visibility: float, lock_ttls: Sequence[tuple[float, str]]
         problems.append(
             (
                 lock,
-                f"a message redelivered after its worker died can meet that worker's lock ({whose}: "
-                f"{lock:g} s) still alive, and is skipped",
+                f"a message redelivered while its run still holds the lock ({whose}: {lock:g} s) "
+                "is deferred until that lock expires, again and again for a long run",
             )
         )
     if problems:

@@ -17,7 +17,7 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
 VENV = Path(os.environ.get("CELERY_DEDUP_VENV", ROOT / ".venv"))
-EXTRAS = "test,django,demo"
+EXTRAS = "test,django,demo,docs"  # docs: the suite builds the docs with -W
 CHROMIUM = Path("/usr/bin/chromium")
 
 
