@@ -2,16 +2,12 @@
 
 from __future__ import annotations
 
-from typing import cast
-
 from django.contrib import messages
 from django.db import transaction
 from django.http import HttpRequest, HttpResponse, JsonResponse
 from django.shortcuts import get_object_or_404, redirect, render
 from django.urls import reverse
 from django.views.decorators.http import require_POST
-
-from celery_dedup import DedupResult
 
 from .catalog import BY_SKU, PRODUCTS
 from .dedup_links import dedup_admin_url
@@ -53,7 +49,7 @@ def order_page(request: HttpRequest, order_id: int) -> HttpResponse:
 def pay(request: HttpRequest, order_id: int) -> HttpResponse:
     """Ask for the charge; a repeated press while it is held is answered with the same run."""
     order = get_object_or_404(Order, pk=order_id)
-    result = cast(DedupResult, charge_payment.delay(order.pk))  # delay is typed as Task's
+    result = charge_payment.delay(order.pk)
     if result.deduplicated:
         messages.info(request, f"Already being paid: this press joined run {result.id}.")
     else:
