@@ -10,10 +10,12 @@ import gc
 import itertools
 import json
 import math
+import re
 import signal
 import time
 import uuid
 from collections.abc import Iterator
+from types import SimpleNamespace
 from typing import Any
 
 import pytest
@@ -236,6 +238,17 @@ def test_debounce_needs_the_redis_broker(make_app: AppFactory, server: Server, r
         work.delay(1, "a")
     assert info.value.task == work.name and info.value.setting == "dedup_mode"
     assert r.keys("dedup:*") == []
+
+
+def test_a_worker_with_a_debounced_task_refuses_to_start_on_another_broker(
+    make_app: AppFactory, server: Server, runs: Runs
+) -> None:
+    """The dispatcher step fails the worker's start-up, naming the debounced task, instead of parking nothing."""
+    app = make_app(broker_url="memory://", dedup_redis_url=server.url)
+    work = debounced(app, runs)
+    worker = SimpleNamespace(app=app)
+    with pytest.raises(DedupConfigError, match=re.escape(work.name)):
+        DispatchStep(worker).start(worker)
 
 
 def test_debounce_runs_at_once_when_eager(make_app: AppFactory, server: Server, runs: Runs) -> None:
