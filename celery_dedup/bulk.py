@@ -125,9 +125,7 @@ def _marked_loop(
     try:
         return task.apply_async(args, kwargs, **options)
     except DuplicateTaskError as duplicate:
-        result = task.AsyncResult(duplicate.task_id)
-        result.deduplicated = True
-        return result
+        return task._marked(duplicate.task_id)
 
 
 def _short_repr(value: Any, limit: int = 1024) -> str:

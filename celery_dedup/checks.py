@@ -14,6 +14,7 @@ from typing import Any
 
 import redis
 from celery import Celery
+from kombu.transport import redis as kombu_redis
 from kombu.utils.url import maybe_sanitize_url
 
 from . import runtime
@@ -21,7 +22,7 @@ from .exceptions import DedupError
 from .task import DedupTask
 
 #: kombu's Redis transport redelivers an unacknowledged message after this many seconds by default.
-DEFAULT_VISIBILITY_TIMEOUT = 3600
+DEFAULT_VISIBILITY_TIMEOUT: float = kombu_redis.Channel.visibility_timeout
 #: Server and local clocks further apart than this (seconds) are reported.
 CLOCK_TOLERANCE = 1.0
 

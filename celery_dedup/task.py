@@ -289,7 +289,6 @@ class DedupTask(_TaskBase):
         else:
             member = previous.member
         business_key = split_member(member)[1]
-        recent = runtime.runtime_for(app).recent
         known = self._peek(member) if task_id is None and previous is None and not policy.mode.parks else None
         if known is not None:
             return self._on_duplicate(policy, business_key, known, options)
@@ -334,7 +333,7 @@ class DedupTask(_TaskBase):
         if outcome.collapsed:
             decisions.log("collapsed", self.name, business_key, outcome.task_id, "joined the burst of its run")
             return self._marked(outcome.task_id)
-        recent.saw(member, gate.hold_ms / 1000)
+        runtime.runtime_for(app).recent.saw(member, gate.hold_ms / 1000)
         if not outcome.accepted:
             return self._on_duplicate(policy, business_key, outcome.task_id, options)
         decisions.log("accepted", self.name, business_key, run_id)
