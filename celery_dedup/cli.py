@@ -27,7 +27,6 @@ import time
 from collections.abc import Callable, Sequence
 from dataclasses import asdict
 from typing import Any
-from urllib.parse import unquote
 
 import click
 import redis
@@ -40,7 +39,7 @@ from . import operations
 from .checks import run_checks
 from .decisions import DECISIONS
 from .exceptions import DedupError
-from .keys import member_for, split_member
+from .keys import member_for, split_member, task_from_namespace
 from .store import ENDED_STATES, STATES, KeyDetail, ReleaseResult
 
 OK, USAGE, NOT_FOUND, REFUSED, CHECK_FAILED = 0, 1, 2, 3, 4
@@ -253,7 +252,7 @@ def _history_entry(entry: str) -> dict[str, Any]:
 
 def _detail_json(found: KeyDetail) -> dict[str, Any]:
     namespace, key = split_member(found.member)
-    namespace = unquote(namespace)
+    namespace = task_from_namespace(namespace)
     lock = {"token": found.lock_token, "ttl_ms": found.lock_ttl_ms} if found.lock_token is not None else None
     return {
         "member": found.member,
@@ -287,7 +286,7 @@ def show(ctx: click.Context, key: str, task: str | None, as_json: bool) -> None:
         _emit_json(_detail_json(found))
         return
     namespace, business_key = split_member(found.member)
-    namespace = unquote(namespace)
+    namespace = task_from_namespace(namespace)
     lock = f"{found.lock_token} ({found.lock_ttl_ms / 1000:.1f} s left)" if found.lock_token else "none"
     head = [("member", found.member), ("task", namespace), ("key", business_key)]
     head += [("held", "yes" if found.held else "no"), ("lock", lock)]

@@ -34,6 +34,7 @@ import uuid
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
+from urllib.parse import unquote
 
 from .exceptions import DedupConfigError, DedupKeyError
 
@@ -164,6 +165,11 @@ def _whole_chars(prefix: str) -> str:
 def task_namespace(task_name: str) -> str:
     """The escaped task name that prefixes every member of that task."""
     return escape_value(task_name)
+
+
+def task_from_namespace(namespace: str) -> str:
+    """The task name an escaped namespace stands for (the inverse of :func:`task_namespace`)."""
+    return unquote(namespace)
 
 
 def member_for(task_name: str, business_key: str) -> str:

@@ -9,12 +9,11 @@ from __future__ import annotations
 from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
-from urllib.parse import unquote
 
 from . import decisions, runtime
 from .exceptions import DedupOperationError
 from .gate import decode_payload
-from .keys import split_member
+from .keys import split_member, task_from_namespace
 from .store import ENDED_STATES, KeyDetail, PurgeReport, ReleaseResult
 from .task import DedupTask
 
@@ -51,7 +50,7 @@ def release(app: Any, member: str, *, force_token: str = "", by: str = "") -> Re
         namespace, key = split_member(member)
         how = "forced: a live execution lock was deleted" if result.forced else "key freed"
         task_id = (store.record(member) or {}).get("task_id")
-        decisions.log("released", unquote(namespace), key, task_id, f"{how}, by {by or 'an operator'}")
+        decisions.log("released", task_from_namespace(namespace), key, task_id, f"{how}, by {by or 'an operator'}")
     return result
 
 

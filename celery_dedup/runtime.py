@@ -13,13 +13,14 @@ import time
 import weakref
 from collections import Counter
 from typing import Any
-from urllib.parse import unquote
 
 import redis
 from kombu.transport import TRANSPORT_ALIASES
 
+from . import decisions
 from .config import DedupConfig
 from .exceptions import DedupConfigError
+from .keys import split_member, task_from_namespace
 from .store import DedupStore, ReapReport, client_from_url
 
 logger = logging.getLogger("celery_dedup")
@@ -214,7 +215,9 @@ def stats(app: Any) -> dict[str, dict[str, int]]:
         flush_counts(app)
     except redis.RedisError:
         logger.warning("could not add fail_open counts to the dedup store; they are kept in this process")
-    counts = {unquote(namespace): dict(decisions) for namespace, decisions in store_for(app).stats().items()}
+    counts = {
+        task_from_namespace(namespace): dict(decisions) for namespace, decisions in store_for(app).stats().items()
+    }
     for task_name, amount in runtime_for(app).unflushed.items():
         decisions = counts.setdefault(task_name, {})
         decisions["fail_open"] = decisions.get("fail_open", 0) + amount
@@ -226,7 +229,11 @@ def reap(app: Any, *, budget: int = 500) -> ReapReport:
     and queued runs whose message the transport lost.
 
     Workers run it every ``dedup_reap_interval`` seconds; call it from cron or
-    beat where no worker runs.
+    beat where no worker runs. Each run it marks lost gets its ``reaped`` log line.
     """
     config = config_for(app)
-    return store_for(app).reap(budget=budget, record_ms=config.record_ms, grace_ms=int(config.reap_grace * 1000))
+    report = store_for(app).reap(budget=budget, record_ms=config.record_ms, grace_ms=int(config.reap_grace * 1000))
+    for member, task_id, why in report.runs:
+        namespace, key = split_member(member)
+        decisions.log("reaped", task_from_namespace(namespace), key, task_id, f"marked lost: {why}")
+    return report

@@ -11,14 +11,12 @@ from __future__ import annotations
 import logging
 import threading
 from typing import Any
-from urllib.parse import unquote
 
 import redis
 from celery import bootsteps
 
-from . import decisions, runtime
+from . import runtime
 from .exceptions import DedupConfigError
-from .keys import split_member
 from .task import DedupTask
 
 logger = logging.getLogger("celery_dedup")
@@ -55,9 +53,6 @@ class ReaperStep(bootsteps.StartStopStep):
         except redis.RedisError as exc:
             logger.warning("reaper could not reach the dedup store: %s", exc)
             return
-        for member, task_id, why in report.runs:
-            namespace, key = split_member(member)
-            decisions.log("reaped", unquote(namespace), key, task_id, f"marked lost: {why}")
         if any((report.released, report.lost, report.stale, report.vanished)):
             logger.info(
                 "reaper: %d expired holds released, %d dead runs and %d lost messages marked lost, "

@@ -25,7 +25,7 @@ from typing import Any
 import pytest
 
 from celery_dedup import DedupConfigError, DedupKeyError
-from celery_dedup.keys import KeyOption, KeySpec, new_task_id
+from celery_dedup.keys import KeyOption, KeySpec, new_task_id, task_from_namespace, task_namespace
 
 ROOT = Path(__file__).resolve().parent.parent
 TASK = "shop.charge"
@@ -602,3 +602,11 @@ def test_task_ids_are_readable_unique_and_blank_free(value: str) -> None:
         assert task_id.startswith(key)
         assert task_id != key
         assert not any(c.isspace() or not c.isprintable() for c in task_id), task_id
+
+
+@pytest.mark.parametrize("name", ["shop.charge", "a:b", "50%off", "x%41y", "tâche {1}", "sp ace"])
+def test_a_task_namespace_gives_its_task_name_back(name: str) -> None:
+    """Counters and log lines name the task from the escaped namespace kept in Redis."""
+    namespace = task_namespace(name)
+    assert ":" not in namespace
+    assert task_from_namespace(namespace) == name

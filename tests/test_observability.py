@@ -86,6 +86,15 @@ def test_counters_and_log_lines_match_the_decisions_made(
     assert ("collapsed", "obs.sync", "sku:a") in logged
     assert ("skipped", "obs.charge", "order:1") in logged
     assert ("released", "obs.charge", "order:3") in logged
+    levels = {rec.dedup_decision: rec.levelname for rec in lines}
+    assert levels == {
+        "accepted": "DEBUG",
+        "collapsed": "DEBUG",
+        "deduplicated": "INFO",
+        "skipped": "INFO",
+        "released": "WARNING",
+        "reaped": "WARNING",
+    }, "the levels the README names"
     duplicate_ids = {rec.dedup_task_id for rec in lines if rec.dedup_decision == "deduplicated"}
     assert duplicate_ids == {first.id}, "a duplicate's line names the accepted run"
     released_ids = {rec.dedup_task_id for rec in lines if rec.dedup_decision == "released"}
