@@ -438,7 +438,7 @@ def time_guard_calls(bench: Bench, pairs: int) -> dict[str, float]:
             record_ms=record_ms,
         )
         t1 = time.perf_counter_ns()
-        store.finish(member, task_id, "succeeded", drop=True, record_ms=record_ms, token=token)
+        store.finish(member, task_id, "succeeded", drop=True, record_ms=record_ms, token=token, role="run")
         t2 = time.perf_counter_ns()
         if not decision.run:
             raise RuntimeError(f"start refused a fresh gated key: {decision}")

@@ -44,6 +44,9 @@ class GateHeader:
     max_wait_ms: int = 0
     #: Debounce only: a later call's arguments replace the pending ones.
     latest: bool = True
+    #: This publish continues its run (``Task.retry``, a deferred copy, a
+    #: replacement under the same key) rather than being a call of its own.
+    continues: bool = False
 
     @property
     def debounce(self) -> bool:
@@ -61,6 +64,8 @@ class GateHeader:
         }
         if self.debounce:
             encoded["debounce"] = [self.window_ms, self.max_wait_ms, self.latest]
+        if self.continues:
+            encoded["continues"] = True
         return encoded
 
     @classmethod
@@ -81,6 +86,7 @@ class GateHeader:
             int(window_ms),
             int(max_wait_ms),
             bool(latest),
+            bool(raw.get("continues", False)),
         )
 
 

@@ -18,7 +18,8 @@ import os
 import random
 import socket
 from collections.abc import Callable
-from typing import TYPE_CHECKING, Any
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any, NamedTuple
 
 import redis
 from celery.exceptions import Ignore, Reject, Retry
@@ -28,6 +29,7 @@ from .exceptions import DedupError, DedupUnavailableError
 from .gate import GateHeader, call_payload, decode_payload
 from .keys import member_for, split_member
 from .lock import ExecutionLock, new_token, renewer
+from .processes import exit_watcher, gone, token_pid
 from .store import DedupStore, StartDecision
 
 if TYPE_CHECKING:
@@ -37,6 +39,7 @@ logger = logging.getLogger("celery_dedup")
 
 SUCCEEDED, FAILED, RETRY, REVOKED = "succeeded", "failed", "retry", "revoked"
 REJECTED, IGNORED, LOST, SKIPPED = "rejected", "ignored", "lost", "skipped"
+QUEUED, REPLACED = "queued", "replaced"
 _ERROR_LIMIT = 500
 
 
@@ -75,6 +78,8 @@ def guarded_call(
     task_id = request.id
     if task_id is None or request.called_directly:
         return body(args, kwargs)
+    if request.is_eager and task_id in _running:
+        return body(args, kwargs)  # an eager replacement, inside the run it replaces and under its lock
     located = locate(task, request.headers, request.args, request.kwargs)
     if located is None:
         return body(args, kwargs)
@@ -94,21 +99,28 @@ def guarded_call(
     keeper.add(lock)
     _running[task_id] = lock
 
-    def end(state: str, *, drop: bool, error: str = "") -> None:
+    def end(ending: Ending) -> None:
         keeper.remove(lock)
         _running.pop(task_id, None)
-        payload = kept_payload(task, state, args, kwargs)
+        replacement = _replacements.pop(task_id, None)
+        own = token
+        if replacement is not None and replacement.handed_over:
+            if ending.state == REPLACED:
+                return  # the replacement goes on with this run under its key: nothing ends here
+            own = ""  # the lock went with the hand-over, and the publish that followed failed
         finish(
             task,
             store,
             member,
             task_id,
-            state,
-            drop=drop,
-            token=token,
-            error=error,
+            ending.state,
+            drop=ending.drop,
+            token=own,
+            role="run",
+            error=ending.error,
+            note=ending.note,
             record_ms=record_ms,
-            payload=payload,
+            payload=kept_payload(task, ending.state, args, kwargs),
         )
 
     try:
@@ -122,22 +134,91 @@ def guarded_call(
         # the worker's main process reports how this run ended, releasing the lock.
         keeper.remove(lock)
         _running.pop(task_id, None)
-        raise
-    except Retry:
-        end(RETRY, drop=False)  # the retry was published under this run's key
-        raise
-    except Reject as exc:
-        requeue = bool(getattr(exc, "requeue", False))
-        end(RETRY if requeue else REJECTED, drop=not requeue)
-        raise
-    except Ignore:
-        end(IGNORED, drop=True)
+        _replacements.pop(task_id, None)
         raise
     except BaseException as exc:
-        end(FAILED, drop=True, error=error_summary(exc))
+        end(ending_of(exc, task_id))
         raise
-    end(SUCCEEDED, drop=not policy.mode.holds_after_success)
+    end(Ending(SUCCEEDED, drop=not policy.mode.holds_after_success))
     return result
+
+
+class Ending(NamedTuple):
+    """How a delivery's body ended, as its record says it."""
+
+    state: str
+    #: Free the key now (else it stays held to its deadline).
+    drop: bool
+    error: str = ""
+    note: str = ""
+
+
+def ending_of(exc: BaseException, task_id: str) -> Ending:
+    """The ending of a body that raised ``exc``."""
+    if isinstance(exc, Retry):
+        return Ending(RETRY, drop=False)  # the retry was published under this run's key
+    if isinstance(exc, Reject):
+        requeue = bool(getattr(exc, "requeue", False))
+        return Ending(RETRY, drop=False) if requeue else Ending(REJECTED, drop=True)
+    if isinstance(exc, Ignore):
+        replacement = _replacements.get(task_id)
+        if replacement is None:
+            return Ending(IGNORED, drop=True)
+        return Ending(REPLACED, drop=True, note=f"by {replacement.by}")
+    return Ending(FAILED, drop=True, error=error_summary(exc))
+
+
+@dataclass
+class Replacement:
+    """A running run that is replacing itself (``Task.replace``)."""
+
+    member: str
+    #: What replaces it, for the record's history.
+    by: str
+    #: The replacement goes on under this run's key and id: the run's lock was
+    #: released and its record set back to queued before it was published.
+    handed_over: bool = False
+
+
+#: Runs of this process inside ``Task.replace``, by task id.
+_replacements: dict[str, Replacement] = {}
+
+
+def replacing(task: DedupTask, by: str) -> None:
+    """Note that the run executing ``task`` replaces itself with ``by`` (called from ``on_replace``)."""
+    task_id = task.request.id
+    lock = _running.get(task_id) if task_id is not None else None
+    if task_id is not None and lock is not None:
+        _replacements[task_id] = Replacement(lock.member, by)
+
+
+def hand_over(task_id: str | None, member: str) -> bool:
+    """Let a replacement publish continue run ``task_id`` under ``member``, if that run is replacing itself.
+
+    The run's lock is released and its record set back to ``queued`` first,
+    so the replacement's delivery starts at once instead of waiting for the
+    lock; the key stays held. Returns whether the publish continues the run.
+    """
+    if task_id is None:
+        return False
+    replacement = _replacements.get(task_id)
+    lock = _running.get(task_id)
+    if replacement is None or lock is None or replacement.member != member:
+        return False
+    if not replacement.handed_over:
+        renewer().remove(lock)
+        lock.store.finish(
+            member,
+            task_id,
+            QUEUED,
+            drop=False,
+            record_ms=lock.record_ms,
+            role="run",
+            token=lock.token,
+            note=f"replaced by {replacement.by}",
+        )
+        replacement.handed_over = True
+    return True
 
 
 def start(
@@ -205,7 +286,7 @@ def refuse(task: DedupTask, store: DedupStore, member: str, decision: StartDecis
     else:
         decisions.log("skipped", task.name, key, request.id, "another run holds the execution lock")
         record_ms = runtime.config_for(task.app).record_ms
-        finish(task, store, member, str(request.id), SKIPPED, drop=True, token="", record_ms=record_ms)
+        finish(task, store, member, str(request.id), SKIPPED, drop=True, role="report", record_ms=record_ms)
     raise Ignore()
 
 
@@ -245,15 +326,30 @@ def finish(
     state: str,
     *,
     drop: bool,
-    token: str,
+    role: str,
     record_ms: int,
+    token: str = "",
     error: str = "",
     payload: str = "",
+    note: str = "",
 ) -> bool:
-    """Record a run's ending; store errors are logged (the key then expires by its TTL)."""
+    """Record a run's ending (``role`` as for :meth:`DedupStore.finish`); store errors are logged.
+
+    Returns whether the record named this run. A key whose ending could not be
+    recorded expires by its TTL.
+    """
     try:
         owned, lock_kept = store.finish(
-            member, task_id, state, drop=drop, record_ms=record_ms, token=token, error=error, payload=payload
+            member,
+            task_id,
+            state,
+            drop=drop,
+            record_ms=record_ms,
+            role=role,
+            token=token,
+            error=error,
+            payload=payload,
+            note=note,
         )
     except redis.RedisError:
         logger.exception(
@@ -268,71 +364,61 @@ def finish(
 
 
 def settle_elsewhere(
-    task: DedupTask, state: str, task_id: str, headers: Any, args: Any, kwargs: Any, *, worker_gone: bool
+    task: DedupTask, state: str, task_id: str, headers: Any, args: Any, kwargs: Any, *, stopping: bool
 ) -> bool:
-    """Record an ending the body never returned from (revoked, lost worker, hard time limit).
+    """Record an ending the body never returned from (revoked, a lost worker, a hard time limit).
 
-    With ``worker_gone`` the run's lock is released too, but only if the
-    process that took it is gone: a report can arrive after another delivery
-    of the same run (a redelivered copy) took the lock, and that copy's lock
-    and record are its own.
+    Reported by the worker's main process, or by a signal after the body
+    settled its run already: then nothing changes (a run ends once). The
+    run's lock is released only where its process is gone; with ``stopping``
+    (a terminate, a hard time limit) the ending is recorded at once and the
+    lock and key are freed as soon as the process that holds them exits, or
+    by its own guard if it lives on (``SIGUSR1`` raises in the body and lets
+    it clean up). Another delivery's or another run's lock is never touched.
     """
     located = locate(task, headers, args, kwargs)
     if located is None:
         return False
     member, store, _ = located
     record_ms = runtime.config_for(task.app).record_ms
-    token = ""
-    if worker_gone:
-        try:
-            record = store.record(member) or {}
-        except redis.RedisError:
-            logger.exception("could not read the record of %s[%s] key %r", task.name, task_id, member)
-            return False
-        holder = record.get("lock", "")
-        if record.get("task_id") == task_id and holder and held_elsewhere(holder):
-            logger.info(
-                "%s[%s] key %r: %s reported, but a live delivery holds the lock; left to it",
-                task.name,
-                task_id,
-                member,
-                state,
-            )
-            return False
-        token = holder
-    payload = kept_payload(task, state, args, kwargs)
-    return finish(task, store, member, task_id, state, drop=True, token=token, record_ms=record_ms, payload=payload)
-
-
-def held_elsewhere(token: str) -> bool:
-    """Whether lock ``token`` belongs to a live delivery other than this worker's own.
-
-    The token names the host and process that took it (``lock.new_token``).
-    A process of this worker (itself, or a pool child it is tearing down for a
-    time limit or a terminate) does not count, nor does a dead or zombie one;
-    another host's process is assumed alive (its lock expires if not).
-    """
-    host, _, rest = token.partition(":")
-    pid_text = rest.partition(":")[0]
-    if host != socket.gethostname() or not pid_text.isdigit():
-        return True
-    pid = int(pid_text)
-    if pid == os.getpid():
-        return False
-    if not os.path.isdir("/proc"):  # no process table to read: only "exists" can be asked
-        try:
-            os.kill(pid, 0)
-        except ProcessLookupError:
-            return False
-        except PermissionError:
-            return True
-        return True  # cannot tell a child being torn down: its lock expires within one TTL
     try:
-        with open(f"/proc/{pid}/stat", encoding="ascii", errors="replace") as stat:
-            fields = stat.read().rpartition(")")[2].split()
-    except FileNotFoundError:
+        holder = store.lock_holder(member)
+    except redis.RedisError:
+        logger.exception("could not read the lock of %s[%s] key %r", task.name, task_id, member)
         return False
-    except OSError:
-        return True
-    state, parent = fields[0], int(fields[1])
-    return state != "Z" and parent != os.getpid()
+    token = holder if holder is not None and delivery_gone(holder) else ""
+    payload = kept_payload(task, state, args, kwargs)
+    owned = finish(
+        task,
+        store,
+        member,
+        task_id,
+        state,
+        drop=True,
+        role="stop" if stopping else "report",
+        token=token,
+        record_ms=record_ms,
+        payload=payload,
+    )
+    pid = token_pid(holder) if holder is not None and not token else None
+    if stopping and owned and holder is not None and pid is not None:
+        live = holder
+
+        def release() -> None:
+            finish(task, store, member, task_id, state, drop=True, role="report", token=live, record_ms=record_ms)
+
+        exit_watcher().when_gone(pid, release, within=task.dedup_policy.lock_ttl)
+    return owned
+
+
+def delivery_gone(token: str) -> bool:
+    """Whether the delivery that took lock ``token`` cannot be running any more.
+
+    True only for a token of this host whose process has exited (or is this
+    process, which runs no delivery under it). Another host's delivery is
+    assumed alive: its lock expires unless renewed.
+    """
+    if any(lock.token == token for lock in list(_running.values())):
+        return False
+    pid = token_pid(token)
+    return pid is not None and (pid == os.getpid() or gone(pid))

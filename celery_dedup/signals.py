@@ -15,7 +15,7 @@ from typing import Any
 import redis
 from billiard.exceptions import WorkerLostError
 from celery import signals
-from celery.exceptions import Reject
+from celery.exceptions import Reject, TimeLimitExceeded
 
 from . import runtime
 from .gate import HEADER, GateHeader
@@ -39,20 +39,26 @@ def on_failure(
     Failures the body raised were settled by the guard already; a run that has
     ended is never rewritten, so repeating it here changes nothing. A
     ``Reject`` is the guard's to record (Celery reports it as a failure too).
+    A hard time limit is reported while the pool child is still being killed.
     """
     if not isinstance(sender, DedupTask) or task_id is None or isinstance(exception, Reject):
         return
     headers = sender.request.headers if sender.request.id == task_id else None
     state = LOST if isinstance(exception, WorkerLostError) else FAILED
-    settle_elsewhere(sender, state, task_id, headers, args, kwargs, worker_gone=True)
+    stopping = isinstance(exception, TimeLimitExceeded)
+    settle_elsewhere(sender, state, task_id, headers, args, kwargs, stopping=stopping)
 
 
 def on_revoked(sender: Any = None, request: Any = None, terminated: bool = False, **_: Any) -> None:
-    """A revoked run: before it started, or terminated while it ran."""
+    """A revoked run: before it started, or terminated (and still being stopped) while it ran.
+
+    A revoke without ``terminate`` that reaches a copy of a run executing
+    elsewhere leaves that run alone, as Celery does.
+    """
     if isinstance(sender, DedupTask) and request is not None and request.id is not None:
         headers = getattr(request, "headers", None) or getattr(request, "request_dict", None)
         settle_elsewhere(
-            sender, REVOKED, request.id, headers, request.args, request.kwargs, worker_gone=bool(terminated)
+            sender, REVOKED, request.id, headers, request.args, request.kwargs, stopping=bool(terminated)
         )
 
 
@@ -69,7 +75,7 @@ def on_unrunnable(
     store = runtime.store_for(app).with_prefix(gate.prefix)
     record_ms = runtime.config_for(app).record_ms
     try:
-        store.finish(gate.member, str(task_id), REJECTED, drop=True, record_ms=record_ms)
+        store.finish(gate.member, str(task_id), REJECTED, drop=True, record_ms=record_ms, role="report")
     except redis.RedisError:
         logger.exception("could not free the key %r of unrunnable message %s", gate.member, task_id)
     else:

@@ -33,8 +33,9 @@ STATES = (
     "lost",
     "skipped",
     "released",
+    "replaced",
 )
-ENDED_STATES = ("succeeded", "failed", "revoked", "rejected", "ignored", "skipped", "released")
+ENDED_STATES = ("succeeded", "failed", "revoked", "rejected", "ignored", "skipped", "released", "replaced")
 
 
 def load_script(name: str) -> str:
@@ -255,12 +256,15 @@ class DedupStore:
         unacked_key: str = "",
         payload: str = "",
         debounce: tuple[int, int, bool] | None = None,
+        continues: bool = False,
     ) -> GateCall:
         """The gate script's keys and arguments: hold ``member`` for ``task_id``, push ``message`` onto ``queue``.
 
         Without a queue it only holds the key (the non-atomic fallback).
         ``debounce`` is ``(window_ms, max_wait_ms, latest)``: the message is
         parked until due instead of pushed, and calls while held join its run.
+        ``continues``: the publish continues run ``task_id`` (a retry, a
+        deferred copy) instead of being a call that names it.
         """
         keys = [self.schema.held, self.schema.record(member)]
         args: list[Any] = [
@@ -274,6 +278,7 @@ class DedupStore:
             self.history_length,
             argsrepr,
             kwargsrepr,
+            "1" if continues else "0",
         ]
         if queue is not None:
             keys += [queue, *expire]
@@ -395,14 +400,20 @@ class DedupStore:
         *,
         drop: bool,
         record_ms: int,
+        role: str,
         token: str = "",
         error: str = "",
         payload: str = "",
+        note: str = "",
     ) -> tuple[bool, bool]:
-        """Record ``state`` for the run ``task_id``, release its lock, drop its key if ``drop``.
+        """Record ``state`` for the run ``task_id``, release the lock ``token``, drop its key if ``drop``.
 
-        Returns ``(owned, lock_kept)``: whether the record named this run, and
-        whether the run still held its lock (False: it was lost meanwhile).
+        ``role`` says who calls (see ``finish.lua``): ``"run"``, the delivery
+        that ran the body with its own token; ``"report"``, an ending reported
+        from outside the body (``token``: a lock whose process is gone, or "");
+        ``"stop"``, a report of a delivery being stopped, which keeps its lock
+        and key until it is through. Returns ``(owned, lock_kept)``: whether the
+        record named this run, and whether a ``"run"`` caller still held its lock.
         """
         keys = [self.schema.held, self.schema.record(member), self.schema.lock(member)]
         args = [
@@ -416,13 +427,15 @@ class DedupStore:
             self.history_length,
             error,
             payload,
+            role,
+            note,
         ]
         owned, lock_kept = self.scripts.finish(keys, args)
         return bool(owned), bool(lock_kept)
 
     def unclaim(self, member: str, task_id: str) -> bool:
         """Undo a hold whose message was never published (owner only)."""
-        return self.finish(member, task_id, "", drop=True, record_ms=0)[0]
+        return self.finish(member, task_id, "", drop=True, record_ms=0, role="report")[0]
 
     def renew(self, locks: Sequence[LockRef], *, lock_ms: int, record_ms: int) -> list[LockRef]:
         """Extend every lock in one call; returns the ones no longer held by their token."""
@@ -431,6 +444,11 @@ class DedupStore:
         keys = [k for ref in locks for k in (ref.lock_key, ref.record_key)]
         lost = self.scripts.renew(keys, [lock_ms, record_ms, *(ref.token for ref in locks)])
         return [locks[int(i) - 1] for i in lost]
+
+    def lock_holder(self, member: str) -> str | None:
+        """The token of ``member``'s live execution lock, or None."""
+        token = self.client.get(self.schema.lock(member))
+        return None if token is None else _text(token)
 
     def lock_ref(self, member: str, token: str) -> LockRef:
         return LockRef(self.schema.lock(member), self.schema.record(member), token)

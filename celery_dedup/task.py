@@ -19,7 +19,7 @@ from . import decisions, runtime
 from .config import check_debounce, check_mode, check_on_duplicate, check_on_locked, check_ttl
 from .exceptions import DedupConfigError, DedupUnavailableError, DuplicateTaskError
 from .gate import HEADER, UNGATED, GateHeader, Outcome, open_ticket
-from .guard import guarded_call, lock_lost
+from .guard import guarded_call, hand_over, lock_lost, replacing
 from .keys import KeyOption, KeySpec, member_for, new_nonce, new_task_id, split_member
 from .modes import MODES, Mode
 from .store import DedupStore
@@ -215,6 +215,16 @@ class DedupTask(_TaskBase):
         """
         return guarded_call(self, args, kwargs, lambda a, k: super(DedupTask, self).__call__(*a, **k))
 
+    def on_replace(self, sig: Any) -> Any:
+        """``Task.replace``: a replacement under this run's key goes on as the same run.
+
+        The run's lock is handed over and its record set back to ``queued``, so
+        the replacement starts at once and the key stays held; a replacement
+        under another key (or a plain task) ends this run as ``replaced``.
+        """
+        replacing(self, getattr(sig, "name", None) or type(sig).__name__)
+        return super().on_replace(sig)
+
     @property
     def dedup_lock_lost(self) -> bool:
         """True once the running delivery has lost its execution lock.
@@ -224,11 +234,13 @@ class DedupTask(_TaskBase):
         """
         return lock_lost(self.request.id)
 
-    def dedup_gate_header(self, member: str, delay: float = 0.0) -> GateHeader:
+    def dedup_gate_header(self, member: str, delay: float = 0.0, *, continues: bool = False) -> GateHeader:
         """The ``dedup`` header that gates a publish of ``member``, to run ``delay`` seconds from now.
 
         The key is held for ``dedup_ttl`` past the time the message is due
         (throttle: for ``dedup_window``; debounce: ``dedup_max_wait`` longer).
+        ``continues``: the publish continues a run under its id (a retry, a
+        deferred copy) instead of being a new call.
         """
         config = runtime.config_for(self.app)
         policy = self.dedup_policy
@@ -250,6 +262,7 @@ class DedupTask(_TaskBase):
             window_ms=window_ms,
             max_wait_ms=max_wait_ms,
             latest=policy.debounce == "latest",
+            continues=continues,
         )
 
     def apply_async(
@@ -283,17 +296,22 @@ class DedupTask(_TaskBase):
         config = runtime.config_for(app)
         headers = dict(options.pop("headers", None) or {})
         previous = GateHeader.decode(headers)
-        # Task.retry re-publishes the run under its id: it keeps its key, even if args changed.
+        # Task.retry and deferred copies re-publish the run under its id: it
+        # keeps its key, even if the arguments changed.
+        continues = previous is not None and task_id is not None
         if previous is None or task_id is None:
             member = member_for(self.name, policy.spec.business_key(args, kwargs))
         else:
             member = previous.member
+        # Task.replace under the same key: the replacement goes on as this run.
+        continues = continues or hand_over(task_id, member)
         business_key = split_member(member)[1]
         known = self._peek(member) if task_id is None and previous is None and not policy.mode.parks else None
         if known is not None:
             return self._on_duplicate(policy, business_key, known, options)
         run_id = task_id or new_task_id(business_key)
-        gate = self.dedup_gate_header(member, delay_seconds(options.get("countdown"), options.get("eta")))
+        delay = delay_seconds(options.get("countdown"), options.get("eta"))
+        gate = self.dedup_gate_header(member, delay, continues=continues)
         headers[HEADER] = gate.encode()
 
         def publish(hdrs: dict[str, Any]) -> DedupResult:
@@ -309,7 +327,7 @@ class DedupTask(_TaskBase):
                 with open_ticket(gate.nonce) as ticket:
                     result: DedupResult = publish(headers)
             except _RECOVERABLE as exc:
-                return self._after_lost_reply(exc, gate, business_key)
+                return self._after_lost_reply(exc, gate, business_key, run_id)
             if ticket.outcome is None:
                 logger.warning("%s[%s] was published without passing the gate (another transport?)", self.name, run_id)
             outcome = ticket.outcome or Outcome(True, run_id)
@@ -325,6 +343,7 @@ class DedupTask(_TaskBase):
                     task_name=self.name,
                     argsrepr=saferepr(args) if config.record_args and args else "",
                     kwargsrepr=saferepr(kwargs) if config.record_args and kwargs else "",
+                    continues=continues,
                 )
             except redis.RedisError as exc:
                 return self._store_unreachable(exc, business_key, run_id, headers, publish)
@@ -412,7 +431,7 @@ class DedupTask(_TaskBase):
                 logger.exception("could not drop key %r after a failed publish; it expires by its TTL", member)
             raise
 
-    def _after_lost_reply(self, exc: Exception, gate: GateHeader, key: str) -> DedupResult:
+    def _after_lost_reply(self, exc: Exception, gate: GateHeader, key: str, run_id: str) -> DedupResult:
         """The gated publish failed on the Redis broker: find out whether the gate ran.
 
         A connection can break after the script ran but before its reply
@@ -425,9 +444,12 @@ class DedupTask(_TaskBase):
             record = store.record(gate.member)
         except redis.RedisError:
             raise DedupUnavailableError(self.name, key, exc, published=None) from exc
-        if record is not None and gate.nonce in (record.get("nonce"), record.get("joined_nonce")):
-            logger.info("%s key %r: publish reply lost, but the gate accepted %s", self.name, key, record["task_id"])
-            return self.AsyncResult(record["task_id"])
+        if record is not None and gate.nonce in (record.get("nonce"), *record.get("nonces", "").split()):
+            logger.info("%s key %r: publish reply lost, but the gate accepted %s", self.name, key, run_id)
+            return self.AsyncResult(run_id)
+        if record is not None and gate.nonce == record.get("joined_nonce"):
+            logger.info("%s key %r: publish reply lost; the call joined %s", self.name, key, record["task_id"])
+            return self._marked(record["task_id"])
         raise DedupUnavailableError(self.name, key, exc, published=False) from exc
 
     def _store_unreachable(

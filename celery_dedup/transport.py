@@ -103,6 +103,7 @@ class GatedChannelMixin:
             unacked_key=prefix + self.unacked_key,
             payload=message_payload(message) if keep_payload else "",
             debounce=(gate.window_ms, gate.max_wait_ms, gate.latest) if gate.debounce else None,
+            continues=gate.continues,
         )
         return store, call
 

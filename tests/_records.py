@@ -85,6 +85,7 @@ class Records:
             drop=not keep_key,
             record_ms=self.record_ms,
             token=run.token,
+            role="run",
             error=error,
             payload=payload,
         )

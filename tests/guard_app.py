@@ -2,8 +2,8 @@
 
 ``register(app)`` defines the tasks on any app: the in-process test apps and
 this module's own ``app``, which ``celery -A tests.guard_app worker`` runs
-(configured from ``CELERY_DEDUP_TEST_BROKER`` like tests/proj.py, lock TTL 1 s,
-reaper interval from ``GUARD_REAP_INTERVAL``).
+(configured from ``CELERY_DEDUP_TEST_BROKER`` like tests/proj.py, lock TTL
+from ``GUARD_LOCK_TTL`` (1 s), reaper interval from ``GUARD_REAP_INTERVAL``).
 
 Everything a task does is written to Redis, where the test process reads it:
 
@@ -26,13 +26,15 @@ from typing import Any
 
 import redis
 from celery import Celery, Task, signals
-from celery.exceptions import Reject
+from celery.exceptions import Reject, SoftTimeLimitExceeded
 
 import celery_dedup
 from celery_dedup import DedupTask
 from celery_dedup.keys import member_for
 
 MODES = ("until_executed", "until_executing", "until_expired", "while_executing")
+#: How long a ``linger`` run cleans up after its soft time limit.
+LINGER = 3.0
 
 _clients: dict[str, redis.Redis] = {}
 _clients_lock = threading.Lock()
@@ -76,14 +78,24 @@ def _work_task(app: Celery, mode: str) -> Task[Any, Any]:
         base=GuardTask, name=f"guard.work.{mode}", dedup_key="job:{key}", dedup_mode=mode, bind=True, shared=False
     )
     def work(self: GuardTask, key: str, action: str = "ok", seconds: float = 0.0) -> str:
-        """One ending per ``action``: ok, fail, retry:N, reject, sleep, die."""
+        """One ending per ``action``: ok, fail, retry:N, reject, sleep, linger, die.
+
+        ``linger`` sleeps ``seconds``, but on a soft time limit (or a terminate
+        with SIGUSR1) logs a ``soft`` event and cleans up for LINGER seconds more.
+        """
         _event(self, key, "start")
         if action == "die":
             os.kill(os.getpid(), signal.SIGKILL)
-        if action == "sleep":
+        if action in ("sleep", "linger"):
             deadline = time.monotonic() + seconds
-            while time.monotonic() < deadline:
-                time.sleep(0.05)
+            try:
+                while time.monotonic() < deadline:
+                    time.sleep(0.05)
+            except SoftTimeLimitExceeded:
+                if action != "linger":
+                    raise
+                _event(self, key, "soft")
+                time.sleep(LINGER)
         _event(self, key, "end")
         if action == "fail":
             raise self.retry(exc=RuntimeError(f"boom {key}"), countdown=0, max_retries=1)
@@ -177,7 +189,7 @@ app = Celery("guard_app", broker=BROKER, backend=BROKER, set_as_current=False)
 app.conf.update(
     worker_hijack_root_logger=False,
     broker_connection_retry_on_startup=True,
-    dedup_lock_ttl=1,
+    dedup_lock_ttl=float(os.environ.get("GUARD_LOCK_TTL", "1")),
     dedup_reap_interval=float(os.environ.get("GUARD_REAP_INTERVAL", "0")),
 )
 celery_dedup.install(app)

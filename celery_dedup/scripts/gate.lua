@@ -14,30 +14,40 @@
 -- ARGV[8]  history length
 -- ARGV[9]  argsrepr ("" to record none)
 -- ARGV[10] kwargsrepr ("" to record none)
--- ARGV[11] with KEYS[3]: the serialized kombu message
--- ARGV[12] with KEYS[3]: PEXPIRE ms for KEYS[4..], or ""
--- ARGV[13] with KEYS[3]: the message's delivery tag
--- ARGV[14] with KEYS[3]: kombu's unacked hash (where a fetched message's tag goes)
--- ARGV[15] with KEYS[3]: the message's payload (gate.message_payload), "" for none
--- ARGV[16] with KEYS[3]: debounce window, ms; "0" if the task does not debounce
--- ARGV[17] with KEYS[3]: debounce max wait, ms
--- ARGV[18] with KEYS[3]: "1" if a later call's payload replaces the pending one
+-- ARGV[11] "1" if this publish continues its run (Task.retry, a deferred copy,
+--          a replacement under the same key); "0" for a call
+-- ARGV[12] with KEYS[3]: the serialized kombu message
+-- ARGV[13] with KEYS[3]: PEXPIRE ms for KEYS[4..], or ""
+-- ARGV[14] with KEYS[3]: the message's delivery tag
+-- ARGV[15] with KEYS[3]: kombu's unacked hash (where a fetched message's tag goes)
+-- ARGV[16] with KEYS[3]: the message's payload (gate.message_payload), "" for none
+-- ARGV[17] with KEYS[3]: debounce window, ms; "0" if the task does not debounce
+-- ARGV[18] with KEYS[3]: debounce max wait, ms
+-- ARGV[19] with KEYS[3]: "1" if a later call's payload replaces the pending one
 -- Where the message went (queue, tag, unacked hash, pushed_at) is recorded, so
 -- the reaper can tell a message the transport lost after fetching it.
+--
+-- A run is accepted once. The record remembers the nonces of the key's last
+-- accepted publishes (`nonce`, and the previous ones in `nonces`, carried from
+-- run to run), so a publish that kombu retries after its reply was lost pushes
+-- nothing, even when its run has ended and another run holds the key since. A
+-- call naming the task id of the run its record names is a duplicate of that
+-- run; only a continuation (ARGV[11]) of a run that has not ended pushes again.
 --
 -- Debounce: a new run's message is parked in its record (state `pending`) and
 -- its member put in P:due, scored by when it is due; dispatch.lua pushes it
 -- then. A call while the key is held joins that run: it pushes the due time
 -- back (pending runs only; never past first call + max wait) and, with
--- ARGV[18], leaves its payload and argument reprs for the run to use.
+-- ARGV[19], leaves its payload and argument reprs for the run to use.
 --
 -- Returns {code, task id}:
 --   {1, ARGV[2]}  accepted: key held, message pushed (or parked, debounce)
---   {0, owner}    duplicate: the key is held by task id `owner`; nothing written
---                 but the record's duplicate counter
+--   {0, owner}    duplicate: the key is held by run `owner`, or the call names
+--                 run `owner` itself; nothing written but the record's
+--                 duplicate counter
 --   {2, ARGV[2]}  nothing pushed, as nothing is needed: this very publish was
---                 accepted before (a kombu retry), or it re-publishes a run
---                 that has already ended (a late deferred copy)
+--                 accepted before (a kombu retry), or it continues a run that
+--                 has already ended (a late deferred copy)
 --   {3, owner}    debounce: joined the burst of run `owner`; nothing pushed
 -- Deadlines come from the server clock; a held member whose deadline passed, or
 -- whose record is gone, is stale and taken over.
@@ -47,63 +57,103 @@ local member, task_id, nonce = ARGV[1], ARGV[2], ARGV[3]
 local hold_ms, task_name, grace_ms = tonumber(ARGV[4]), ARGV[5], tonumber(ARGV[6])
 local prefix, history_len = ARGV[7], tonumber(ARGV[8])
 local argsrepr, kwargsrepr = ARGV[9], ARGV[10]
-local message, expires_ms, tag, unacked = ARGV[11], ARGV[12], ARGV[13], ARGV[14]
-local payload = ARGV[15] or ''
-local window_ms, max_wait_ms, latest = tonumber(ARGV[16] or 0), tonumber(ARGV[17] or 0), ARGV[18] == '1'
+local continues = ARGV[11] == '1'
+local message, expires_ms, tag, unacked = ARGV[12], ARGV[13], ARGV[14], ARGV[15]
+local payload = ARGV[16] or ''
+local window_ms, max_wait_ms, latest = tonumber(ARGV[17] or 0), tonumber(ARGV[18] or 0), ARGV[19] == '1'
 local debounce = queue and window_ms > 0
 local due_key = prefix .. ':due'
+-- How many earlier publish nonces a record remembers (`nonces`, space-separated):
+-- with `nonce` that is the key's last 4 accepted publishes, in 50 bytes, short
+-- enough to keep the record a listpack.
+local REMEMBERED = 3
 
 local now = now_ms()
-local fresh = redis.call('SADD', held, member) == 1
-local owner = redis.call('HMGET', record, 'task_id', 'nonce', 'held_until', 'state')
-local same_run = owner[1] == task_id
-if same_run then
-  -- The run re-publishes itself (Task.retry, a deferred copy): never a new record.
-  if owner[2] == nonce then
-    return {2, task_id}
-  end
-  if ENDED[owner[4]] then
-    if fresh then
-      redis.call('SREM', held, member)  -- an ended run must not hold its key again
-    end
-    return {2, task_id}  -- nothing left to run: nothing is pushed
-  end
-elseif not fresh and owner[1] and tonumber(owner[3] or 0) > now then
-  if not debounce then
-    redis.call('HINCRBY', record, 'duplicates', 1)
-    count(prefix, member, 'deduplicated')
-    return {0, owner[1]}
-  end
-  if owner[4] == 'pending' then
-    local first = tonumber(redis.call('HGET', record, 'first_at') or now)
-    local due = math.min(now + window_ms, first + max_wait_ms)
-    redis.call('HSET', record, 'due_at', due)
-    redis.call('ZADD', due_key, due, member)
-  end
-  redis.call('HINCRBY', record, 'debounced', 1)
-  redis.call('HSET', record, 'joined_nonce', nonce)
-  if latest then
-    redis.call('HSET', record, 'payload', payload)
-    if argsrepr ~= '' or kwargsrepr ~= '' then
-      redis.call('HSET', record, 'args', argsrepr, 'kwargs', kwargsrepr)
-    end
-  end
-  count(prefix, member, 'collapsed')
-  return {3, owner[1]}
+local owner = redis.call('HMGET', record, 'task_id', 'nonce', 'held_until', 'state', 'nonces', 'joined_nonce')
+local owner_id, owner_nonce, owner_state, owner_nonces = owner[1], owner[2], owner[4], owner[5] or ''
+
+local function remembers(text, word)
+  return (' ' .. text .. ' '):find(' ' .. word .. ' ', 1, true) ~= nil
 end
 
+-- The nonces a record keeps once `previous` is no longer its latest publish.
+local function remember(previous, older)
+  local kept = {}
+  if previous then
+    kept[1] = previous
+  end
+  for word in string.gmatch(older or '', '%S+') do
+    if #kept >= REMEMBERED then
+      break
+    end
+    kept[#kept + 1] = word
+  end
+  return table.concat(kept, ' ')
+end
+
+local function duplicate_of(run)
+  redis.call('HINCRBY', record, 'duplicates', 1)
+  count(prefix, member, 'deduplicated')
+  return {0, run}
+end
+
+if owner_nonce == nonce or remembers(owner_nonces, nonce) then
+  return {2, task_id}  -- kombu retried a publish the gate accepted already
+end
+if owner[6] == nonce then
+  return {3, owner_id}  -- ... or one that joined a debounced burst already
+end
+
+local same_run = owner_id == task_id
+if same_run then
+  if not continues then
+    return duplicate_of(task_id)  -- a call that names a run the record knows
+  end
+  if ENDED[owner_state] then
+    return {2, task_id}  -- nothing left to run: nothing is pushed
+  end
+  redis.call('SADD', held, member)
+else
+  local fresh = redis.call('SADD', held, member) == 1
+  if not fresh and owner_id and tonumber(owner[3] or 0) > now then
+    if not debounce then
+      return duplicate_of(owner_id)
+    end
+    if owner_state == 'pending' then
+      local first = tonumber(redis.call('HGET', record, 'first_at') or now)
+      local due = math.min(now + window_ms, first + max_wait_ms)
+      redis.call('HSET', record, 'due_at', due)
+      redis.call('ZADD', due_key, due, member)
+    end
+    redis.call('HINCRBY', record, 'debounced', 1)
+    redis.call('HSET', record, 'joined_nonce', nonce)
+    if latest then
+      redis.call('HSET', record, 'payload', payload)
+      if argsrepr ~= '' or kwargsrepr ~= '' then
+        redis.call('HSET', record, 'args', argsrepr, 'kwargs', kwargsrepr)
+      end
+    end
+    count(prefix, member, 'collapsed')
+    return {3, owner_id}
+  end
+end
+
+local nonces = remember(owner_nonce, owner_nonces)
 if same_run then
   -- It keeps its state: its ending (retry) records that.
   local until_ms = math.max(tonumber(owner[3] or 0), now + hold_ms)
-  redis.call('HSET', record, 'nonce', nonce, 'held_until', until_ms)
+  redis.call('HSET', record, 'nonce', nonce, 'nonces', nonces, 'held_until', until_ms)
 else
-  retire(prefix, record, member, now, history_len, owner[4], owner[1])
+  retire(prefix, record, member, now, history_len, owner_state, owner_id)
   local fields = {'task_id', task_id, 'nonce', nonce, 'task', task_name, 'held_until', now + hold_ms,
     'queued_at', now, 'duplicates', 0, 'attempts', 0}
   local function add(...)
     for _, value in ipairs({...}) do
       fields[#fields + 1] = value
     end
+  end
+  if nonces ~= '' then
+    add('nonces', nonces)
   end
   if argsrepr ~= '' or kwargsrepr ~= '' then
     add('args', argsrepr, 'kwargs', kwargsrepr)

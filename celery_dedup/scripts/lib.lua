@@ -67,10 +67,12 @@ end
 -- delivery of an ended run never runs, and a later report never rewrites it.
 -- `lost` is not an end: a copy of a lost run may still run and finish it.
 -- `released`: an operator freed the key (release.lua); its run must not go on.
+-- `replaced`: the run replaced itself (Task.replace) with work under another
+-- key or task; a replacement under the same key goes on as the same run.
 local STATES = {'pending', 'queued', 'started', 'retry', 'succeeded', 'failed', 'revoked', 'rejected', 'ignored',
-  'lost', 'skipped', 'released'}
+  'lost', 'skipped', 'released', 'replaced'}
 local ENDED = {succeeded = true, failed = true, revoked = true, rejected = true, ignored = true,
-  skipped = true, released = true}
+  skipped = true, released = true, replaced = true}
 
 -- Remove M from every index; `state`, when known, spares trying every state index.
 local function unindex(prefix, member, state)
@@ -110,4 +112,28 @@ end
 local function forget(prefix, record, member)
   unindex(prefix, member, redis.call('HGET', record, 'state') or nil)
   redis.call('DEL', record, prefix .. ':hist:' .. member)
+end
+
+-- Cut M's record down to what later decisions about its run depend on, for
+-- as long as the record would have lived: the run's id and ending (a late copy
+-- of the run is skipped, see start.lua) and the publish nonces it remembers
+-- (a retried publish pushes nothing, see gate.lua). Everything else goes: the
+-- other fields, the history and the index entries.
+local function tombstone(prefix, record, member)
+  local kept = redis.call('HMGET', record, 'task_id', 'state', 'nonce', 'nonces')
+  local ttl = redis.call('PTTL', record)
+  unindex(prefix, member, kept[2] or nil)
+  redis.call('DEL', record, prefix .. ':hist:' .. member)
+  if not kept[1] or not kept[2] or ttl <= 0 then
+    return
+  end
+  local fields = {'task_id', kept[1], 'state', kept[2], 'purged', 1}
+  if kept[3] then
+    fields[#fields + 1], fields[#fields + 2] = 'nonce', kept[3]
+  end
+  if kept[4] then
+    fields[#fields + 1], fields[#fields + 2] = 'nonces', kept[4]
+  end
+  redis.call('HSET', record, unpack(fields))
+  redis.call('PEXPIRE', record, ttl)
 end

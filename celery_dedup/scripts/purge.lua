@@ -7,9 +7,12 @@
 --
 -- Walks each state's index oldest update first. A record whose key is held
 -- (an idempotency window) or whose execution lock is alive is kept and
--- stepped over; any other is deleted with its history and index entries
--- (lib's forget), and so is an index entry whose record expired. An entry
--- whose record is in another, unended state is only removed from this index.
+-- stepped over; any other leaves the indexes with its history, and is cut
+-- down to a tombstone that lives as long as the record would have (lib's
+-- tombstone): a late copy of its run is still skipped, a retried publish
+-- still recognised. An index entry whose record expired is removed, and an
+-- entry whose record is in another, unended state is only removed from this
+-- index.
 --
 -- Returns {purged, kept, more}: more is 1 when the budget ran out before
 -- every entry of the given states was examined (call again).
@@ -42,7 +45,7 @@ for i = 3, #ARGV do
         else
           local state = redis.call('HGET', record, 'state')
           if not state or ENDED[state] then
-            forget(prefix, record, member)
+            tombstone(prefix, record, member)
             purged = purged + 1
           end
           redis.call('ZREM', index, member)
