@@ -78,8 +78,6 @@ def guarded_call(
     task_id = request.id
     if task_id is None or request.called_directly:
         return body(args, kwargs)
-    if request.is_eager and task_id in _running:
-        return body(args, kwargs)  # an eager replacement, inside the run it replaces and under its lock
     located = locate(task, request.headers, request.args, request.kwargs)
     if located is None:
         return body(args, kwargs)
