@@ -63,8 +63,9 @@ def records(
 ) -> Page:
     """A page of status records, newest update first; pass ``page.cursor`` back for the next.
 
-    Filters: ``state`` (queued, started, retry, succeeded, failed, revoked,
-    rejected, ignored, lost, skipped), ``task`` (a task name) and ``prefix``
+    Filters: ``state`` (one of ``celery_dedup.store.STATES``: pending, queued,
+    started, retry, succeeded, failed, revoked, rejected, ignored, lost,
+    skipped, released, replaced), ``task`` (a task name) and ``prefix``
     (of the business key, e.g. ``"order:4"``; results then come in key order).
     """
     store = runtime.store_for(app)
