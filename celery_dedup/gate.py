@@ -149,7 +149,11 @@ _last: ContextVar[Outcome | None] = ContextVar("celery_dedup_last_outcome", defa
 
 @contextlib.contextmanager
 def open_ticket(nonce: str) -> Iterator[Ticket]:
-    """Open a slot for the outcome of the publish carrying ``nonce``."""
+    """Open a slot for the outcome of the publish carrying ``nonce`` (the open one, if it is that publish's)."""
+    current = _ticket.get()
+    if current is not None and current.nonce == nonce:
+        yield current
+        return
     ticket = Ticket(nonce)
     token = _ticket.set(ticket)
     try:

@@ -281,6 +281,9 @@ class DedupTask(_TaskBase):
             plain = super().apply_async(args, kwargs, task_id, producer, link, link_error, shadow, **options)
             return cast(DedupResult, plain)
         config = runtime.config_for(app)
+        # Celery would add the run to the calling task's children before the
+        # gate's answer is known: done below, only for a run this call published.
+        add_to_parent = bool(options.pop("add_to_parent", True))
         headers = dict(options.pop("headers", None) or {})
         previous = GateHeader.decode(headers)
         # Task.retry re-publishes the run under its id: it keeps its key, even if args changed.
@@ -298,7 +301,7 @@ class DedupTask(_TaskBase):
 
         def publish(hdrs: dict[str, Any]) -> DedupResult:
             result = super(DedupTask, self).apply_async(
-                args, kwargs, run_id, producer, link, link_error, shadow, headers=hdrs, **options
+                args, kwargs, run_id, producer, link, link_error, shadow, headers=hdrs, add_to_parent=False, **options
             )
             if not isinstance(result, DedupResult):  # an EagerResult (task_always_eager)
                 setattr(result, "deduplicated", False)  # noqa: B010 - not declared on EagerResult
@@ -327,7 +330,8 @@ class DedupTask(_TaskBase):
                     kwargsrepr=saferepr(kwargs) if config.record_args and kwargs else "",
                 )
             except redis.RedisError as exc:
-                return self._store_unreachable(exc, business_key, run_id, headers, publish)
+                published = self._store_unreachable(exc, business_key, run_id, headers, publish)
+                return self._add_to_parent(published, add_to_parent)
             if outcome.accepted:
                 result = self._publish_or_unclaim(store, member, run_id, headers, publish)
         if outcome.collapsed:
@@ -337,7 +341,7 @@ class DedupTask(_TaskBase):
         if not outcome.accepted:
             return self._on_duplicate(policy, business_key, outcome.task_id, options)
         decisions.log("accepted", self.name, business_key, run_id)
-        return result
+        return self._add_to_parent(result, add_to_parent)
 
     def _gated(self, atomic: bool) -> bool:
         """Whether a call goes through the gate (else it is published as Celery would)."""
@@ -411,6 +415,19 @@ class DedupTask(_TaskBase):
             except redis.RedisError:
                 logger.exception("could not drop key %r after a failed publish; it expires by its TTL", member)
             raise
+
+    def _add_to_parent(self, result: DedupResult, add_to_parent: bool) -> DedupResult:
+        """Add a run this call published to the calling task's children, as Celery's ``send_task`` does.
+
+        Never a duplicate's: its id was not published, and the accepted run
+        belongs to whichever call published it (naming it here could even make
+        a task its own child). Eager runs are not added, as in Celery.
+        """
+        app = self.app
+        parent = app.current_worker_task if add_to_parent and not app.conf.task_always_eager else None
+        if parent is not None:
+            parent.add_trail(result)
+        return result
 
     def _after_lost_reply(self, exc: Exception, gate: GateHeader, key: str) -> DedupResult:
         """The gated publish failed on the Redis broker: find out whether the gate ran.
