@@ -136,11 +136,14 @@ class Outcome:
 class Ticket:
     """One publish's slot for the gate's outcome."""
 
-    __slots__ = ("nonce", "outcome")
+    __slots__ = ("nonce", "outcome", "sent")
 
     def __init__(self, nonce: str) -> None:
         self.nonce = nonce
         self.outcome: Outcome | None = None
+        #: The broker took the message (and the gate, if any, accepted it): an
+        #: error raised after that is no failed publish.
+        self.sent = False
 
 
 _ticket: ContextVar[Ticket | None] = ContextVar("celery_dedup_ticket", default=None)

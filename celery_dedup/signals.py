@@ -130,6 +130,7 @@ class _GatedProducer:
         sent = self._producer.publish(body, **kwargs)
         if ticket.outcome is not None and not ticket.outcome.accepted:
             raise _Refused()
+        ticket.sent = True
         return sent
 
 

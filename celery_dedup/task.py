@@ -333,7 +333,7 @@ class DedupTask(_TaskBase):
                 published = self._store_unreachable(exc, business_key, run_id, headers, publish)
                 return self._add_to_parent(published, add_to_parent)
             if outcome.accepted:
-                result = self._publish_or_unclaim(store, member, run_id, headers, publish)
+                result = self._publish_or_unclaim(store, member, run_id, gate.nonce, headers, publish)
         if outcome.collapsed:
             decisions.log("collapsed", self.name, business_key, outcome.task_id, "joined the burst of its run")
             return self._marked(outcome.task_id)
@@ -400,21 +400,40 @@ class DedupTask(_TaskBase):
         return known
 
     def _publish_or_unclaim(
-        self, store: DedupStore, member: str, run_id: str, headers: dict[str, Any], publish: _Publish
+        self, store: DedupStore, member: str, run_id: str, nonce: str, headers: dict[str, Any], publish: _Publish
     ) -> DedupResult:
-        """Second step of the non-atomic path: publish, and drop the key if that failed.
+        """Second step of the non-atomic path: publish, and drop the key if nothing was published.
 
-        A crash between holding and publishing leaves the key held until its
-        TTL; see the guarantees doc.
+        An error raised after the broker took the message (a failed
+        ``task-sent`` event), or after the run began (eager mode, where
+        publishing runs the task and ``task_eager_propagates`` re-raises its
+        error), is no failed publish: the key and record stay with the run,
+        whose ending the guard records. A crash between holding and publishing
+        leaves the key held until its TTL; see the guarantees doc.
         """
-        try:
-            return publish(headers)
-        except BaseException:
+        with open_ticket(nonce) as ticket:
             try:
-                store.unclaim(member, run_id)
-            except redis.RedisError:
-                logger.exception("could not drop key %r after a failed publish; it expires by its TTL", member)
-            raise
+                return publish(headers)
+            except BaseException:
+                if ticket.sent:
+                    logger.warning(
+                        "%s[%s] was published, but publishing raised afterwards; key %r stays with the run",
+                        self.name,
+                        run_id,
+                        member,
+                    )
+                    raise
+                try:
+                    record = store.record(member) or {}
+                except redis.RedisError:
+                    record = {}
+                if record.get("task_id") == run_id and record.get("state") not in (None, "queued"):
+                    raise  # the run began: how it ended is recorded, and is no failed publish
+                try:
+                    store.unclaim(member, run_id)
+                except redis.RedisError:
+                    logger.exception("could not drop key %r after a failed publish; it expires by its TTL", member)
+                raise
 
     def _add_to_parent(self, result: DedupResult, add_to_parent: bool) -> DedupResult:
         """Add a run this call published to the calling task's children, as Celery's ``send_task`` does.
