@@ -142,11 +142,14 @@ class Outcome:
 class Ticket:
     """One publish's slot for the gate's outcome."""
 
-    __slots__ = ("nonce", "outcome")
+    __slots__ = ("nonce", "outcome", "sent")
 
     def __init__(self, nonce: str) -> None:
         self.nonce = nonce
         self.outcome: Outcome | None = None
+        #: The broker took the message (and the gate, if any, accepted it): an
+        #: error raised after that is no failed publish.
+        self.sent = False
 
 
 _ticket: ContextVar[Ticket | None] = ContextVar("celery_dedup_ticket", default=None)
@@ -155,7 +158,11 @@ _last: ContextVar[Outcome | None] = ContextVar("celery_dedup_last_outcome", defa
 
 @contextlib.contextmanager
 def open_ticket(nonce: str) -> Iterator[Ticket]:
-    """Open a slot for the outcome of the publish carrying ``nonce``."""
+    """Open a slot for the outcome of the publish carrying ``nonce`` (the open one, if it is that publish's)."""
+    current = _ticket.get()
+    if current is not None and current.nonce == nonce:
+        yield current
+        return
     ticket = Ticket(nonce)
     token = _ticket.set(ticket)
     try:

@@ -18,7 +18,7 @@ from celery import signals
 from celery.exceptions import Reject, TimeLimitExceeded
 
 from . import runtime
-from .gate import HEADER, GateHeader
+from .gate import HEADER, GateHeader, Ticket, open_ticket
 from .guard import FAILED, LOST, REJECTED, REVOKED, settle_elsewhere
 from .keys import member_for
 from .task import DedupTask, delay_seconds
@@ -102,13 +102,53 @@ def _add_gate_header(app: Any, name: str, headers: dict[str, Any], body: Any) ->
     headers[HEADER] = task.dedup_gate_header(member_for(task.name, business_key), delay).encode()
 
 
+class _Refused(BaseException):
+    """Ends Celery's sender after the gate refused its message, before it announces the message as sent.
+
+    A BaseException so that Celery's ``except Exception`` around a worker's
+    callback publish does not log it as a failed publish; it never leaves
+    :func:`gate_send_task`'s wrapper.
+    """
+
+
+class _GatedProducer:
+    """The producer Celery's sender is handed for one gated message.
+
+    Celery sends ``after_task_publish`` (and the ``task-sent`` event) once
+    ``producer.publish`` returns, and the gate's answer exists only then. A
+    message the gate refused (a duplicate) was never enqueued, so its publish
+    raises :class:`_Refused` instead of returning. Every other publish (the
+    ``task-sent`` event itself) and attribute is the real producer's.
+    """
+
+    def __init__(self, producer: Any, ticket: Ticket) -> None:
+        self._producer = producer
+        self._ticket = ticket
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._producer, name)
+
+    def publish(self, body: Any, **kwargs: Any) -> Any:
+        ticket = self._ticket
+        gate = GateHeader.decode(kwargs.get("headers"))
+        if gate is None or gate.nonce != ticket.nonce:
+            return self._producer.publish(body, **kwargs)
+        sent = self._producer.publish(body, **kwargs)
+        if ticket.outcome is not None and not ticket.outcome.accepted:
+            raise _Refused()
+        ticket.sent = True
+        return sent
+
+
 def gate_send_task(app: Any) -> None:
-    """Gate ``app.send_task`` by name, for this app's DedupTasks.
+    """Gate ``app.send_task`` by name, for this app's DedupTasks; announce only messages the gate took.
 
     ``DedupTask.apply_async`` adds the header itself; ``send_task`` and canvas
     fallbacks bypass it. Celery's ``before_task_publish`` signal could add the
     header but does not say which app publishes, so the app's own message
-    sender (a per-app cached property) is wrapped instead.
+    sender (a per-app cached property) is wrapped instead. A duplicate the
+    gate refused gets no ``after_task_publish`` signal and no ``task-sent``
+    event (``before_task_publish`` fired already: it precedes the gate).
     """
     amqp = app.amqp
     send = amqp.send_task_message
@@ -116,10 +156,18 @@ def gate_send_task(app: Any) -> None:
         return
 
     def send_task_message(producer: Any, name: str, message: Any, **options: Any) -> Any:
-        # apply_async passes its header as an option; Celery merges it after this.
-        if HEADER not in message.headers and HEADER not in (options.get("headers") or {}):
+        # apply_async passes its header as an option; Celery merges it over the message's.
+        given = options.get("headers") or {}
+        if HEADER not in message.headers and HEADER not in given:
             _add_gate_header(app, name, message.headers, message.body)
-        return send(producer, name, message, **options)
+        gate = GateHeader.decode(given if HEADER in given else message.headers)
+        if gate is None:  # not keyed, or published ungated (fail_open)
+            return send(producer, name, message, **options)
+        with open_ticket(gate.nonce) as ticket:
+            try:
+                return send(_GatedProducer(producer, ticket), name, message, **options)
+            except _Refused:
+                return None
 
     send_task_message.celery_dedup = True  # type: ignore[attr-defined]
     amqp.send_task_message = send_task_message

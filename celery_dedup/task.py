@@ -294,6 +294,9 @@ class DedupTask(_TaskBase):
             plain = super().apply_async(args, kwargs, task_id, producer, link, link_error, shadow, **options)
             return cast(DedupResult, plain)
         config = runtime.config_for(app)
+        # Celery would add the run to the calling task's children before the
+        # gate's answer is known: done below, only for a run this call published.
+        add_to_parent = bool(options.pop("add_to_parent", True))
         headers = dict(options.pop("headers", None) or {})
         previous = GateHeader.decode(headers)
         # Task.retry and deferred copies re-publish the run under its id: it
@@ -316,7 +319,7 @@ class DedupTask(_TaskBase):
 
         def publish(hdrs: dict[str, Any]) -> DedupResult:
             result = super(DedupTask, self).apply_async(
-                args, kwargs, run_id, producer, link, link_error, shadow, headers=hdrs, **options
+                args, kwargs, run_id, producer, link, link_error, shadow, headers=hdrs, add_to_parent=False, **options
             )
             if not isinstance(result, DedupResult):  # an EagerResult (task_always_eager)
                 setattr(result, "deduplicated", False)  # noqa: B010 - not declared on EagerResult
@@ -346,9 +349,10 @@ class DedupTask(_TaskBase):
                     continues=continues,
                 )
             except redis.RedisError as exc:
-                return self._store_unreachable(exc, business_key, run_id, headers, publish)
+                published = self._store_unreachable(exc, business_key, run_id, headers, publish)
+                return self._add_to_parent(published, add_to_parent)
             if outcome.accepted:
-                result = self._publish_or_unclaim(store, member, run_id, headers, publish)
+                result = self._publish_or_unclaim(store, member, run_id, gate.nonce, headers, publish)
         if outcome.collapsed:
             decisions.log("collapsed", self.name, business_key, outcome.task_id, "joined the burst of its run")
             return self._marked(outcome.task_id)
@@ -356,7 +360,7 @@ class DedupTask(_TaskBase):
         if not outcome.accepted:
             return self._on_duplicate(policy, business_key, outcome.task_id, options)
         decisions.log("accepted", self.name, business_key, run_id)
-        return result
+        return self._add_to_parent(result, add_to_parent)
 
     def _gated(self, atomic: bool) -> bool:
         """Whether a call goes through the gate (else it is published as Celery would)."""
@@ -415,21 +419,53 @@ class DedupTask(_TaskBase):
         return known
 
     def _publish_or_unclaim(
-        self, store: DedupStore, member: str, run_id: str, headers: dict[str, Any], publish: _Publish
+        self, store: DedupStore, member: str, run_id: str, nonce: str, headers: dict[str, Any], publish: _Publish
     ) -> DedupResult:
-        """Second step of the non-atomic path: publish, and drop the key if that failed.
+        """Second step of the non-atomic path: publish, and drop the key if nothing was published.
 
-        A crash between holding and publishing leaves the key held until its
-        TTL; see the guarantees doc.
+        An error raised after the broker took the message (a failed
+        ``task-sent`` event), or after the run began (eager mode, where
+        publishing runs the task and ``task_eager_propagates`` re-raises its
+        error), is no failed publish: the key and record stay with the run,
+        whose ending the guard records. A crash between holding and publishing
+        leaves the key held until its TTL; see the guarantees doc.
         """
-        try:
-            return publish(headers)
-        except BaseException:
+        with open_ticket(nonce) as ticket:
             try:
-                store.unclaim(member, run_id)
-            except redis.RedisError:
-                logger.exception("could not drop key %r after a failed publish; it expires by its TTL", member)
-            raise
+                return publish(headers)
+            except BaseException:
+                if ticket.sent:
+                    logger.warning(
+                        "%s[%s] was published, but publishing raised afterwards; key %r stays with the run",
+                        self.name,
+                        run_id,
+                        member,
+                    )
+                    raise
+                try:
+                    record = store.record(member) or {}
+                except redis.RedisError:
+                    record = {}
+                if record.get("task_id") == run_id and record.get("state") not in (None, "queued"):
+                    raise  # the run began: how it ended is recorded, and is no failed publish
+                try:
+                    store.unclaim(member, run_id)
+                except redis.RedisError:
+                    logger.exception("could not drop key %r after a failed publish; it expires by its TTL", member)
+                raise
+
+    def _add_to_parent(self, result: DedupResult, add_to_parent: bool) -> DedupResult:
+        """Add a run this call published to the calling task's children, as Celery's ``send_task`` does.
+
+        Never a duplicate's: its id was not published, and the accepted run
+        belongs to whichever call published it (naming it here could even make
+        a task its own child). Eager runs are not added, as in Celery.
+        """
+        app = self.app
+        parent = app.current_worker_task if add_to_parent and not app.conf.task_always_eager else None
+        if parent is not None:
+            parent.add_trail(result)
+        return result
 
     def _after_lost_reply(self, exc: Exception, gate: GateHeader, key: str, run_id: str) -> DedupResult:
         """The gated publish failed on the Redis broker: find out whether the gate ran.
