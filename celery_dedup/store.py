@@ -434,7 +434,7 @@ class DedupStore:
         return bool(owned), bool(lock_kept)
 
     def unclaim(self, member: str, task_id: str) -> bool:
-        """Undo a hold whose message was never published (owner only)."""
+        """Undo a hold whose message was never published (owner only, and only before its run began)."""
         return self.finish(member, task_id, "", drop=True, record_ms=0, role="report")[0]
 
     def renew(self, locks: Sequence[LockRef], *, lock_ms: int, record_ms: int) -> list[LockRef]:

@@ -443,13 +443,7 @@ class DedupTask(_TaskBase):
                     )
                     raise
                 try:
-                    record = store.record(member) or {}
-                except redis.RedisError:
-                    record = {}
-                if record.get("task_id") == run_id and record.get("state") not in (None, "queued"):
-                    raise  # the run began: how it ended is recorded, and is no failed publish
-                try:
-                    store.unclaim(member, run_id)
+                    store.unclaim(member, run_id)  # only while the run has not begun (see finish.lua)
                 except redis.RedisError:
                     logger.exception("could not drop key %r after a failed publish; it expires by its TTL", member)
                 raise

@@ -12,7 +12,7 @@
 --          replacement); a window the run's lock outlived (start.lua's
 --          window_until) ends on time
 -- ARGV[5]  record TTL after the ending, ms; "0" deletes the record outright (its
---          message was never enqueued)
+--          message was never enqueued), unless the run has begun
 -- ARGV[6]  a lock token the caller may release: the running delivery's own, or
 --          (reports) that of a delivery whose process is known to be gone; ""
 --          for none. A lock is only ever deleted by its token.
@@ -72,6 +72,9 @@ if running and role ~= 'stop' then
   return {1, lock_kept}
 end
 if drop and record_ms == 0 then
+  if current[3] ~= 'queued' and current[3] ~= 'pending' then
+    return {1, lock_kept}  -- the run began (eager mode runs it inside its publish): its ending stands
+  end
   redis.call('SREM', held, member)
   forget(prefix, record, member)
   count(prefix, member, 'accepted', -1)  -- its publish failed: it was never accepted after all
