@@ -123,7 +123,9 @@ def seed(app: Celery, count: int, *, batch: int = 1000) -> None:
         )
         if not decision.run:
             raise RuntimeError(f"start refused {member}: {decision}")
-        store.finish(member, record["task_id"], "failed", drop=True, record_ms=86_400_000, token=token, role="run", error="bench")
+        store.finish(
+            member, record["task_id"], "failed", drop=True, record_ms=86_400_000, token=token, role="run", error="bench"
+        )
 
 
 def configure_django(app: Celery) -> Any:

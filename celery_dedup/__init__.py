@@ -25,9 +25,10 @@ from .exceptions import (
     DuplicateTaskError,
 )
 from .gate import Outcome, last_outcome
+from .keyed import DedupResult
 from .runtime import reap, stats
 from .store import Page, ReapReport, Record
-from .task import DedupResult, DedupTask
+from .task import DedupTask
 
 __version__ = "0.1.0"
 

@@ -1,4 +1,4 @@
-"""Bulk gated enqueue: many calls of one DedupTask, each gated atomically, in pipelined round trips.
+"""Bulk gated enqueue: many calls of one KeyedTask, each gated atomically, in pipelined round trips.
 
 Fan-out code (notify 10,000 customers) is where duplicates are born. A loop
 of ``apply_async`` pays one round trip and Celery's whole publish path per
@@ -20,7 +20,7 @@ from __future__ import annotations
 
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import replace
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import redis
 from celery.utils.nodenames import anon_nodename
@@ -31,13 +31,10 @@ from kombu.exceptions import OperationalError
 from . import runtime
 from .exceptions import DedupUnavailableError, DuplicateTaskError
 from .gate import HEADER, GateHeader
+from .keyed import DedupResult, KeyedTask, delay_seconds
 from .keys import member_for, new_nonce, new_task_id, split_member
 from .store import DedupStore, GateCall
-from .task import DedupResult, delay_seconds
 from .transport import GatedChannelMixin
-
-if TYPE_CHECKING:
-    from .task import DedupTask
 
 #: kombu's delivery modes by name (``kombu.entity.DELIVERY_MODES``, untyped there).
 DELIVERY_MODES = {"transient": 1, "persistent": 2}
@@ -63,7 +60,7 @@ LEAN_OPTIONS = frozenset(
 Call = tuple[Sequence[Any], Mapping[str, Any]]
 
 
-def apply_async_many(task: DedupTask, calls: Iterable[Call], *, chunk: int = 1000, **options: Any) -> list[DedupResult]:
+def apply_async_many(task: KeyedTask, calls: Iterable[Call], *, chunk: int = 1000, **options: Any) -> list[DedupResult]:
     """Enqueue ``calls`` (``(args, kwargs)`` pairs) of ``task``; one result per call, in order.
 
     Every key is derived before anything is sent, so a bad call raises
@@ -119,7 +116,7 @@ def apply_async_many(task: DedupTask, calls: Iterable[Call], *, chunk: int = 100
 
 
 def _marked_loop(
-    task: DedupTask, args: tuple[Any, ...], kwargs: dict[str, Any], options: dict[str, Any]
+    task: KeyedTask, args: tuple[Any, ...], kwargs: dict[str, Any], options: dict[str, Any]
 ) -> DedupResult:
     """One call the lean path cannot build: ``apply_async``, answering a duplicate instead of raising."""
     try:
@@ -137,7 +134,7 @@ def _short_repr(value: Any, limit: int = 1024) -> str:
 class _Builder:
     """Builds each call's message as Celery's ``send_task`` and kombu's ``Producer.publish`` would."""
 
-    def __init__(self, task: DedupTask, producer: Any, options: dict[str, Any]) -> None:
+    def __init__(self, task: KeyedTask, producer: Any, options: dict[str, Any]) -> None:
         app = task.app
         self.task = task
         self.app = app
@@ -167,7 +164,7 @@ class _Builder:
             self.task.name,
             args,
             kwargs,
-            self.task,  # type: ignore[arg-type]
+            self.task,
         )
         return dict(routed)
 

@@ -19,7 +19,7 @@ import random
 import socket
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any, NamedTuple
+from typing import Any, NamedTuple
 
 import redis
 from celery.exceptions import Ignore, Reject, Retry
@@ -27,13 +27,11 @@ from celery.exceptions import Ignore, Reject, Retry
 from . import decisions, runtime
 from .exceptions import DedupError, DedupUnavailableError
 from .gate import GateHeader, call_payload, decode_payload
+from .keyed import KeyedTask
 from .keys import member_for, split_member
 from .lock import ExecutionLock, new_token, renewer
 from .processes import exit_watcher, gone, token_pid
 from .store import DedupStore, StartDecision
-
-if TYPE_CHECKING:
-    from .task import DedupTask
 
 logger = logging.getLogger("celery_dedup")
 
@@ -53,7 +51,7 @@ def error_summary(exc: BaseException) -> str:
     return text if len(text) <= _ERROR_LIMIT else text[: _ERROR_LIMIT - 3] + "..."
 
 
-def locate(task: DedupTask, headers: Any, args: Any, kwargs: Any) -> tuple[str, DedupStore, bool] | None:
+def locate(task: KeyedTask, headers: Any, args: Any, kwargs: Any) -> tuple[str, DedupStore, bool] | None:
     """``(member, store, gated)`` of a delivery: from its ``dedup`` header, else from its arguments."""
     store = runtime.store_for(task.app)
     gate = GateHeader.decode(headers)
@@ -67,7 +65,7 @@ def locate(task: DedupTask, headers: Any, args: Any, kwargs: Any) -> tuple[str, 
 
 
 def guarded_call(
-    task: DedupTask, args: tuple[Any, ...], kwargs: dict[str, Any], body: Callable[[Any, Any], Any]
+    task: KeyedTask, args: tuple[Any, ...], kwargs: dict[str, Any], body: Callable[[Any, Any], Any]
 ) -> Any:
     """Run ``body(args, kwargs)`` for the current request under the guard.
 
@@ -182,7 +180,7 @@ class Replacement:
 _replacements: dict[str, Replacement] = {}
 
 
-def replacing(task: DedupTask, by: str) -> None:
+def replacing(task: KeyedTask, by: str) -> None:
     """Note that the run executing ``task`` replaces itself with ``by`` (called from ``on_replace``)."""
     task_id = task.request.id
     lock = _running.get(task_id) if task_id is not None else None
@@ -220,7 +218,7 @@ def hand_over(task_id: str | None, member: str) -> bool:
 
 
 def start(
-    task: DedupTask, store: DedupStore, member: str, gated: bool, token: str, lock_ms: int, record_ms: int
+    task: KeyedTask, store: DedupStore, member: str, gated: bool, token: str, lock_ms: int, record_ms: int
 ) -> StartDecision:
     """Ask the store whether this delivery may run; if so, it now holds the lock ``token``."""
     request = task.request
@@ -242,7 +240,7 @@ def start(
     )
 
 
-def store_unreachable(task: DedupTask, member: str, exc: Exception, body: Callable[[], Any]) -> Any:
+def store_unreachable(task: KeyedTask, member: str, exc: Exception, body: Callable[[], Any]) -> Any:
     """The store is down when a delivery starts: ``dedup_on_redis_error`` decides.
 
     ``fail_open`` runs the body unguarded (logged, counted); ``fail_closed``
@@ -270,7 +268,7 @@ def lock_lost(task_id: str | None) -> bool:
     return lock is not None and lock.lost.is_set()
 
 
-def refuse(task: DedupTask, store: DedupStore, member: str, decision: StartDecision) -> None:
+def refuse(task: KeyedTask, store: DedupStore, member: str, decision: StartDecision) -> None:
     """Acknowledge a delivery that may not run (raises Ignore), deferring it where it might be needed."""
     request = task.request
     code = decision.code
@@ -288,7 +286,7 @@ def refuse(task: DedupTask, store: DedupStore, member: str, decision: StartDecis
     raise Ignore()
 
 
-def defer(task: DedupTask, key: str, lock_pttl_ms: int) -> None:
+def defer(task: KeyedTask, key: str, lock_pttl_ms: int) -> None:
     """Re-publish this run to arrive once the lock that blocks it would have expired.
 
     If the holder is alive it will have finished (the copy is then skipped as
@@ -305,7 +303,7 @@ def defer(task: DedupTask, key: str, lock_pttl_ms: int) -> None:
 _REQUEUABLE = frozenset({FAILED, REJECTED, REVOKED, LOST})
 
 
-def kept_payload(task: DedupTask, state: str, args: Any, kwargs: Any) -> str:
+def kept_payload(task: KeyedTask, state: str, args: Any, kwargs: Any) -> str:
     """The call's payload for a record ending in ``state``, if arguments are recorded at all."""
     if state not in _REQUEUABLE or not runtime.config_for(task.app).record_args:
         return ""
@@ -317,7 +315,7 @@ def kept_payload(task: DedupTask, state: str, args: Any, kwargs: Any) -> str:
 
 
 def finish(
-    task: DedupTask,
+    task: KeyedTask,
     store: DedupStore,
     member: str,
     task_id: str,
@@ -362,7 +360,7 @@ def finish(
 
 
 def settle_elsewhere(
-    task: DedupTask, state: str, task_id: str, headers: Any, args: Any, kwargs: Any, *, stopping: bool
+    task: KeyedTask, state: str, task_id: str, headers: Any, args: Any, kwargs: Any, *, stopping: bool
 ) -> bool:
     """Record an ending the body never returned from (revoked, a lost worker, a hard time limit).
 

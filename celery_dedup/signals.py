@@ -20,8 +20,9 @@ from celery.exceptions import Reject, TimeLimitExceeded
 from . import runtime
 from .gate import HEADER, GateHeader, Ticket, open_ticket
 from .guard import FAILED, LOST, REJECTED, REVOKED, settle_elsewhere
+from .keyed import delay_seconds
 from .keys import member_for
-from .task import DedupTask, delay_seconds
+from .task import DedupTask
 
 logger = logging.getLogger("celery_dedup")
 
@@ -57,9 +58,7 @@ def on_revoked(sender: Any = None, request: Any = None, terminated: bool = False
     """
     if isinstance(sender, DedupTask) and request is not None and request.id is not None:
         headers = getattr(request, "headers", None) or getattr(request, "request_dict", None)
-        settle_elsewhere(
-            sender, REVOKED, request.id, headers, request.args, request.kwargs, stopping=bool(terminated)
-        )
+        settle_elsewhere(sender, REVOKED, request.id, headers, request.args, request.kwargs, stopping=bool(terminated))
 
 
 def on_unrunnable(

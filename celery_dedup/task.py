@@ -2,24 +2,23 @@
 
 from __future__ import annotations
 
-import datetime
 import inspect
 import logging
 from collections.abc import Callable, Iterable, Mapping, Sequence
-from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, ClassVar, cast
 
 import redis
 from celery import Task
-from celery.result import AsyncResult
 from celery.utils.saferepr import saferepr
 from kombu.exceptions import OperationalError
 
 from . import decisions, runtime
+from .bulk import apply_async_many
 from .config import check_debounce, check_mode, check_on_duplicate, check_on_locked, check_ttl
 from .exceptions import DedupConfigError, DedupUnavailableError, DuplicateTaskError
 from .gate import HEADER, UNGATED, GateHeader, Outcome, open_ticket
 from .guard import guarded_call, hand_over, lock_lost, replacing
+from .keyed import DedupResult, TaskPolicy, delay_seconds
 from .keys import KeyOption, KeySpec, member_for, new_nonce, new_task_id, split_member
 from .modes import MODES, Mode
 from .store import DedupStore
@@ -28,24 +27,6 @@ logger = logging.getLogger("celery_dedup")
 
 _RECOVERABLE = (OperationalError, redis.ConnectionError, redis.TimeoutError)
 _Publish = Callable[[dict[str, Any]], "DedupResult"]
-
-
-@dataclass(frozen=True)
-class TaskPolicy:
-    """One task's options, resolved against the app's settings and validated."""
-
-    spec: KeySpec
-    mode: type[Mode]
-    ttl: float
-    on_duplicate: str
-    lock_ttl: float
-    on_locked: str
-    #: Windowed modes only (debounce, throttle): seconds.
-    window: float | None = None
-    #: Debounce only: the longest a burst postpones its run, seconds.
-    max_wait: float | None = None
-    #: Debounce only: run with the ``latest`` call's arguments or the ``first``.
-    debounce: str = "latest"
 
 
 def _run_signature(cls: type) -> inspect.Signature:
@@ -60,13 +41,6 @@ def _run_signature(cls: type) -> inspect.Signature:
         return inspect.signature(attr.__func__)
     signature = inspect.signature(attr)
     return signature.replace(parameters=list(signature.parameters.values())[1:])
-
-
-class DedupResult(AsyncResult):  # type: ignore[type-arg]
-    """An AsyncResult that also says whether the call returning it was a duplicate."""
-
-    #: True when this call published nothing and is answered with the accepted run.
-    deduplicated: bool = False
 
 
 if TYPE_CHECKING:
@@ -392,8 +366,6 @@ class DedupTask(_TaskBase):
             >>> results = notify.apply_async_many([((customer_id,), {}) for customer_id in customers])
             >>> sent = sum(not r.deduplicated for r in results)
         """
-        from .bulk import apply_async_many  # noqa: PLC0415 - bulk builds on this module
-
         return apply_async_many(self, calls, chunk=chunk, **options)
 
     def delay_many(self, argument_tuples: Iterable[Sequence[Any]], **options: Any) -> list[DedupResult]:
@@ -520,15 +492,3 @@ class DedupTask(_TaskBase):
         result = self.AsyncResult(existing_id)
         result.deduplicated = True
         return result
-
-
-def delay_seconds(countdown: Any, eta: Any) -> float:
-    """How far in the future a countdown or ETA puts the run (the key is held that much longer)."""
-    if countdown:
-        return max(float(countdown), 0.0)
-    if eta is None:
-        return 0.0
-    if isinstance(eta, str):
-        eta = datetime.datetime.fromisoformat(eta)
-    now = datetime.datetime.now(eta.tzinfo or None)
-    return max(float((eta - now).total_seconds()), 0.0)
