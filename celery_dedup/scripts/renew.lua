@@ -7,7 +7,9 @@
 --
 -- Returns the 1-based pair numbers whose lock is no longer this token's (lost:
 -- expired or taken over); their records get `lock_lost_at`. A renewed lock's
--- key stays held at least as long as the lock.
+-- key stays held at least as long as the lock, while the record is its run's
+-- (it names this token): the record of a run accepted since (the key was
+-- released when this one started) is not this lock's to touch.
 
 local lock_ms, record_ms = tonumber(ARGV[1]), tonumber(ARGV[2])
 local t = redis.call('TIME')
@@ -17,12 +19,15 @@ for i = 1, #KEYS / 2 do
   local lock, record, token = KEYS[2 * i - 1], KEYS[2 * i], ARGV[2 + i]
   if redis.call('GET', lock) == token then
     redis.call('PEXPIRE', lock, lock_ms)
-    local held_until = tonumber(redis.call('HGET', record, 'held_until') or 0)
-    if held_until > 0 and held_until < now + lock_ms then
-      redis.call('HSET', record, 'held_until', now + lock_ms)
-    end
-    if redis.call('PTTL', record) < lock_ms + record_ms then
-      redis.call('PEXPIRE', record, lock_ms + record_ms)
+    local r = redis.call('HMGET', record, 'lock', 'held_until')
+    if r[1] == token then
+      local held_until = tonumber(r[2] or 0)
+      if held_until > 0 and held_until < now + lock_ms then
+        redis.call('HSET', record, 'held_until', now + lock_ms)
+      end
+      if redis.call('PTTL', record) < lock_ms + record_ms then
+        redis.call('PEXPIRE', record, lock_ms + record_ms)
+      end
     end
   else
     lost[#lost + 1] = i

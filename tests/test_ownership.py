@@ -1,0 +1,108 @@
+"""Only the owner acts on what it owns, checked script by script on the real server.
+
+Each script that touches a lock or a record is driven directly (as the guard,
+a report or the renewer would drive it) into the states where it used to act
+on something another run or delivery owned.
+"""
+
+from __future__ import annotations
+
+import pytest
+import redis
+
+from celery_dedup.keys import KeySchema
+from celery_dedup.store import DedupStore
+
+SCHEMA = KeySchema("dedup")
+MEMBER = "own.task:k"
+DAY_MS = 86_400_000
+
+
+@pytest.fixture
+def store(r: redis.Redis) -> DedupStore:
+    return DedupStore(r, "dedup")
+
+
+def start(store: DedupStore, task_id: str, token: str, *, key_mode: str = "lock", lock_ms: int = 60_000) -> None:
+    decision = store.start(
+        MEMBER,
+        task_id,
+        token,
+        lock_ms=lock_ms,
+        gated=True,
+        key_mode=key_mode,
+        hostname="elsewhere",
+        pid=1,
+        retries=0,
+        task_name="own.task",
+        record_ms=DAY_MS,
+    )
+    assert decision.run, decision
+
+
+def test_renewing_a_runs_lock_leaves_the_next_runs_record_alone(store: DedupStore, r: redis.Redis) -> None:
+    """until_executing: run A releases the key when it starts and run B is accepted with a
+    short hold. A's renewals keep A's lock alive; they must not stretch B's hold.
+    """
+    store.gate(MEMBER, "A", "n-a", hold_ms=60_000, grace_ms=DAY_MS, task_name="own.task")
+    start(store, "A", "elsewhere:1:a", key_mode="release")
+    outcome = store.gate(MEMBER, "B", "n-b", hold_ms=500, grace_ms=DAY_MS, task_name="own.task")
+    assert outcome.accepted and outcome.task_id == "B"
+    held_until = r.hget(SCHEMA.record(MEMBER), "held_until")
+
+    lost = store.renew([store.lock_ref(MEMBER, "elsewhere:1:a")], lock_ms=60_000, record_ms=DAY_MS)
+
+    assert lost == [], "A still holds its lock"
+    assert r.hget(SCHEMA.record(MEMBER), "held_until") == held_until, "A's renewal stretched B's hold"
+
+
+def test_a_report_without_the_token_leaves_a_live_delivery_alone(store: DedupStore, r: redis.Redis) -> None:
+    """A report of a run whose lock a live delivery holds (a copy revoked elsewhere) changes nothing."""
+    store.gate(MEMBER, "A", "n-a", hold_ms=60_000, grace_ms=DAY_MS, task_name="own.task")
+    start(store, "A", "elsewhere:1:a")
+
+    owned, _ = store.finish(MEMBER, "A", "revoked", drop=True, record_ms=DAY_MS, role="report")
+
+    assert owned
+    assert r.get(SCHEMA.lock(MEMBER)) == b"elsewhere:1:a"
+    assert r.hget(SCHEMA.record(MEMBER), "state") == b"started"
+    assert r.sismember(SCHEMA.held, MEMBER)
+
+
+def test_a_stopping_report_records_the_ending_and_keeps_lock_and_key(store: DedupStore, r: redis.Redis) -> None:
+    """``stop``: the ending is recorded at once; the lock and key stay with the delivery until
+    it finishes itself, and then its own finish frees them without rewriting the ending.
+    """
+    store.gate(MEMBER, "A", "n-a", hold_ms=60_000, grace_ms=DAY_MS, task_name="own.task")
+    start(store, "A", "elsewhere:1:a")
+
+    store.finish(MEMBER, "A", "revoked", drop=True, record_ms=DAY_MS, role="stop")
+
+    assert r.hget(SCHEMA.record(MEMBER), "state") == b"revoked"
+    assert r.get(SCHEMA.lock(MEMBER)) == b"elsewhere:1:a"
+    assert r.sismember(SCHEMA.held, MEMBER)
+
+    owned, kept = store.finish(
+        MEMBER, "A", "failed", drop=True, record_ms=DAY_MS, role="run", token="elsewhere:1:a", error="late"
+    )
+
+    assert (owned, kept) == (True, True)
+    assert r.hget(SCHEMA.record(MEMBER), "state") == b"revoked", "a run ends once"
+    assert not r.exists(SCHEMA.lock(MEMBER))
+    assert not r.sismember(SCHEMA.held, MEMBER)
+
+
+def test_a_report_for_an_ended_run_touches_nothing_of_the_next_run(store: DedupStore, r: redis.Redis) -> None:
+    """A ended and B started; A's late report (even naming B's token, as the old code did) changes nothing."""
+    store.gate(MEMBER, "A", "n-a", hold_ms=60_000, grace_ms=DAY_MS, task_name="own.task")
+    start(store, "A", "elsewhere:1:a")
+    store.finish(MEMBER, "A", "failed", drop=True, record_ms=DAY_MS, role="run", token="elsewhere:1:a")
+    store.gate(MEMBER, "B", "n-b", hold_ms=60_000, grace_ms=DAY_MS, task_name="own.task")
+    start(store, "B", "elsewhere:1:b")
+
+    owned, _ = store.finish(MEMBER, "A", "failed", drop=True, record_ms=DAY_MS, role="report")
+
+    assert not owned
+    assert r.get(SCHEMA.lock(MEMBER)) == b"elsewhere:1:b"
+    assert r.hget(SCHEMA.record(MEMBER), "task_id") == b"B"
+    assert r.sismember(SCHEMA.held, MEMBER)
