@@ -30,7 +30,9 @@
 --      a look found it missing (a live consumer's fetch, or a restore, is
 --      missing only for an instant); P:reaper:missing keeps those looks, so
 --      the second look waits for no walk. Any doubt (an ungated oldest
---      message, a restored message at the head) keeps it.
+--      message, a restored message at the head) keeps it. Such a run will not
+--      run: with dedup_record_args off (its record keeps no argument reprs)
+--      the payload its record kept to run it is deleted.
 --
 -- Steps 2 to 4 walk their index (scored by last update) in score order, each
 -- call going on after the last entry the previous call read. A walk covers the
@@ -220,6 +222,9 @@ for _, member in ipairs(redis.call('ZRANGEBYSCORE', suspects, '-inf', now - grac
       local task_id = r[3] or ''
       redis.call('SREM', held, member)
       redis.call('HSET', record, 'held_until', 0, 'finished_at', now)
+      if redis.call('HEXISTS', record, 'args') == 0 and redis.call('HEXISTS', record, 'kwargs') == 0 then
+        redis.call('HDEL', record, 'payload')
+      end
       transition(prefix, record, member, 'lost', now, task_id, 'message lost by the transport', history_len)
       expire_record(prefix, record, member, record_ms)
       vanished = vanished + 1
