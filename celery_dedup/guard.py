@@ -237,7 +237,14 @@ def start(
         record_ms=record_ms,
         want_payload=policy.mode.parks and policy.debounce == "latest",
         on_locked=policy.on_locked,
+        keep_payload=records_args(task),
     )
+
+
+def records_args(task: KeyedTask) -> bool:
+    """Whether the current delivery's arguments may be kept: its publisher (gate header) and this app allow it."""
+    gate = GateHeader.decode(task.request.headers)
+    return runtime.config_for(task.app).record_args and (gate is None or gate.record_args)
 
 
 def store_unreachable(task: KeyedTask, member: str, exc: Exception, body: Callable[[], Any]) -> Any:

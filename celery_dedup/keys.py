@@ -17,6 +17,7 @@ task name, ``:``, and the business key)::
     P:lock:M    STRING, the execution lock: the running delivery's token
     P:hist:M    LIST, the member's recent transitions, newest first
     P:idx...    indexes over the records (see scripts/lib.lua)
+    P:reaper:*  where the reaper stands in its walks (see scripts/reap.lua)
 """
 
 from __future__ import annotations

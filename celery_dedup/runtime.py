@@ -19,7 +19,7 @@ from kombu.transport import TRANSPORT_ALIASES
 
 from . import decisions
 from .config import DedupConfig
-from .exceptions import DedupConfigError
+from .exceptions import DedupConfigError, DedupOperationError
 from .keys import split_member, task_from_namespace
 from .store import DedupStore, ReapReport, client_from_url
 
@@ -228,9 +228,17 @@ def reap(app: Any, *, budget: int = 500) -> ReapReport:
     """One bounded clean-up pass: expired holds, runs of dead workers, stale index entries,
     and queued runs whose message the transport lost.
 
+    Each step examines at most ``budget`` entries, going on where the last
+    pass (of any process) stopped: every record is looked at within
+    ``ceil(records / budget)`` passes of a walk's start (see ``reap.lua``).
     Workers run it every ``dedup_reap_interval`` seconds; call it from cron or
     beat where no worker runs. Each run it marks lost gets its ``reaped`` log line.
+
+    Raises:
+        DedupOperationError: ``budget`` is below 1.
     """
+    if budget < 1:
+        raise DedupOperationError("reap", f"budget={budget}", "must be at least 1")
     config = config_for(app)
     report = store_for(app).reap(budget=budget, record_ms=config.record_ms, grace_ms=int(config.reap_grace * 1000))
     for member, task_id, why in report.runs:

@@ -368,8 +368,12 @@ class DedupStore:
         record_ms: int,
         want_payload: bool = False,
         on_locked: str = "skip",
+        keep_payload: bool = True,
     ) -> StartDecision:
-        """The delivery guard: may this delivery run? If so the lock is taken (one round trip)."""
+        """The delivery guard: may this delivery run? If so the lock is taken (one round trip).
+
+        ``keep_payload=False`` deletes the record's payload once the delivery runs.
+        """
         keys = [self.schema.held, self.schema.record(member), self.schema.lock(member)]
         args: list[Any] = [
             member,
@@ -387,6 +391,7 @@ class DedupStore:
             record_ms,
             "1" if want_payload else "0",
             on_locked,
+            "1" if keep_payload else "0",
         ]
         reply = self.scripts.start(keys, args)
         payload = _text(reply[2]) if len(reply) > 2 else ""

@@ -82,9 +82,11 @@ class GatedChannelMixin:
             expire = [prefix + self._q_for_pri(queue, p) for p in self.priority_steps]  # type: ignore[attr-defined]
             expires_ms = self._expires[queue]
         store = self.dedup_store(gate.prefix, gate.history)
-        # A debounced run executes with its burst's newest payload. Other records
-        # get a payload only when their run fails (re-enqueue): a long value here
-        # would turn every queued record from a listpack into a hash table.
+        # A debounced run executes with its burst's newest payload, so it is kept
+        # whatever dedup_record_args says; with it off, the run deletes it as it
+        # starts (start.lua). Other records get a payload only when their run
+        # fails (re-enqueue): a long value here would turn every queued record
+        # from a listpack into a hash table.
         keep_payload = gate.debounce and gate.latest
         call = store.gate_call(
             gate.member,

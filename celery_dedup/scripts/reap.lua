@@ -2,27 +2,50 @@
 --
 -- KEYS[1]  held set
 -- ARGV[1]  key prefix
--- ARGV[2]  at most this many entries examined per step
+-- ARGV[2]  budget: at most this many entries examined per step (step 4: per
+--          index walked, and as many runs first seen missing a grace ago)
 -- ARGV[3]  record TTL, ms (for runs found dead)
 -- ARGV[4]  history length
--- ARGV[5]  grace, ms: younger queued runs are not examined in step 4
+-- ARGV[5]  grace, ms: how long a message must stay missing to be judged lost
 --
--- Three steps, each examining at most ARGV[2] entries:
+-- Where the reaper stands between calls (P = prefix, M = member):
+--   P:reaper:cursor   STRING  step 1's SSCAN cursor
+--   P:reaper:walks    HASH    per walked index I: "I:score", "I:member" (the
+--                             last entry read) and "I:stop" (see below)
+--   P:reaper:missing  ZSET    M -> when its message was first seen missing
+--
+-- Four steps:
 --   1. held members whose hold deadline passed (or whose record is gone) leave
 --      the held set (SSCAN, resuming where the last call stopped);
 --   2. records still `started` whose execution lock is gone belong to a dead
 --      worker: marked `lost`, their key released;
---   3. index entries of records that expired are removed (oldest first);
+--   3. index entries of records that expired are removed;
 --   4. queued (or retry-waiting) runs whose message the transport lost after
 --      fetching it (kombu's Redis transport pops a message before recording
 --      it as unacked: a worker killed in between loses it) are marked lost and
 --      their key released. A message is missing when its delivery tag is not
 --      in the unacked hash and the oldest message still in its queue was
 --      pushed after it (queues are FIFO) or the queue is empty; it is judged
---      lost when it is missing at two passes at least ARGV[5] apart (a live
---      consumer's fetch, or a restore, is missing only for an instant). Any
---      doubt (an ungated oldest message, a restored message at the head)
---      keeps it.
+--      lost when it is still missing at the first call at least ARGV[5] after
+--      a look found it missing (a live consumer's fetch, or a restore, is
+--      missing only for an instant); P:reaper:missing keeps those looks, so
+--      the second look waits for no walk. Any doubt (an ungated oldest
+--      message, a restored message at the head) keeps it. Such a run will not
+--      run: with dedup_record_args off (its record keeps no argument reprs)
+--      the payload its record kept to run it is deleted.
+--
+-- Steps 2 to 4 walk their index (scored by last update) in score order, each
+-- call going on after the last entry the previous call read. A walk covers the
+-- entries scored at most its stop, the newest score when it began: entries
+-- added or updated meanwhile score later and wait for the next walk, which
+-- begins at the call after the walk ends. So a walk takes at most
+-- ceil(N / ARGV[2]) calls (N: entries in the index when it began), and every
+-- entry that does not change meanwhile is read once per walk. Entries leaving
+-- the index never make a walk skip one. A call goes on after the last entry
+-- read before that is still in place; only if another client removed or
+-- updated that one too does it go back to the first entry of its score,
+-- reading again entries written in that same millisecond.
+--
 -- Returns {expired holds released, dead runs marked lost, index entries
 -- removed, vanished messages' runs marked lost, {member, task id, why, ...}
 -- for each run marked lost}.
@@ -32,8 +55,81 @@ local budget, record_ms, history_len = tonumber(ARGV[2]), tonumber(ARGV[3]), ton
 local grace_ms = tonumber(ARGV[5])
 local now = now_ms()
 local cursor_key = prefix .. ':reaper:cursor'
+local walks = prefix .. ':reaper:walks'
+local suspects = prefix .. ':reaper:missing'
+
+-- The next entries of the walk over `index`, as {members, scores, more, stop,
+-- after}: `more` if the walk goes on after them, `after` the entry they follow
+-- ({member, score}, or nil). Pass it all to `walked` once they were examined.
+local function walk(index)
+  local at = redis.call('HMGET', walks, index .. ':score', index .. ':member', index .. ':stop')
+  local first, stop, after = 0, at[3], nil
+  if stop then
+    local score = redis.call('ZSCORE', index, at[2])
+    if score and tonumber(score) == tonumber(at[1]) then
+      first = redis.call('ZRANK', index, at[2]) + 1
+      after = {at[2], at[1]}
+    else
+      first = redis.call('ZCOUNT', index, '-inf', '(' .. at[1])
+    end
+  else
+    local newest = redis.call('ZRANGE', index, -1, -1, 'WITHSCORES')
+    if #newest == 0 then
+      return {members = {}, scores = {}, more = false}
+    end
+    stop = newest[2]
+  end
+  local limit = tonumber(stop)
+  -- One entry more than is read: whether the walk goes on after these.
+  local entries = redis.call('ZRANGE', index, first, first + budget, 'WITHSCORES')
+  local step = {members = {}, scores = {}, more = false, stop = stop, after = after}
+  for i = 1, #entries, 2 do
+    if tonumber(entries[i + 1]) > limit then
+      break
+    end
+    if #step.members == budget then
+      step.more = true
+      break
+    end
+    step.members[#step.members + 1] = entries[i]
+    step.scores[#step.scores + 1] = entries[i + 1]
+  end
+  return step
+end
+
+-- Save where the walk over `index` stands: after the last entry it has read
+-- that is still in the index at the same score, or else at the first entry of
+-- the last read one's score. A walk that does not go on ends: the next call
+-- begins the next walk.
+local function walked(index, step)
+  if not step.more then
+    redis.call('HDEL', walks, index .. ':score', index .. ':member', index .. ':stop')
+    return
+  end
+  local candidates = {}
+  for i = #step.members, 1, -1 do
+    candidates[#candidates + 1] = {step.members[i], step.scores[i]}
+  end
+  candidates[#candidates + 1] = step.after
+  local saved = candidates[1]
+  for _, entry in ipairs(candidates) do
+    local score = redis.call('ZSCORE', index, entry[1])
+    if score and tonumber(score) == tonumber(entry[2]) then
+      saved = entry
+      break
+    end
+  end
+  redis.call('HSET', walks, index .. ':score', saved[2], index .. ':member', saved[1], index .. ':stop', step.stop)
+end
 
 local reaped = {}
+local function reap(member, task_id, why)
+  table.insert(reaped, member)
+  table.insert(reaped, task_id)
+  table.insert(reaped, why)
+  count(prefix, member, 'reaped')
+end
+
 local released = 0
 local scan = redis.call('SSCAN', held, redis.call('GET', cursor_key) or '0', 'COUNT', budget)
 redis.call('SET', cursor_key, scan[1])
@@ -46,8 +142,9 @@ for _, member in ipairs(scan[2]) do
 end
 
 local lost = 0
-local started = redis.call('ZRANGE', prefix .. ':idx:state:started', 0, budget - 1)
-for _, member in ipairs(started) do
+local started_index = prefix .. ':idx:state:started'
+local started = walk(started_index)
+for _, member in ipairs(started.members) do
   local record = prefix .. ':rec:' .. member
   if redis.call('EXISTS', prefix .. ':lock:' .. member) == 0 and redis.call('EXISTS', record) == 1 then
     local task_id = redis.call('HGET', record, 'task_id') or ''
@@ -56,76 +153,101 @@ for _, member in ipairs(started) do
     redis.call('SREM', held, member)
     transition(prefix, record, member, 'lost', now, task_id, 'reaped: lock expired', history_len)
     expire_record(prefix, record, member, record_ms)
-    count(prefix, member, 'reaped')
     lost = lost + 1
-    table.insert(reaped, member)
-    table.insert(reaped, task_id)
-    table.insert(reaped, 'its worker died: lock expired while started')
+    reap(member, task_id, 'its worker died: lock expired while started')
   end
 end
+walked(started_index, started)
 
 local stale = 0
-local oldest = redis.call('ZRANGE', prefix .. ':idx', 0, budget - 1)
-for _, member in ipairs(oldest) do
+local index = prefix .. ':idx'
+local indexed = walk(index)
+for _, member in ipairs(indexed.members) do
   if redis.call('EXISTS', prefix .. ':rec:' .. member) == 0 then
     unindex(prefix, member)
     stale = stale + 1
   end
 end
--- The push time of the oldest message in `queue`, false if it is empty, nil if unknown.
+walked(index, indexed)
+
+-- The push time of the oldest message in `queue`: false if it is empty, -1 if
+-- unknown. Queues do not change while this script runs: each is read once.
+local heads = {}
 local function oldest_pushed(queue)
+  if heads[queue] ~= nil then
+    return heads[queue]
+  end
+  local found = -1
   local head = redis.call('LINDEX', queue, -1)
   if not head then
+    found = false
+  else
+    local ok, decoded = pcall(cjson.decode, head)
+    local headers = ok and type(decoded) == 'table' and decoded['headers']
+    local gate = type(headers) == 'table' and headers['dedup']
+    if type(gate) == 'table' and type(gate['member']) == 'string' then
+      local head_record = redis.call('HMGET', prefix .. ':rec:' .. gate['member'], 'tag', 'pushed_at')
+      local props = type(decoded['properties']) == 'table' and decoded['properties'] or {}
+      -- Otherwise a restored or superseded copy: its own push time is not known.
+      if head_record[1] == props['delivery_tag'] then
+        found = tonumber(head_record[2]) or -1
+      end
+    end
+  end
+  heads[queue] = found
+  return found
+end
+
+-- Whether the message of the run in `record` is missing (see step 4).
+local function message_missing(record)
+  local r = redis.call('HMGET', record, 'queue', 'tag', 'unacked', 'pushed_at')
+  local pushed_at = tonumber(r[4] or 0)
+  if not r[1] or pushed_at <= 0 or pushed_at >= now - grace_ms or redis.call('HEXISTS', r[3], r[2]) == 1 then
     return false
   end
-  local ok, decoded = pcall(cjson.decode, head)
-  local gate = ok and decoded['headers'] and decoded['headers']['dedup']
-  if type(gate) ~= 'table' or type(gate['member']) ~= 'string' then
-    return nil
-  end
-  local head_record = redis.call('HMGET', prefix .. ':rec:' .. gate['member'], 'tag', 'pushed_at')
-  local props = decoded['properties'] or {}
-  if head_record[1] ~= props['delivery_tag'] then
-    return nil  -- a restored or superseded copy: its own push time is not known
-  end
-  return tonumber(head_record[2])
+  local head = oldest_pushed(r[1])
+  return head == false or head > pushed_at
 end
 
 local vanished = 0
-for _, state in ipairs({'queued', 'retry'}) do
-  local waiting = redis.call('ZRANGE', prefix .. ':idx:state:' .. state, 0, budget - 1)
-  for _, member in ipairs(waiting) do
-    local record = prefix .. ':rec:' .. member
-    local r = redis.call('HMGET', record, 'queue', 'tag', 'unacked', 'pushed_at', 'task_id')
-    local pushed_at = tonumber(r[4] or 0)
-    local missing = false
-    if r[1] and pushed_at > 0 and pushed_at < now - grace_ms
-        and redis.call('HEXISTS', r[3], r[2]) == 0 then
-      local head = oldest_pushed(r[1])
-      missing = head == false or (head and head > pushed_at)
-    end
-    -- A message between a consumer's BRPOP and its unacked entry, or being
-    -- restored, is missing for an instant: only one missing at two looks a
-    -- grace apart is lost.
-    local since = tonumber(redis.call('HGET', record, 'missing_since') or 0)
-    if not missing then
-      if since > 0 then
-        redis.call('HDEL', record, 'missing_since')
-      end
-    elseif since == 0 then
-      redis.call('HSET', record, 'missing_since', now)
-    elseif since <= now - grace_ms then
-      redis.call('HDEL', record, 'missing_since')
+local waiting_states = {queued = true, retry = true}
+for _, member in ipairs(redis.call('ZRANGEBYSCORE', suspects, '-inf', now - grace_ms, 'LIMIT', 0, budget)) do
+  redis.call('ZREM', suspects, member)
+  local record = prefix .. ':rec:' .. member
+  local r = redis.call('HMGET', record, 'state', 'missing_since', 'task_id')
+  -- No missing_since: the run started since (or was replaced by another run).
+  if r[2] and waiting_states[r[1]] then
+    redis.call('HDEL', record, 'missing_since')
+    if message_missing(record) then
+      local task_id = r[3] or ''
       redis.call('SREM', held, member)
       redis.call('HSET', record, 'held_until', 0, 'finished_at', now)
-      transition(prefix, record, member, 'lost', now, r[5] or '', 'message lost by the transport', history_len)
+      if redis.call('HEXISTS', record, 'args') == 0 and redis.call('HEXISTS', record, 'kwargs') == 0 then
+        redis.call('HDEL', record, 'payload')
+      end
+      transition(prefix, record, member, 'lost', now, task_id, 'message lost by the transport', history_len)
       expire_record(prefix, record, member, record_ms)
-      count(prefix, member, 'reaped')
       vanished = vanished + 1
-      table.insert(reaped, member)
-      table.insert(reaped, r[5] or '')
-      table.insert(reaped, 'message lost by the transport')
+      reap(member, task_id, 'message lost by the transport')
     end
   end
+end
+for _, state in ipairs({'queued', 'retry'}) do
+  local state_index = prefix .. ':idx:state:' .. state
+  local waiting = walk(state_index)
+  for _, member in ipairs(waiting.members) do
+    local record = prefix .. ':rec:' .. member
+    local since = redis.call('HGET', record, 'missing_since')
+    if message_missing(record) then
+      if not since then
+        redis.call('HSET', record, 'missing_since', now)
+        redis.call('ZADD', suspects, now, member)
+      end
+    elseif since then
+      redis.call('HDEL', record, 'missing_since')
+      redis.call('ZREM', suspects, member)
+    end
+  end
+  walked(state_index, waiting)
 end
 return {released, lost, stale, vanished, reaped}

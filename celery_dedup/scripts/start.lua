@@ -24,6 +24,8 @@
 --          arguments its burst left there)
 -- ARGV[15] the task's dedup_on_locked ("skip" or "reschedule"): whether a
 --          refusal for another run's lock is counted skipped or deferred
+-- ARGV[16] "0" to delete the record's payload once this delivery runs
+--          (dedup_record_args off: it was kept only to run with); else kept
 --
 -- Returns {code, detail[, payload]}:
 --   {1, attempts, payload}  run: lock taken, record says started (attempts
@@ -43,6 +45,7 @@ local hostname, pid, retries, task_name = ARGV[7], ARGV[8], ARGV[9], ARGV[10]
 local prefix, history_len, record_ms = ARGV[11], tonumber(ARGV[12]), tonumber(ARGV[13])
 local want_payload = ARGV[14] == '1'
 local on_locked = ARGV[15]
+local keep_payload = ARGV[16] ~= '0'
 
 local now = now_ms()
 local current = redis.call('HMGET', record, 'task_id', 'state', 'held_until')
@@ -103,5 +106,8 @@ expire_record(prefix, record, member, math.max(held_until - now, lock_ms) + reco
 local payload = ''
 if want_payload then
   payload = redis.call('HGET', record, 'payload') or ''
+end
+if not keep_payload then
+  redis.call('HDEL', record, 'payload')
 end
 return {1, attempts, payload}
