@@ -135,7 +135,9 @@ def test_reaper_reaches_runs_behind_a_backlog_larger_than_its_budget(make_app: A
     dead_member = start(store, work, "dead", lock_ms=200)
     # A record that expired while still indexed.
     stale_member = start(store, work, "stale", lock_ms=ALIVE_MS)
-    owned, _ = store.finish(stale_member, run_id("stale"), "succeeded", drop=True, record_ms=200, token="*")
+    owned, _ = store.finish(
+        stale_member, run_id("stale"), "succeeded", drop=True, record_ms=200, token="host:1:0000:stale", role="run"
+    )
     assert owned
     wait_for(
         lambda: not r.exists(SCHEMA.lock(dead_member), SCHEMA.record(stale_member)),
@@ -187,7 +189,15 @@ def test_records_leaving_the_index_behind_the_cursor_do_not_make_it_skip_one(
     # The first pass reads the oldest `budget` started runs, and the dead one is not among them.
     assert passes.run().lost == 0
     for n in ending:  # the first pass read the first `budget` of these
-        store.finish(member_of(work, n), run_id(n), "succeeded", drop=True, record_ms=60_000, token="*")
+        store.finish(
+            member_of(work, n),
+            run_id(n),
+            "succeeded",
+            drop=True,
+            record_ms=60_000,
+            token=f"host:1:0000:{n}",
+            role="run",
+        )
     assert passes.run().lost == 1
     assert passes.reaped == {dead_member: 2}
     assert {state_of(r, m) for m in later} == {"started"}
