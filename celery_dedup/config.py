@@ -8,6 +8,8 @@ Every setting is read here and nowhere else. With Django's
 setting                      default               effect
 ===========================  ====================  ===============================================
 ``dedup_redis_url``          the broker URL        where keys and status records live
+``dedup_redis_options``      ``{}``                redis-py connection options of a store apart from
+                                                   the broker (the broker's store connects as kombu)
 ``dedup_key_prefix``         ``"dedup"``           prefix of every Redis key celery-dedup writes
 ``dedup_default_ttl``        ``3600``              seconds a key is held at most (plus countdown)
 ``dedup_default_mode``       ``"until_executed"``  mode of tasks that do not set ``dedup_mode``
@@ -120,6 +122,14 @@ def _interval(setting: str, value: Any, *, task: str | None = None) -> float:
         raise DedupConfigError(setting, value, reason, task=task) from None
 
 
+def _options(setting: str, value: Any, *, task: str | None = None) -> dict[str, Any]:
+    if value is None:
+        return {}
+    if not isinstance(value, Mapping) or not all(isinstance(name, str) for name in value):
+        raise DedupConfigError(setting, value, "must be a dict of redis-py connection options (names are strings)")
+    return dict(value)
+
+
 check_mode = _choice(MODES)
 check_on_duplicate = _choice(ON_DUPLICATE)
 check_on_locked = _choice(ON_LOCKED)
@@ -129,6 +139,7 @@ check_debounce = _choice(DEBOUNCE)
 #: setting name -> (default, validator)
 SETTINGS: dict[str, tuple[Any, Callable[..., Any]]] = {
     "dedup_redis_url": (None, _optional_url),
+    "dedup_redis_options": ({}, _options),
     "dedup_key_prefix": ("dedup", _key_prefix),
     "dedup_default_ttl": (3600, _seconds),
     "dedup_default_mode": ("until_executed", check_mode),
@@ -151,6 +162,7 @@ class DedupConfig:
     """The validated app-wide settings."""
 
     redis_url: str | None
+    redis_options: dict[str, Any]
     key_prefix: str
     default_ttl: float
     default_mode: str
@@ -178,7 +190,8 @@ class DedupConfig:
         values = {}
         for setting, (default, check) in SETTINGS.items():
             value = conf.get(setting, _MISSING)
-            values[setting.removeprefix("dedup_")] = default if value is _MISSING else check(setting, value)
+            # Defaults go through their check too, which copies the mutable ones.
+            values[setting.removeprefix("dedup_")] = check(setting, default if value is _MISSING else value)
         return cls(**values)
 
 
