@@ -21,6 +21,7 @@ from .exceptions import (
     DedupError,
     DedupKeyError,
     DedupRoutingError,
+    DedupStoreError,
     DedupUnavailableError,
     DuplicateTaskError,
 )
@@ -38,6 +39,7 @@ __all__ = [
     "DedupKeyError",
     "DedupResult",
     "DedupRoutingError",
+    "DedupStoreError",
     "DedupTask",
     "DedupUnavailableError",
     "DuplicateTaskError",

@@ -29,7 +29,7 @@ from kombu import serialization
 from kombu.exceptions import OperationalError
 
 from . import runtime
-from .exceptions import DedupUnavailableError, DuplicateTaskError
+from .exceptions import DedupStoreError, DedupUnavailableError, DuplicateTaskError, server_reply
 from .gate import HEADER, GateHeader
 from .keyed import DedupResult, KeyedTask, delay_seconds
 from .keys import member_for, new_nonce, new_task_id, split_member
@@ -105,8 +105,11 @@ def apply_async_many(task: KeyedTask, calls: Iterable[Call], *, chunk: int = 100
         try:
             outcomes = builder.store(channel).gate_many(chunks)
         except (redis.RedisError, OperationalError) as exc:
-            key = split_member(members[0])[1]
-            raise DedupUnavailableError(task.name, f"{key} (first of a batch)", exc, published=None) from exc
+            key = f"{split_member(members[0])[1]} (first of a batch)"
+            reply = server_reply(exc)
+            if reply is not None:
+                raise DedupStoreError(task.name, key, reply, published=None) from exc
+            raise DedupUnavailableError(task.name, key, exc, published=None) from exc
     results = []
     for outcome in outcomes:
         result = task.AsyncResult(outcome.task_id)

@@ -8,6 +8,8 @@ Every setting is read here and nowhere else. With Django's
 setting                      default               effect
 ===========================  ====================  ===============================================
 ``dedup_redis_url``          the broker URL        where keys and status records live
+``dedup_redis_options``      ``{}``                redis-py connection options of a store apart from
+                                                   the broker (the broker's store connects as kombu)
 ``dedup_key_prefix``         ``"dedup"``           prefix of every Redis key celery-dedup writes
 ``dedup_default_ttl``        ``3600``              seconds a key is held at most (plus countdown)
 ``dedup_default_mode``       ``"until_executed"``  mode of tasks that do not set ``dedup_mode``
@@ -15,7 +17,8 @@ setting                      default               effect
 ``dedup_on_redis_error``     ``"fail_closed"``     ``fail_closed`` raises, ``fail_open`` publishes
 ``dedup_max_key_length``     ``200``               longer business keys are hashed (prefix kept)
 ``dedup_record_ttl``         ``86400``             seconds a finished key's status record is kept
-``dedup_lock_ttl``           ``60``                execution lock TTL (renewed at a third of it)
+``dedup_lock_ttl``           ``60``                execution lock TTL (renewed at a third of it);
+                                                   at least 1 second
 ``dedup_on_locked``          ``"skip"``            a run finding another run's lock: ``skip`` or
                                                    ``reschedule`` (after that lock's TTL)
 ``dedup_record_args``        ``True``              keep argument reprs and the message body in records
@@ -28,12 +31,14 @@ setting                      default               effect
 ``dedup_dispatch_interval``  ``0.1``               seconds a worker's dispatcher of debounced runs
                                                    sleeps at most between looks for due runs
 ===========================  ====================  ===============================================
+
+Every time is in seconds, an int or a float, from 0.001 (Redis keeps times in
+whole milliseconds: less would be 0 ms, which Redis refuses) to 1e9.
 """
 
 from __future__ import annotations
 
 import difflib
-import math
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from typing import Any
@@ -44,9 +49,24 @@ from .modes import DEBOUNCE, MODES, ON_DUPLICATE, ON_LOCKED, ON_REDIS_ERROR
 _MISSING = object()
 
 
-def _positive_number(setting: str, value: Any, *, task: str | None = None) -> float:
-    if isinstance(value, bool) or not isinstance(value, (int, float)) or not 0 < value < math.inf:
-        raise DedupConfigError(setting, value, "must be a positive, finite number of seconds", task=task)
+#: Redis keeps times in whole milliseconds; the largest keeps server-clock
+#: deadlines (milliseconds, Lua doubles) exact.
+MIN_SECONDS, MAX_SECONDS = 0.001, 1e9
+
+#: Settings and task options (same names) with a larger minimum. The lock is
+#: renewed every third of its TTL: a renewal must land within two thirds of
+#: it despite a slow reply, a busy host or a GC pause, so below a second one
+#: hiccup would lose the lock and let another delivery run the key.
+MINIMUM_SECONDS = {"dedup_lock_ttl": 1.0}
+
+
+def _seconds(setting: str, value: Any, *, task: str | None = None) -> float:
+    """A time setting or option: a number of seconds from its minimum to ``MAX_SECONDS``."""
+    minimum = MINIMUM_SECONDS.get(setting, MIN_SECONDS)
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not minimum <= value <= MAX_SECONDS:
+        raise DedupConfigError(
+            setting, value, f"must be a number of seconds from {minimum:g} to {MAX_SECONDS:g}", task=task
+        )
     return float(value)
 
 
@@ -93,34 +113,47 @@ def _count(setting: str, value: Any, *, task: str | None = None) -> int:
 
 
 def _interval(setting: str, value: Any, *, task: str | None = None) -> float:
-    if isinstance(value, bool) or not isinstance(value, (int, float)) or not 0 <= value < math.inf:
-        raise DedupConfigError(setting, value, "must be a finite number of seconds, 0 to turn it off")
-    return float(value)
+    if value == 0 and not isinstance(value, bool):
+        return 0.0
+    try:
+        return _seconds(setting, value, task=task)
+    except DedupConfigError:
+        reason = f"must be 0 (off) or a number of seconds from {MIN_SECONDS:g} to {MAX_SECONDS:g}"
+        raise DedupConfigError(setting, value, reason, task=task) from None
+
+
+def _options(setting: str, value: Any, *, task: str | None = None) -> dict[str, Any]:
+    if value is None:
+        return {}
+    if not isinstance(value, Mapping) or not all(isinstance(name, str) for name in value):
+        raise DedupConfigError(setting, value, "must be a dict of redis-py connection options (names are strings)")
+    return dict(value)
 
 
 check_mode = _choice(MODES)
 check_on_duplicate = _choice(ON_DUPLICATE)
 check_on_locked = _choice(ON_LOCKED)
-check_ttl = _positive_number
+check_ttl = _seconds
 check_debounce = _choice(DEBOUNCE)
 
 #: setting name -> (default, validator)
 SETTINGS: dict[str, tuple[Any, Callable[..., Any]]] = {
     "dedup_redis_url": (None, _optional_url),
+    "dedup_redis_options": ({}, _options),
     "dedup_key_prefix": ("dedup", _key_prefix),
-    "dedup_default_ttl": (3600, _positive_number),
+    "dedup_default_ttl": (3600, _seconds),
     "dedup_default_mode": ("until_executed", check_mode),
     "dedup_on_duplicate": ("return_existing", check_on_duplicate),
     "dedup_on_redis_error": ("fail_closed", _choice(ON_REDIS_ERROR)),
     "dedup_max_key_length": (200, _key_length),
-    "dedup_record_ttl": (86400, _positive_number),
-    "dedup_lock_ttl": (60, _positive_number),
+    "dedup_record_ttl": (86400, _seconds),
+    "dedup_lock_ttl": (60, _seconds),
     "dedup_on_locked": ("skip", check_on_locked),
     "dedup_record_args": (True, _flag),
     "dedup_history_length": (10, _count),
     "dedup_reap_interval": (60, _interval),
-    "dedup_reap_grace": (30, _positive_number),
-    "dedup_dispatch_interval": (0.1, _positive_number),
+    "dedup_reap_grace": (30, _seconds),
+    "dedup_dispatch_interval": (0.1, _seconds),
 }
 
 
@@ -129,6 +162,7 @@ class DedupConfig:
     """The validated app-wide settings."""
 
     redis_url: str | None
+    redis_options: dict[str, Any]
     key_prefix: str
     default_ttl: float
     default_mode: str
@@ -156,7 +190,8 @@ class DedupConfig:
         values = {}
         for setting, (default, check) in SETTINGS.items():
             value = conf.get(setting, _MISSING)
-            values[setting.removeprefix("dedup_")] = default if value is _MISSING else check(setting, value)
+            # Defaults go through their check too, which copies the mutable ones.
+            values[setting.removeprefix("dedup_")] = check(setting, default if value is _MISSING else value)
         return cls(**values)
 
 

@@ -4,6 +4,9 @@ from __future__ import annotations
 
 from typing import Any
 
+import redis
+from kombu.exceptions import OperationalError
+
 
 class DedupError(Exception):
     """Root of every error raised by celery-dedup."""
@@ -65,6 +68,70 @@ class DedupUnavailableError(DedupError):
         super().__init__(
             f"task {task!r} key {key!r}: dedup store unreachable ({type(cause).__name__}: {cause}); {outcome}"
         )
+
+
+class DedupStoreError(DedupError):
+    """The dedup store answered a command with an error reply.
+
+    Out of memory (``OOM``), no permission (``NOPERM``), a key of the wrong
+    type (``WRONGTYPE``), a read-only replica (``READONLY``)...: the server was
+    reached, so this is never treated as unreachability (no ``fail_open``, no
+    retry). ``reply`` is the server's reply, with its error code; ``cause`` the
+    redis-py exception. ``published`` is False when the refused command
+    published nothing, None when part of a batch may have been published.
+    """
+
+    def __init__(self, task: str, key: str, cause: BaseException, published: bool | None = False) -> None:
+        self.task = task
+        self.key = key
+        self.cause = cause
+        self.published = published
+        self.reply = error_reply(cause)
+        outcome = "; part of the batch may have been published" if published is None else ""
+        super().__init__(f"task {task!r} key {key!r}: the dedup store refused the command: {self.reply}{outcome}")
+
+    def __reduce__(self) -> tuple[Any, ...]:
+        """Picklable with its attributes (a prefork child sends it to the worker's main process)."""
+        return (type(self), (self.task, self.key, self.cause, self.published))
+
+
+#: Failures that mean the store could not be reached (or did not answer in
+#: time); every other RedisError is an answer (see DedupStoreError).
+UNREACHABLE: tuple[type[Exception], ...] = (redis.ConnectionError, redis.TimeoutError, OperationalError)
+
+#: The error codes redis-py strips from the replies it raises as these classes.
+_REPLY_CODES: tuple[tuple[type[Exception], str], ...] = (
+    (redis.exceptions.OutOfMemoryError, "OOM"),
+    (redis.exceptions.NoPermissionError, "NOPERM"),
+    (redis.exceptions.ReadOnlyError, "READONLY"),
+    (redis.exceptions.ExecAbortError, "EXECABORT"),
+    (redis.exceptions.NoScriptError, "NOSCRIPT"),
+)
+
+
+def server_reply(exc: BaseException) -> redis.ResponseError | None:
+    """The server's error reply behind ``exc`` (kombu wraps replies to the broker in OperationalError), if any."""
+    seen: BaseException | None = exc
+    while seen is not None:
+        if isinstance(seen, redis.ResponseError):
+            return seen
+        seen = seen.__cause__ or seen.__context__
+    return None
+
+
+def store_failure(exc: BaseException) -> str:
+    """What went wrong, for a log line: an unreachable store, or the error reply of one that answered."""
+    reply = server_reply(exc)
+    if reply is not None:
+        return f"the dedup store refused the command: {error_reply(reply)}"
+    return f"dedup store unreachable ({type(exc).__name__}: {exc})"
+
+
+def error_reply(exc: BaseException) -> str:
+    """The server's error reply behind a redis-py exception, its code included (``OOM command not allowed...``)."""
+    text = str(exc)
+    code = getattr(exc, "status_code", None) or next((c for cls, c in _REPLY_CODES if isinstance(exc, cls)), None)
+    return f"{code} {text}" if code and not text.startswith(code) else text
 
 
 class DedupRoutingError(DedupError):

@@ -19,13 +19,13 @@ import random
 import socket
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any, NamedTuple
+from typing import Any, NamedTuple, NoReturn
 
 import redis
 from celery.exceptions import Ignore, Reject, Retry
 
 from . import decisions, runtime
-from .exceptions import DedupError, DedupUnavailableError
+from .exceptions import UNREACHABLE, DedupError, DedupStoreError, DedupUnavailableError
 from .gate import GateHeader, call_payload, decode_payload
 from .keyed import KeyedTask
 from .keys import member_for, split_member
@@ -87,7 +87,7 @@ def guarded_call(
     try:
         decision = start(task, store, member, gated, token, lock_ms, record_ms)
     except redis.RedisError as exc:
-        return store_unreachable(task, member, exc, lambda: body(args, kwargs))
+        return store_unreachable(task, store, member, exc, args, kwargs, body)
     if not decision.run:
         refuse(task, store, member, decision)
     keeper = renewer()
@@ -247,21 +247,63 @@ def records_args(task: KeyedTask) -> bool:
     return runtime.config_for(task.app).record_args and (gate is None or gate.record_args)
 
 
-def store_unreachable(task: KeyedTask, member: str, exc: Exception, body: Callable[[], Any]) -> Any:
-    """The store is down when a delivery starts: ``dedup_on_redis_error`` decides.
+def store_unreachable(
+    task: KeyedTask,
+    store: DedupStore,
+    member: str,
+    exc: redis.RedisError,
+    args: Any,
+    kwargs: Any,
+    body: Callable[[Any, Any], Any],
+) -> Any:
+    """The store failed when a delivery starts: if unreachable, ``dedup_on_redis_error`` decides.
 
     ``fail_open`` runs the body unguarded (logged, counted); ``fail_closed``
-    retries the delivery later instead of running it without a lock.
+    retries the delivery later instead of running it without a lock. A store
+    that answered with an error is no outage: see :func:`store_refused`.
     """
+    if not isinstance(exc, UNREACHABLE):
+        store_refused(task, store, member, exc, args, kwargs)
     app = task.app
     if runtime.config_for(app).on_redis_error == "fail_open":
         runtime.count_fail_open(app, task.name)
         decisions.log(
             "fail_open", task.name, _key(member), task.request.id, f"dedup store unreachable, ran unguarded ({exc})"
         )
-        return body()
+        return body(args, kwargs)
     unavailable = DedupUnavailableError(task.name, member, exc, published=False)
     raise task.retry(exc=unavailable, countdown=max(task.dedup_policy.lock_ttl / 3, 1.0))
+
+
+def store_refused(
+    task: KeyedTask, store: DedupStore, member: str, exc: redis.RedisError, args: Any, kwargs: Any
+) -> NoReturn:
+    """The store answered a delivery's start with an error reply (OOM, NOPERM, WRONGTYPE...): fail it.
+
+    Whatever ``dedup_on_redis_error`` says: the server is up, so the body does
+    not run unguarded, and a retry would be published through the same store.
+    The failure is recorded if the store takes that (with the call, for a
+    re-enqueue once the server is fixed); the message is acknowledged.
+    """
+    request = task.request
+    error = DedupStoreError(task.name, _key(member), exc)
+    logger.error("%s[%s]: not run: %s", task.name, request.id, error)
+    record_ms = runtime.config_for(task.app).record_ms
+    payload = kept_payload(task, FAILED, args, kwargs)
+    summary = error_summary(error)
+    finish(
+        task,
+        store,
+        member,
+        str(request.id),
+        FAILED,
+        drop=True,
+        role="report",
+        record_ms=record_ms,
+        error=summary,
+        payload=payload,
+    )
+    raise error from exc
 
 
 #: The lock of each run executing in this process, by task id. Kept off the

@@ -20,6 +20,7 @@ from collections.abc import Callable
 
 import redis
 
+from .exceptions import store_failure
 from .store import DedupStore, LockRef
 
 logger = logging.getLogger("celery_dedup")
@@ -121,7 +122,7 @@ class Renewer:
         now = self.clock()
         for lock in group:
             if now >= lock.valid_until:
-                self._lose(lock, f"Redis unreachable past the lock TTL ({type(exc).__name__}: {exc})")
+                self._lose(lock, f"not renewed within the lock TTL: {store_failure(exc)}")
             else:
                 lock.renew_at = now + min(0.5, (lock.valid_until - now) / 2)  # retry soon, before it expires
                 logger.warning("could not renew %r, retrying: %s", lock, exc)

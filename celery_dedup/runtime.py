@@ -21,7 +21,7 @@ from . import decisions
 from .config import DedupConfig
 from .exceptions import DedupConfigError, DedupOperationError
 from .keys import split_member, task_from_namespace
-from .store import DedupStore, ReapReport, client_from_url
+from .store import DedupStore, ReapReport, broker_client, client_from_url
 
 logger = logging.getLogger("celery_dedup")
 
@@ -83,11 +83,18 @@ class Runtime:
         if self._store is None:
             with self._lock:
                 if self._store is None:
-                    conf = self.app.conf
-                    url = self.config.redis_url or _broker_url(self.app)
-                    client = client_from_url(url, conf.broker_transport_options)
-                    self._store = DedupStore(client, self.config.key_prefix, history_length=self.config.history_length)
+                    self._store = DedupStore(
+                        self._client(), self.config.key_prefix, history_length=self.config.history_length
+                    )
         return self._store
+
+    def _client(self) -> redis.Redis:
+        """The store on the broker connects as the broker does; a separate one by its own URL and options."""
+        url = separate_store(self.app, self.config)
+        if url is not None:
+            return client_from_url(url, self.config.redis_options)
+        with self.app.connection_for_write() as connection:
+            return broker_client(connection)
 
 
 _runtimes: weakref.WeakSet[Runtime] = weakref.WeakSet()
@@ -110,6 +117,29 @@ def _broker_url(app: Any) -> str:
     return str(url).split(";")[0]
 
 
+def separate_store(app: Any, config: DedupConfig) -> str | None:
+    """``dedup_redis_url`` if it names a store apart from the broker, else None."""
+    return config.redis_url if config.redis_url not in (None, _broker_url(app)) else None
+
+
+def _check_redis_options(app: Any, config: DedupConfig) -> None:
+    """Refuse ``dedup_redis_options`` that would be ignored, or that redis-py does not take."""
+    if not config.redis_options:
+        return
+    url = separate_store(app, config)
+    if url is None:
+        raise DedupConfigError(
+            "dedup_redis_options",
+            config.redis_options,
+            "applies only to a dedup_redis_url apart from the broker: the store on the broker connects "
+            "as the broker does (broker_use_ssl, broker_transport_options)",
+        )
+    try:  # builds a connection object, which checks every keyword, without connecting
+        client_from_url(url, config.redis_options).connection_pool.make_connection()
+    except (TypeError, ValueError, redis.RedisError) as exc:
+        raise DedupConfigError("dedup_redis_options", config.redis_options, f"refused by redis-py: {exc}") from exc
+
+
 def _scheme(url: str) -> str:
     return url.split("://", 1)[0].lower() if "://" in url else url.lower()
 
@@ -119,6 +149,7 @@ def install(app: Any) -> Runtime:
     config = DedupConfig.from_conf(app.conf)
     if app.conf.task_protocol == 1:
         raise DedupConfigError("task_protocol", 1, "celery-dedup needs task message protocol 2 (the default)")
+    _check_redis_options(app, config)
     runtime = Runtime(app, config, installed=True)
     broker = _broker_url(app)
     scheme = _scheme(broker)
@@ -129,7 +160,7 @@ def install(app: Any) -> Runtime:
                 "broker_transport", current, f"celery-dedup gates a {scheme}:// broker with {TRANSPORTS[scheme]!r}"
             )
         _register_transports()
-        runtime.atomic = config.redis_url is None or config.redis_url == broker
+        runtime.atomic = separate_store(app, config) is None
         if not runtime.atomic:
             logger.warning(
                 "dedup_redis_url differs from the broker URL: keys and messages live apart, so the gate is "

@@ -16,7 +16,7 @@ import redis
 from celery import bootsteps
 
 from . import runtime
-from .exceptions import DedupConfigError
+from .exceptions import DedupConfigError, store_failure
 from .task import DedupTask
 
 logger = logging.getLogger("celery_dedup")
@@ -51,7 +51,7 @@ class ReaperStep(bootsteps.StartStopStep):
             report = runtime.reap(app)
             runtime.flush_counts(app)
         except redis.RedisError as exc:
-            logger.warning("reaper could not reach the dedup store: %s", exc)
+            logger.warning("reaper pass failed: %s", store_failure(exc))
             return
         if any((report.released, report.lost, report.stale, report.vanished)):
             logger.info(
@@ -117,12 +117,12 @@ class DispatchStep(bootsteps.StartStopStep):
                 dispatched = store.dispatch(limit=self.BATCH)
             except redis.RedisError as exc:
                 if reachable:
-                    logger.warning("dispatcher could not reach the dedup store: %s", exc)
+                    logger.warning("dispatcher failed: %s", store_failure(exc))
                 reachable = False
                 self.stopped.wait(max(interval, 1.0))
                 continue
             if not reachable:
-                logger.info("dispatcher reached the dedup store again")
+                logger.info("dispatcher works again")
                 reachable = True
             if dispatched.pushed:
                 logger.debug("dispatcher pushed %d debounced runs", dispatched.pushed)

@@ -9,6 +9,9 @@ from typing import Any
 from urllib.parse import unquote, urlparse
 
 import redis
+from kombu.transport import redis as kombu_redis
+from kombu.transport import virtual as kombu_virtual
+from kombu.utils.url import maybe_sanitize_url
 from redis.commands.core import Script
 from redis.sentinel import Sentinel
 
@@ -607,16 +610,53 @@ class DedupStore:
         return PurgeReport(int(purged), int(kept), bool(more))
 
 
-def client_from_url(url: str, transport_options: Mapping[str, Any] | None = None) -> redis.Redis:
-    """A redis-py client for a ``redis://``, ``rediss://``, ``unix://`` or ``sentinel://`` URL.
+def broker_client(connection: Any) -> redis.Redis:
+    """A client of the Redis broker that connects exactly as kombu's Redis transport does.
 
-    Sentinel URLs take ``master_name`` (and optional ``sentinel_kwargs``) from
-    the broker transport options, as kombu does.
+    ``connection`` is the app's ``connection_for_write()``. kombu's channel
+    builds its connection pool from ``broker_use_ssl``, ``broker_transport_options``
+    (timeouts, keepalive, health checks, Sentinel's ``master_name``...), the
+    URL's credentials or ``broker_user``/``broker_password``, and a
+    ``credential_provider``; the pool is built here by that same code, on a
+    channel that is never connected, so the store cannot drift from the broker.
+
+    Unlike kombu's per-channel pool (10 connections by default), the store's
+    pool is shared by every thread of the process, so it is bounded only by an
+    explicit ``max_connections`` transport option.
     """
-    options = dict(transport_options or {})
+    transport = connection.transport  # made without connecting
+    channel_class = transport.Channel
+    if not (isinstance(channel_class, type) and issubclass(channel_class, kombu_redis.Channel)):
+        url = maybe_sanitize_url(connection.as_uri())
+        raise DedupConfigError("dedup_redis_url", None, f"the broker {url} is not Redis: set dedup_redis_url")
+    channel: Any = channel_class.__new__(channel_class)
+    # The base class's __init__ only applies the transport options; kombu's
+    # Redis channel would go on to connect and join the consumer's poller.
+    kombu_virtual.Channel.__init__(channel, transport)
+    if "max_connections" not in connection.transport_options:
+        channel.max_connections = None
+    pool = channel._get_pool()
+    credential_provider = pool.connection_kwargs.get("credential_provider")
+    if credential_provider is not None:  # as kombu's client is given it
+        return redis.Redis(connection_pool=pool, credential_provider=credential_provider)
+    return redis.Redis(connection_pool=pool)
+
+
+def client_from_url(url: str, options: Mapping[str, Any] | None = None) -> redis.Redis:
+    """A client of a dedup store apart from the broker (``dedup_redis_url``, ``dedup_redis_options``).
+
+    ``url`` is ``redis://``, ``rediss://``, ``unix://`` or ``sentinel://`` (several
+    Sentinels joined by ``;``). ``options`` are redis-py connection keywords
+    (``ssl_ca_certs``, ``socket_timeout``, ``username``, ``credential_provider``...),
+    over those of the URL's query string; a Sentinel URL also takes
+    ``master_name`` (required) and ``sentinel_kwargs`` from them.
+    """
+    kwargs = dict(options or {})
     first = url.split(";", maxsplit=1)[0]
     if not first.startswith("sentinel://"):
-        return redis.Redis.from_url(first)
+        return redis.Redis.from_url(first, **kwargs)
+    master_name = kwargs.pop("master_name", None)
+    sentinel_kwargs = kwargs.pop("sentinel_kwargs", None)
     sentinels, password, db = [], None, 0
     for part in url.split(";"):
         parsed = urlparse(part.strip())
@@ -625,9 +665,11 @@ def client_from_url(url: str, transport_options: Mapping[str, Any] | None = None
         password = password or (unquote(parsed.password) if parsed.password else None)
         path = parsed.path.strip("/")
         db = int(path) if path.isdigit() else db
-    master_name = options.get("master_name")
     if not master_name:
-        raise DedupConfigError("broker_transport_options", options, "a sentinel:// URL needs 'master_name'")
-    sentinel = Sentinel(sentinels, sentinel_kwargs=options.get("sentinel_kwargs"))  # type: ignore[no-untyped-call]
-    client: redis.Redis = sentinel.master_for(master_name, db=db, password=password)  # type: ignore[no-untyped-call]
+        raise DedupConfigError("dedup_redis_options", options, "a sentinel:// dedup_redis_url needs 'master_name'")
+    kwargs.setdefault("db", db)
+    if password is not None:
+        kwargs.setdefault("password", password)
+    sentinel = Sentinel(sentinels, sentinel_kwargs=sentinel_kwargs)  # type: ignore[no-untyped-call]
+    client: redis.Redis = sentinel.master_for(master_name, **kwargs)  # type: ignore[no-untyped-call]
     return client

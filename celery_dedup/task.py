@@ -10,12 +10,18 @@ from typing import TYPE_CHECKING, Any, ClassVar, cast
 import redis
 from celery import Task
 from celery.utils.saferepr import saferepr
-from kombu.exceptions import OperationalError
 
 from . import decisions, runtime
 from .bulk import apply_async_many
 from .config import check_debounce, check_mode, check_on_duplicate, check_on_locked, check_ttl
-from .exceptions import DedupConfigError, DedupUnavailableError, DuplicateTaskError
+from .exceptions import (
+    UNREACHABLE,
+    DedupConfigError,
+    DedupStoreError,
+    DedupUnavailableError,
+    DuplicateTaskError,
+    server_reply,
+)
 from .gate import HEADER, UNGATED, GateHeader, Outcome, open_ticket
 from .guard import guarded_call, hand_over, lock_lost, replacing
 from .keyed import DedupResult, TaskPolicy, delay_seconds
@@ -25,7 +31,8 @@ from .store import DedupStore
 
 logger = logging.getLogger("celery_dedup")
 
-_RECOVERABLE = (OperationalError, redis.ConnectionError, redis.TimeoutError)
+#: Publish failures whose outcome ``_after_lost_reply`` finds out (an error reply is told apart there).
+_RECOVERABLE: tuple[type[Exception], ...] = (*UNREACHABLE, redis.ResponseError)
 _Publish = Callable[[dict[str, Any]], "DedupResult"]
 
 
@@ -441,6 +448,9 @@ class DedupTask(_TaskBase):
         gets the accepted run. The broker is the store here, so there is no
         ungated fallback (``dedup_on_redis_error`` governs a separate store).
         """
+        reply = server_reply(exc)
+        if reply is not None:  # not lost: the broker answered with an error (OOM, NOPERM...)
+            raise DedupStoreError(self.name, key, reply) from exc
         store = runtime.store_for(self.app).with_prefix(gate.prefix)
         try:
             record = store.record(gate.member)
@@ -457,7 +467,13 @@ class DedupTask(_TaskBase):
     def _store_unreachable(
         self, exc: Exception, key: str, run_id: str, headers: dict[str, Any], publish: _Publish
     ) -> DedupResult:
-        """The separate dedup store is unreachable: ``dedup_on_redis_error`` decides."""
+        """The separate dedup store is unreachable: ``dedup_on_redis_error`` decides.
+
+        A store that answered with an error reply is not unreachable: that is a
+        DedupStoreError under either policy, and nothing is published.
+        """
+        if not isinstance(exc, UNREACHABLE):
+            raise DedupStoreError(self.name, key, exc) from exc
         app = self.app
         if runtime.config_for(app).on_redis_error == "fail_closed":
             raise DedupUnavailableError(self.name, key, exc, published=False) from exc

@@ -58,6 +58,7 @@ def test_defaults(bare_app: BareApp) -> None:
     config = config_for(app)
     assert config == DedupConfig(
         redis_url=None,
+        redis_options={},
         key_prefix="dedup",
         default_ttl=3600,
         default_mode="until_executed",
@@ -133,6 +134,23 @@ BAD_SETTINGS = [
     ("dedup_max_key_length", 200.0),
     ("dedup_max_key_length", "200"),
     ("dedup_max_key_length", None),
+    # Redis keeps times in whole milliseconds: less than 1 ms would reach it as 0 ms.
+    ("dedup_default_ttl", 0.0004),
+    ("dedup_record_ttl", 0.0009),
+    ("dedup_reap_grace", 0.0001),
+    ("dedup_dispatch_interval", 1e-6),
+    ("dedup_reap_interval", 1e-5),
+    ("dedup_reap_interval", -1),
+    ("dedup_reap_interval", float("nan")),
+    ("dedup_lock_ttl", 0.0004),
+    ("dedup_lock_ttl", 0.5),  # renewed every third of it: below a second one slow reply loses it
+    ("dedup_lock_ttl", 0),
+    # Past 1e9 s, deadlines in ms would outgrow what Lua's doubles keep exact.
+    ("dedup_default_ttl", 1e12),
+    ("dedup_record_ttl", 10**10),
+    ("dedup_redis_options", "ssl_cert_reqs=required"),
+    ("dedup_redis_options", {1: "one"}),
+    ("dedup_redis_options", [("socket_timeout", 1)]),
 ]
 
 
@@ -166,6 +184,118 @@ def test_unknown_setting_suggests_the_right_name(bare_app: BareApp, typo: str, m
     assert info.value.setting == typo
     assert typo in str(info.value)
     assert meant in str(info.value)
+
+
+#: Every setting that is a time: each reaches Redis in milliseconds (or paces a loop).
+TIME_SETTINGS = [
+    "dedup_default_ttl",
+    "dedup_record_ttl",
+    "dedup_lock_ttl",
+    "dedup_reap_interval",
+    "dedup_reap_grace",
+    "dedup_dispatch_interval",
+]
+
+
+def test_every_time_setting_refuses_less_than_a_millisecond(bare_app: BareApp) -> None:
+    """0.0004 s would reach Redis as 0 ms ("invalid expire time" on every call): refused at install instead."""
+    numeric = [
+        n for n, (default, _) in SETTINGS.items() if isinstance(default, (int, float)) and not isinstance(default, bool)
+    ]
+    assert sorted(TIME_SETTINGS) == sorted(set(numeric) - {"dedup_max_key_length", "dedup_history_length"})
+    for setting in TIME_SETTINGS:
+        with pytest.raises(DedupConfigError) as info:
+            celery_dedup.install(bare_app(**{setting: 0.0004}))
+        assert info.value.setting == setting
+        assert "seconds" in info.value.reason
+
+
+def test_smallest_times_are_accepted_and_are_at_least_a_millisecond(bare_app: BareApp) -> None:
+    """The limits themselves pass: 1 ms for every time, 1 s for the lock TTL, 0 to turn the reaper off."""
+    app = bare_app(
+        dedup_default_ttl=0.001,
+        dedup_record_ttl=0.001,
+        dedup_lock_ttl=1,
+        dedup_reap_interval=0,
+        dedup_reap_grace=0.001,
+        dedup_dispatch_interval=0.001,
+        dedup_redis_options=None,
+    )
+    celery_dedup.install(app)
+    config = config_for(app)
+    assert config.reap_interval == 0
+    assert config.redis_options == {}
+    for seconds in (
+        config.default_ttl,
+        config.record_ttl,
+        config.lock_ttl,
+        config.reap_grace,
+        config.dispatch_interval,
+    ):
+        assert int(seconds * 1000) >= 1
+    app.finalize()
+    task = _define(app, "plain", "shop.brief", dedup_key="order:{order_id}", dedup_ttl=0.001, dedup_lock_ttl=1)
+    throttled = _define(
+        app, "plain", "shop.throttled", dedup_key="order:{order_id}", dedup_mode="throttle", dedup_window=0.001
+    )
+    assert (task.dedup_policy.ttl, task.dedup_policy.lock_ttl) == (0.001, 1)
+    assert throttled.dedup_policy.window == 0.001
+
+
+# --- dedup_redis_options ----------------------------------------------------------------------------
+
+
+def test_redis_options_are_kept_for_a_separate_store(bare_app: BareApp) -> None:
+    """A store apart from the broker takes redis-py options; the config keeps its own copy."""
+    options = {"socket_timeout": 2.5, "ssl_cert_reqs": "required", "health_check_interval": 10}
+    app = bare_app(dedup_redis_url="rediss://127.0.0.1:6390/0", dedup_redis_options=options)
+    celery_dedup.install(app)
+    config = config_for(app)
+    assert config.redis_options == options
+    options["socket_timeout"] = 99
+    assert config.redis_options["socket_timeout"] == 2.5
+
+
+@pytest.mark.parametrize("store", [None, REDIS], ids=["unset", "the-broker-url"])
+def test_redis_options_for_the_brokers_store_are_refused(bare_app: BareApp, store: str | None) -> None:
+    """On the broker the store connects as the broker does: options of its own would be silently ignored."""
+    app = bare_app(dedup_redis_url=store, dedup_redis_options={"socket_timeout": 1})
+    with pytest.raises(DedupConfigError) as info:
+        celery_dedup.install(app)
+    assert info.value.setting == "dedup_redis_options"
+    assert "broker_use_ssl" in info.value.reason and "broker_transport_options" in info.value.reason
+
+
+@pytest.mark.parametrize(
+    ("url", "options", "expected"),
+    [
+        ("redis://127.0.0.1:6390/0", {"socket_timout": 1}, "socket_timout"),
+        ("rediss://127.0.0.1:6390/0", {"ssl_cert_reqs": "sometimes"}, "ssl"),
+        ("sentinel://127.0.0.1:26379", {"socket_timeout": 1}, "master_name"),
+    ],
+    ids=["misspelt", "bad-tls-value", "sentinel-without-master"],
+)
+def test_redis_options_redis_py_refuses_fail_at_install(
+    bare_app: BareApp, url: str, options: dict[str, Any], expected: str
+) -> None:
+    """An option redis-py would refuse at the first publish is refused at install, without connecting."""
+    app = bare_app(dedup_redis_url=url, dedup_redis_options=options)
+    with pytest.raises(DedupConfigError) as info:
+        celery_dedup.install(app)
+    assert info.value.setting == "dedup_redis_options"
+    assert expected in str(info.value)
+
+
+def test_sentinel_store_takes_master_name_from_its_options(bare_app: BareApp) -> None:
+    app = bare_app(
+        dedup_redis_url="sentinel://:pw@127.0.0.1:26379/2;sentinel://127.0.0.1:26380",
+        dedup_redis_options={"master_name": "store", "socket_timeout": 3, "sentinel_kwargs": {"socket_timeout": 1}},
+    )
+    celery_dedup.install(app)
+    pool = runtime_for(app).store.client.connection_pool
+    assert pool.service_name == "store"  # type: ignore[attr-defined]
+    assert pool.connection_kwargs["socket_timeout"] == 3
+    assert (pool.connection_kwargs["db"], pool.connection_kwargs["password"]) == (2, "pw")
 
 
 class DjangoSettings:
@@ -238,6 +368,12 @@ BAD_OPTIONS = [
     pytest.param({"dedup_key": "order:{self}"}, "dedup_key", id="key-names-self"),
     pytest.param({"dedup_key": "order:{order_id!r}"}, "dedup_key", id="key-conversion"),
     pytest.param({"dedup_key": []}, "dedup_key", id="key-empty-list"),
+    pytest.param({"dedup_ttl": 0.0004}, "dedup_ttl", id="ttl-below-1ms"),
+    pytest.param({"dedup_ttl": 1e12}, "dedup_ttl", id="ttl-huge"),
+    pytest.param({"dedup_lock_ttl": 0.0004}, "dedup_lock_ttl", id="lock-ttl-below-1ms"),
+    pytest.param({"dedup_lock_ttl": 0.5}, "dedup_lock_ttl", id="lock-ttl-below-1s"),
+    pytest.param({"dedup_mode": "throttle", "dedup_window": 0.0004}, "dedup_window", id="throttle-window-below-1ms"),
+    pytest.param({"dedup_mode": "debounce", "dedup_window": 0.0004}, "dedup_window", id="debounce-window-below-1ms"),
 ]
 
 

