@@ -136,6 +136,14 @@ def _jsonable(task: str, argument: str | None, value: Any) -> Any:
     return render_value(task, argument, value)
 
 
+def _is_empty(value: Any) -> bool:
+    while isinstance(value, enum.Enum):
+        value = value.value
+    return value is None or (
+        isinstance(value, (str, bytes, bytearray, list, tuple, dict, set, frozenset)) and not value
+    )
+
+
 def bound_key(key: str, max_length: int) -> str:
     """Bound ``key`` to ``max_length`` characters: keep a prefix, append a hash."""
     if len(key) <= max_length:
@@ -251,7 +259,8 @@ class KeySpec:
     ``dedup_key`` may be a format string over argument names
     (``"order:{order_id}"``), a list of argument names (``["order_id"]``,
     rendered ``order_id=42``), a callable taking the task's arguments and
-    returning the key, or ``None`` (every argument, in signature order).
+    returning the key (never None or empty), or ``None`` (every argument, in
+    signature order).
 
     Example:
         >>> def charge(order_id, amount=0): ...
@@ -374,4 +383,12 @@ class KeySpec:
             raise DedupKeyError(
                 self.task, None, (args, kwargs), f"the dedup_key callable raised {type(exc).__name__}: {exc}"
             ) from exc
+        if _is_empty(result):
+            raise DedupKeyError(
+                self.task,
+                None,
+                result,
+                "the dedup_key callable returned an empty key, which every such call would share; "
+                "return a value that identifies the call (a constant, if the task should run once at a time)",
+            )
         return escape_literal(render_value(self.task, None, result))

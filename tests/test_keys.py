@@ -455,6 +455,60 @@ def test_empty_value_and_placeholder_do_not_collide() -> None:
     assert s.business_key(("",), {}) != s.business_key(("*",), {})
 
 
+# --- keys that carry nothing ------------------------------------------------------------------------
+
+
+class Nothing(enum.Enum):
+    NONE = None
+
+
+@pytest.mark.parametrize(
+    "result",
+    [None, "", (), [], {}, set(), frozenset(), b"", Nothing.NONE],
+    ids=[
+        "None",
+        "empty-str",
+        "empty-tuple",
+        "empty-list",
+        "empty-dict",
+        "empty-set",
+        "empty-frozenset",
+        "empty-bytes",
+        "enum-of-None",
+    ],
+)
+def test_callable_returning_no_key_is_refused(result: Any) -> None:
+    """A dedup_key callable that returns None or an empty value (a forgotten ``return``, a missing field)
+    would give every call one key; it is refused with DedupKeyError naming the task and the value."""
+
+    def key_of(order_id: Any, **_: Any) -> Any:
+        return result
+
+    s = spec(key_of, charge)
+    with pytest.raises(DedupKeyError) as info:
+        s.business_key((1,), {})
+    assert info.value.task == TASK
+    assert TASK in str(info.value)
+    assert repr(result) in str(info.value)
+    assert "dedup_key" in str(info.value)
+
+
+@pytest.mark.parametrize("option", ["order:{a}", ["a"], None], ids=["template", "names", "all-arguments"])
+def test_empty_and_none_argument_values_are_keys(option: KeyOption) -> None:
+    """Argument data is never refused for being empty: equal arguments are one call, and "" differs from None."""
+    s = spec(option, one)
+    keys = {s.business_key((value,), {}) for value in ("", None, "*", (), 0, False)}
+    assert len(keys) == 6, keys
+
+
+def test_a_task_without_arguments_has_the_key_star() -> None:
+    """A task that takes no arguments has one key, ``*``, under the all-arguments form."""
+
+    def tick() -> None: ...
+
+    assert spec(None, tick).business_key((), {}) == "*"
+
+
 # --- errors -----------------------------------------------------------------------------------------
 
 
