@@ -369,6 +369,7 @@ class KeySpec:
             self._parts = self._parse_template(option)
             self._render = self._render_template
         elif callable(option):
+            self._check_callable(option)
             self._callable = option
             self._render = self._render_callable
         elif isinstance(option, Sequence) and option and all(isinstance(n, str) for n in option):
@@ -458,6 +459,25 @@ class KeySpec:
             f"{_escape(name, _UNSAFE_IN_NAMES)}={render_value(self.task, name, arguments[name])}"
             for name in named + extra
         )
+
+    def _check_callable(self, key: Callable[..., Any]) -> None:
+        """Refuse, at start-up, a callable that cannot take the task's required arguments."""
+        try:
+            accepts = inspect.signature(key)
+        except (TypeError, ValueError):  # no signature to read (some builtins): it is tried at each call
+            return
+        params = self.signature.parameters.values()
+        positional = [
+            p.name for p in params if p.default is p.empty and p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD)
+        ]
+        keyword = {p.name: None for p in params if p.default is p.empty and p.kind is p.KEYWORD_ONLY}
+        try:
+            accepts.bind(*positional, **keyword)
+        except TypeError as exc:
+            taken = ", ".join([*positional, *keyword]) or "none"
+            raise DedupConfigError(
+                "dedup_key", key, f"the callable cannot take the task's arguments ({taken}): {exc}", task=self.task
+            ) from None
 
     def _render_callable(self, _: Mapping[str, Any], args: tuple[Any, ...], kwargs: dict[str, Any]) -> str:
         try:

@@ -19,6 +19,7 @@ from celery import Celery
 
 import celery_dedup
 from celery_dedup import DedupConfigError, DedupTask
+from celery_dedup.exceptions import DedupOperationError
 from celery_dedup.runtime import config_for
 
 from .conftest import AppFactory, Server, queued_messages
@@ -167,3 +168,35 @@ def test_publish_settings_changed_after_install_are_honoured(make_app: AppFactor
     keyed_task(app).delay(2)
     modes = [m["properties"]["delivery_mode"] for m in queued_messages(r)]
     assert modes == [1, 1], "task_default_delivery_mode set after install was ignored"
+
+
+# --------------------------------------------------------------------------- out-of-range arguments
+
+
+def test_a_key_callable_that_cannot_take_the_tasks_arguments_fails_when_bound(offline_app: Celery) -> None:
+    celery_dedup.install(offline_app)
+    with pytest.raises(DedupConfigError, match=r"cannot take the task's arguments \(order_id\)") as info:
+
+        @offline_app.task(base=DedupTask, name="install.by_two", dedup_key=lambda a, b: f"{a}:{b}", shared=False)
+        def by_two(order_id: int, amount: int = 0) -> None: ...
+
+        offline_app.finalize()
+        by_two.dedup_policy  # noqa: B018
+    assert info.value.task == "install.by_two"
+
+
+def test_a_key_callable_taking_what_the_task_requires_is_accepted(offline_app: Celery) -> None:
+    celery_dedup.install(offline_app)
+
+    @offline_app.task(base=DedupTask, name="install.by_order", dedup_key=lambda order_id, **_: order_id, shared=False)
+    def by_order(order_id: int, amount: int = 0) -> None: ...
+
+    assert by_order.dedup_business_key(7, amount=3) == "7"
+
+
+@pytest.mark.parametrize("chunk", [0, -1, 2.5, True])
+def test_apply_async_many_refuses_a_chunk_below_one(make_app: AppFactory, chunk: Any) -> None:
+    keyed = keyed_task(make_app())
+    with pytest.raises(DedupOperationError, match="chunk") as info:
+        keyed.apply_async_many([((1,), {})], chunk=chunk)
+    assert info.value.operation == "apply_async_many"
