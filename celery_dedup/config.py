@@ -86,12 +86,17 @@ def _key_prefix(setting: str, value: Any, *, task: str | None = None) -> str:
     return value
 
 
+#: URL schemes a dedup store can be reached by.
+STORE_SCHEMES = ("redis", "rediss", "unix", "sentinel")
+
+
 def _optional_url(setting: str, value: Any, *, task: str | None = None) -> str | None:
     if value is None:
         return None
-    if not isinstance(value, str) or "://" not in value:
+    scheme = value.partition("://")[0].lower() if isinstance(value, str) and "://" in value else None
+    if scheme not in STORE_SCHEMES:
         raise DedupConfigError(setting, value, "must be a redis:// rediss:// unix:// or sentinel:// URL")
-    return value
+    return str(value)
 
 
 def _key_length(setting: str, value: Any, *, task: str | None = None) -> int:
@@ -189,10 +194,27 @@ class DedupConfig:
         _reject_unknown(conf)
         values = {}
         for setting, (default, check) in SETTINGS.items():
-            value = conf.get(setting, _MISSING)
+            value = _lookup(conf, setting)
             # Defaults go through their check too, which copies the mutable ones.
             values[setting.removeprefix("dedup_")] = check(setting, default if value is _MISSING else value)
         return cls(**values)
+
+
+def _lookup(conf: Mapping[str, Any], setting: str) -> Any:
+    """A setting's value under its name, or as a plain config module spells it, upper case.
+
+    Celery reads a plain module's upper-case names as its own settings (its
+    pre-4.0 style), so ``DEDUP_DEFAULT_TTL`` there means ``dedup_default_ttl``;
+    one setting given both ways with different values is refused, as Celery
+    refuses mixing the two styles.
+    """
+    lower = conf.get(setting, _MISSING)
+    upper = conf.get(setting.upper(), _MISSING)
+    if lower is not _MISSING and upper is not _MISSING and lower != upper:
+        raise DedupConfigError(
+            setting, lower, f"is also set as {setting.upper()}={upper!r}: both spellings name one setting, set it once"
+        )
+    return upper if lower is _MISSING else lower
 
 
 #: Django settings that share the ``CELERY_DEDUP_`` prefix but configure the

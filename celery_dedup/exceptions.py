@@ -149,7 +149,9 @@ class DedupRoutingError(DedupError):
 
 
 class DedupOperationError(DedupError):
-    """An operator's action on a key (release, purge, re-enqueue) cannot be done."""
+    """An operation cannot be done as asked: an operator's action on a key
+    (release, purge, re-enqueue), or a call with an argument out of range
+    (``reap(budget=0)``, ``apply_async_many(chunk=0)``)."""
 
     def __init__(self, operation: str, target: str, reason: str) -> None:
         self.operation = operation

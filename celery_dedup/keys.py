@@ -2,12 +2,23 @@
 
 A **business key** names a unit of work (``order:42``). It is rendered from a
 task's bound arguments, so ``charge(42)``, ``charge(order_id=42)`` and
-``charge(42, amount=<default>)`` agree. Each argument value is rendered in a
-canonical, type-stable text form; characters that could blur the key's
-structure (``%``, ``:``, ``{``, ``}``, whitespace, control characters) are
-percent-escaped, so distinct arguments never render alike. Keys longer than
-``dedup_max_key_length`` keep a readable prefix followed by ``#`` and a hash
-of the whole key.
+``charge(42, amount=<default>)`` agree. Each argument value has one canonical
+rendering, and two values render alike only if they are the same value:
+
+- strings percent-escape whatever could blur the key's structure (``%``,
+  ``:``, ``{}``, ``[]``, ``#``, ``*``, ``,``, ``=``, whitespace, control
+  characters), so bare braces and brackets are left to tags and containers;
+- an int renders as its digits, a UUID as its canonical text: each agrees
+  with that string (an id from a JSON webhook is the id from Python);
+- other scalars are tagged (``{null}``, ``{true}``, ``{float}1.5``,
+  ``{decimal}12.5``, ``{date}2024-01-02``, ``{bytes}41``, ...), equal
+  values of one type agreeing (``-0.0`` is ``0.0``, ``12.50`` is ``12.5``);
+- tuples and lists render as ``[a,b]``, dicts as ``{k=v,...}`` and sets as
+  ``{set}[...]``, entries and members sorted by their rendering.
+
+docs/concepts.md states the rules and why; tests/test_keys_property.py checks
+them. Keys longer than ``dedup_max_key_length`` keep a readable prefix
+followed by ``#`` and a hash of the whole key.
 
 Redis key schema (``P`` is ``dedup_key_prefix``; ``M`` a *member*: the escaped
 task name, ``:``, and the business key)::
@@ -27,7 +38,7 @@ import decimal
 import enum
 import hashlib
 import inspect
-import json
+import math
 import re
 import secrets
 import string
@@ -41,14 +52,21 @@ from .exceptions import DedupConfigError, DedupKeyError
 
 KeyOption = str | Sequence[str] | Callable[..., Any] | None
 
-# ``,`` and ``=`` separate ``name=value`` pairs, ``#`` starts the hash of a
+# ``,`` and ``=`` separate ``name=value`` pairs and container items, ``{}``
+# and ``[]`` delimit type tags and containers, ``#`` starts the hash of a
 # bounded key and a lone ``*`` is the key of a call with no key parts: none of
-# them may appear unescaped in a value, or two calls could render alike.
-_UNSAFE_IN_VALUES = frozenset("%:{}#*,=")
+# them may appear unescaped in a string, or two calls could render alike.
+_UNSAFE_IN_VALUES = frozenset("%:{}#*,=[]")
+# A callable's string result is a whole key: ``:``, ``,`` and ``=`` stay readable.
+_UNSAFE_IN_RESULTS = frozenset("%{}#*[]")
 _UNSAFE_IN_LITERALS = frozenset("%{}#*")
+# Task names and keyword names: the escaping they always had.
+_UNSAFE_IN_NAMES = frozenset("%:{}#*,=")
 _ESCAPE_RUN = re.compile(r"(?:%[0-9A-F]{2})+$")
 _HASH_CHARS = 32
 _ID_ALPHABET = "0123456789abcdefghjkmnpqrstvwxyz"  # Crockford base32: no i, l, o, u
+# Decimals with more zeros than this before or after their digits are written with an exponent.
+_DECIMAL_ZEROS = 20
 
 
 def _escape(text: str, unsafe: frozenset[str]) -> str:
@@ -64,77 +82,154 @@ def _escape(text: str, unsafe: frozenset[str]) -> str:
 
 
 def escape_value(text: str) -> str:
-    """Escape one rendered value so it cannot look like key structure."""
+    """Escape a string value so it cannot look like key structure, a tag or a container."""
     return _escape(text, _UNSAFE_IN_VALUES)
 
 
 def escape_literal(text: str) -> str:
-    """Escape template text and callable results; ``:`` stays as a separator."""
+    """Escape template text; ``:`` stays as a separator."""
     return _escape(text, _UNSAFE_IN_LITERALS)
+
+
+class _Unrenderable(Exception):
+    """A value (possibly nested inside an argument) with no canonical key form."""
+
+    def __init__(self, value: Any, reason: str) -> None:
+        self.value = value
+        self.reason = reason
+        super().__init__(reason)
 
 
 def _render_int(value: int) -> str:
     try:
         return str(int(value))
-    except ValueError:  # beyond sys.get_int_max_str_digits()
-        return hex(value)
+    except ValueError:  # beyond sys.get_int_max_str_digits(): no digits to agree with
+        return "{int}" + hex(value)
+
+
+def _render_float(value: float) -> str:
+    if math.isnan(value):
+        return "{float}nan"
+    return "{float}" + repr(value + 0.0)  # + 0.0: -0.0 is 0.0
+
+
+def _render_decimal(value: decimal.Decimal) -> str:
+    """By value, exactly (no context rounding): ``12.50`` and ``12.5`` agree, ``100`` stays ``100``."""
+    if value.is_nan():
+        return "{decimal}NaN"
+    if value.is_infinite():
+        return "{decimal}" + ("-Infinity" if value.is_signed() else "Infinity")
+    sign, digits, exponent = value.as_tuple()
+    assert isinstance(exponent, int)
+    coefficient = "".join(map(str, digits)).lstrip("0")
+    if not coefficient:
+        return "{decimal}0"
+    stripped = coefficient.rstrip("0")
+    exponent += len(coefficient) - len(stripped)
+    point = len(stripped) + exponent  # digits before the decimal point
+    if 0 <= exponent <= _DECIMAL_ZEROS:
+        text = stripped + "0" * exponent
+    elif exponent < 0 < point:
+        text = f"{stripped[:point]}.{stripped[point:]}"
+    elif exponent < 0 and point >= -_DECIMAL_ZEROS:
+        text = "0." + "0" * -point + stripped
+    else:
+        text = f"{stripped}E{exponent:+d}"
+    return "{decimal}" + ("-" if sign else "") + text
 
 
 def _render_datetime(value: datetime.datetime) -> str:
     if value.utcoffset() is not None:
-        value = value.astimezone(datetime.timezone.utc)  # one instant, one key
-    return value.isoformat()
+        try:
+            value = value.astimezone(datetime.timezone.utc)  # one instant, one key
+        except OverflowError:
+            raise _Unrenderable(value, "is an instant outside the years 1-9999 in UTC") from None
+    return "{datetime}" + escape_value(value.isoformat())
 
 
-#: Scalar types and their canonical text, checked in order (bool before int).
-_SCALARS: tuple[tuple[type | tuple[type, ...], Callable[[Any], str]], ...] = (
-    (type(None), lambda _: "null"),
-    (bool, lambda v: "true" if v else "false"),
-    (str, str),
-    (int, _render_int),
-    (float, repr),
-    ((decimal.Decimal, uuid.UUID), str),
-    (datetime.datetime, _render_datetime),
-    ((datetime.date, datetime.time), lambda v: v.isoformat()),
-    ((bytes, bytearray), lambda v: "0x" + bytes(v).hex()),
-)
+def _text(value: str) -> str:
+    r"""The text of a string, with UTF-16 surrogate pairs joined into the character they encode.
 
-
-def render_value(task: str, argument: str | None, value: Any) -> str:
-    """Render one argument value in its canonical text form (unescaped).
-
-    Raises:
-        DedupKeyError: the value has no stable text form.
+    JSON joins them on the way to a worker (``"\ud800\udc00"`` arrives as ``"\U00010000"``),
+    so the publisher must too. ``str.__str__`` ignores a subclass's ``__str__``.
     """
-    if isinstance(value, enum.Enum):
-        return render_value(task, argument, value.value)
+    text = str.__str__(value)
+    if text.isprintable():
+        return text
+    return text.encode("utf-16-le", "surrogatepass").decode("utf-16-le", "surrogatepass")
+
+
+#: Scalar types and their key forms, checked in order (bool before int, datetime before date).
+_SCALARS: tuple[tuple[type | tuple[type, ...], Callable[[Any], str]], ...] = (
+    (type(None), lambda _: "{null}"),
+    (bool, lambda v: "{true}" if v else "{false}"),
+    (int, _render_int),
+    (uuid.UUID, str),
+    (float, _render_float),
+    (decimal.Decimal, _render_decimal),
+    (datetime.datetime, _render_datetime),
+    (datetime.date, lambda v: "{date}" + v.isoformat()),
+    (datetime.time, lambda v: "{time}" + escape_value(v.isoformat())),
+    ((bytes, bytearray), lambda v: "{bytes}" + bytes(v).hex()),
+)
+_CONTAINERS = (list, tuple, dict, set, frozenset)
+
+
+def _render(value: Any, path: set[int], *, item: bool = False) -> str:
+    """The canonical key form of ``value``: escaped, tagged where its text could be another value's.
+
+    ``item``: inside a container, where an empty string is ``{empty}`` so ``[""]`` is not ``[]``.
+    """
+    while isinstance(value, enum.Enum):
+        value = value.value
+    if isinstance(value, str):
+        return escape_value(_text(value)) if value or not item else "{empty}"
     for types, render in _SCALARS:
         if isinstance(value, types):
             return render(value)
-    if isinstance(value, (list, tuple, dict, set, frozenset)):
-        try:
-            return json.dumps(_jsonable(task, argument, value), sort_keys=True, separators=(",", ":"))
-        except (RecursionError, ValueError) as exc:
-            raise DedupKeyError(task, argument, value, f"cannot be rendered canonically: {exc}") from None
-    raise DedupKeyError(
-        task,
-        argument,
+    if isinstance(value, _CONTAINERS):
+        return _render_container(value, path)
+    raise _Unrenderable(
         value,
         f"a {type(value).__name__} has no canonical text form for a business key; "
         "pass primitives, or give dedup_key a callable that returns a string",
     )
 
 
-def _jsonable(task: str, argument: str | None, value: Any) -> Any:
-    if isinstance(value, (set, frozenset)):
-        return sorted((_jsonable(task, argument, v) for v in value), key=repr)
-    if isinstance(value, (list, tuple)):
-        return [_jsonable(task, argument, v) for v in value]
-    if isinstance(value, dict):
-        return {render_value(task, argument, k): _jsonable(task, argument, v) for k, v in value.items()}
-    if value is None or (isinstance(value, (bool, int, float, str)) and not isinstance(value, enum.Enum)):
-        return value
-    return render_value(task, argument, value)
+def _render_container(value: Any, path: set[int]) -> str:
+    """``[a,b]`` for lists and tuples, ``{k=v,...}`` for dicts, ``{set}[...]`` for sets; unordered ones sorted."""
+    if id(value) in path:
+        raise _Unrenderable(value, "contains itself")
+    path.add(id(value))
+    try:
+        if isinstance(value, (list, tuple)):
+            return "[" + ",".join(_render(v, path, item=True) for v in value) + "]"
+        if isinstance(value, dict):
+            entries = (f"{_render(k, path, item=True)}={_render(v, path, item=True)}" for k, v in value.items())
+            return "{" + ",".join(sorted(entries)) + "}"
+        return "{set}[" + ",".join(sorted(_render(v, path, item=True) for v in value)) + "]"
+    finally:
+        path.discard(id(value))
+
+
+def render_value(task: str, argument: str | None, value: Any) -> str:
+    """Render one argument value in its canonical key form (already escaped).
+
+    Raises:
+        DedupKeyError: the value, or something inside it, has no canonical form.
+    """
+    try:
+        return _render(value, set())
+    except _Unrenderable as exc:
+        raise DedupKeyError(task, argument, exc.value, exc.reason) from None
+    except RecursionError:
+        raise DedupKeyError(task, argument, value, "is nested too deeply to be rendered canonically") from None
+
+
+def _is_empty(value: Any) -> bool:
+    while isinstance(value, enum.Enum):
+        value = value.value
+    return value is None or (isinstance(value, (str, bytes, bytearray, *_CONTAINERS)) and not value)
 
 
 def bound_key(key: str, max_length: int) -> str:
@@ -165,7 +260,7 @@ def _whole_chars(prefix: str) -> str:
 
 def task_namespace(task_name: str) -> str:
     """The escaped task name that prefixes every member of that task."""
-    return escape_value(task_name)
+    return _escape(task_name, _UNSAFE_IN_NAMES)
 
 
 def task_from_namespace(namespace: str) -> str:
@@ -252,7 +347,8 @@ class KeySpec:
     ``dedup_key`` may be a format string over argument names
     (``"order:{order_id}"``), a list of argument names (``["order_id"]``,
     rendered ``order_id=42``), a callable taking the task's arguments and
-    returning the key, or ``None`` (every argument, in signature order).
+    returning the key (never None or empty), or ``None`` (every argument, in
+    signature order).
 
     Example:
         >>> def charge(order_id, amount=0): ...
@@ -273,6 +369,7 @@ class KeySpec:
             self._parts = self._parse_template(option)
             self._render = self._render_template
         elif callable(option):
+            self._check_callable(option)
             self._callable = option
             self._render = self._render_callable
         elif isinstance(option, Sequence) and option and all(isinstance(n, str) for n in option):
@@ -349,22 +446,38 @@ class KeySpec:
         for literal, field in self._parts:
             out.append(literal)
             if field is not None:
-                out.append(escape_value(render_value(self.task, field, self._value(arguments, field))))
+                out.append(render_value(self.task, field, self._value(arguments, field)))
         return "".join(out)
 
     def _render_names(self, arguments: Mapping[str, Any], *_: Any) -> str:
-        return ",".join(
-            f"{name}={escape_value(render_value(self.task, name, self._value(arguments, name)))}"
-            for name in self._names
-        )
+        return ",".join(f"{name}={render_value(self.task, name, self._value(arguments, name))}" for name in self._names)
 
     def _render_all(self, arguments: Mapping[str, Any], *_: Any) -> str:
         named = [n for n in self.signature.parameters if n in arguments]
         extra = sorted(n for n in arguments if n not in self.signature.parameters)  # **kwargs: any order
         return ",".join(
-            f"{escape_value(name)}={escape_value(render_value(self.task, name, arguments[name]))}"
+            f"{_escape(name, _UNSAFE_IN_NAMES)}={render_value(self.task, name, arguments[name])}"
             for name in named + extra
         )
+
+    def _check_callable(self, key: Callable[..., Any]) -> None:
+        """Refuse, at start-up, a callable that cannot take the task's required arguments."""
+        try:
+            accepts = inspect.signature(key)
+        except (TypeError, ValueError):  # no signature to read (some builtins): it is tried at each call
+            return
+        params = self.signature.parameters.values()
+        positional = [
+            p.name for p in params if p.default is p.empty and p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD)
+        ]
+        keyword = {p.name: None for p in params if p.default is p.empty and p.kind is p.KEYWORD_ONLY}
+        try:
+            accepts.bind(*positional, **keyword)
+        except TypeError as exc:
+            taken = ", ".join([*positional, *keyword]) or "none"
+            raise DedupConfigError(
+                "dedup_key", key, f"the callable cannot take the task's arguments ({taken}): {exc}", task=self.task
+            ) from None
 
     def _render_callable(self, _: Mapping[str, Any], args: tuple[Any, ...], kwargs: dict[str, Any]) -> str:
         try:
@@ -375,4 +488,17 @@ class KeySpec:
             raise DedupKeyError(
                 self.task, None, (args, kwargs), f"the dedup_key callable raised {type(exc).__name__}: {exc}"
             ) from exc
-        return escape_literal(render_value(self.task, None, result))
+        if _is_empty(result):
+            raise DedupKeyError(
+                self.task,
+                None,
+                result,
+                "the dedup_key callable returned an empty key, which every such call would share; "
+                "return a value that identifies the call (a constant, if the task should run once at a time)",
+            )
+        value = result
+        while isinstance(value, enum.Enum):
+            value = value.value
+        if isinstance(value, str):
+            return _escape(_text(value), _UNSAFE_IN_RESULTS)
+        return render_value(self.task, None, value)

@@ -6,6 +6,7 @@ it through the functions here.
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import os
 import threading
@@ -15,6 +16,8 @@ from collections import Counter
 from typing import Any
 
 import redis
+from kombu import pools as kombu_pools
+from kombu import transport as kombu_transport
 from kombu.transport import TRANSPORT_ALIASES
 
 from . import decisions
@@ -160,6 +163,7 @@ def install(app: Any) -> Runtime:
                 "broker_transport", current, f"celery-dedup gates a {scheme}:// broker with {TRANSPORTS[scheme]!r}"
             )
         _register_transports()
+        _replace_connections(app)
         runtime.atomic = separate_store(app, config) is None
         if not runtime.atomic:
             logger.warning(
@@ -182,9 +186,33 @@ def _register_transports() -> None:
     Through kombu's alias table rather than ``broker_transport``: kombu
     re-resolves the URL scheme when it fails over to another broker URL (or
     Sentinel), and its ``rediss`` TLS defaults key on the scheme name. The
-    gated transports publish un-keyed messages exactly as kombu's do.
+    gated transports publish un-keyed messages exactly as kombu's do. kombu
+    caches a scheme's class once resolved: a scheme resolved before (this
+    process published before ``install``) is resolved again.
     """
     TRANSPORT_ALIASES.update(TRANSPORTS)
+    cache: dict[str | None, type | None] = vars(kombu_transport)["_transport_cache"]
+    for scheme, path in TRANSPORTS.items():
+        cached = cache.get(scheme)
+        if cached is not None and f"{cached.__module__}:{cached.__qualname__}" != path:
+            del cache[scheme]
+
+
+def _replace_connections(app: Any) -> None:
+    """Drop the app's broker connection pool: made before ``install``, its connections publish ungated.
+
+    kombu keeps one pool per broker for the whole process; the app's entries
+    leave that registry, so Celery opens a new pool on demand, whose
+    connections resolve to the gated transport. Whoever else still holds the
+    old pool keeps it as it was.
+    """
+    if app._pool is None:
+        return
+    connection = app.connection_for_write()
+    for group in (kombu_pools.connections, kombu_pools.producers):
+        with contextlib.suppress(KeyError):
+            del group[connection]
+    app._pool = None
 
 
 def runtime_for(app: Any) -> Runtime:

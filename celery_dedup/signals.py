@@ -10,12 +10,14 @@ limits, where the body never returned.
 from __future__ import annotations
 
 import logging
+from collections.abc import Callable
 from typing import Any
 
 import redis
 from billiard.exceptions import WorkerLostError
 from celery import signals
 from celery.exceptions import Reject, TimeLimitExceeded
+from kombu.utils.imports import symbol_by_name
 
 from . import runtime
 from .gate import HEADER, GateHeader, Ticket, open_ticket
@@ -139,20 +141,16 @@ class _GatedProducer:
         return sent
 
 
-def gate_send_task(app: Any) -> None:
-    """Gate ``app.send_task`` by name, for this app's DedupTasks; announce only messages the gate took.
+def gated_sender(app: Any, send: Callable[..., Any]) -> Callable[..., Any]:
+    """Wrap Celery's message sender ``send``: gate publishes by name, announce only messages the gate took.
 
     ``DedupTask.apply_async`` adds the header itself; ``send_task`` and canvas
     fallbacks bypass it. Celery's ``before_task_publish`` signal could add the
     header but does not say which app publishes, so the app's own message
-    sender (a per-app cached property) is wrapped instead. A duplicate the
-    gate refused gets no ``after_task_publish`` signal and no ``task-sent``
-    event (``before_task_publish`` fired already: it precedes the gate).
+    sender is wrapped instead. A duplicate the gate refused gets no
+    ``after_task_publish`` signal and no ``task-sent`` event
+    (``before_task_publish`` fired already: it precedes the gate).
     """
-    amqp = app.amqp
-    send = amqp.send_task_message
-    if getattr(send, "celery_dedup", False):
-        return
 
     def send_task_message(producer: Any, name: str, message: Any, **options: Any) -> Any:
         # apply_async passes its header as an option; Celery merges it over the message's.
@@ -168,8 +166,47 @@ def gate_send_task(app: Any) -> None:
             except _Refused:
                 return None
 
-    send_task_message.celery_dedup = True  # type: ignore[attr-defined]
-    amqp.send_task_message = send_task_message
+    return send_task_message
+
+
+class GatedAMQP:
+    """Mixed into the app's AMQP class: its message sender is the gated one.
+
+    Celery builds the sender, reading the publish settings
+    (``task_publish_retry_policy``, ``task_default_routing_key``, ...), at
+    the first publish; so does this, so settings changed after ``install``
+    apply as they would without celery-dedup.
+    """
+
+    app: Any
+
+    def _create_task_sender(self) -> Callable[..., Any]:
+        return gated_sender(self.app, super()._create_task_sender())  # type: ignore[misc]
+
+
+_GATED_CLASSES: dict[type, type] = {}
+
+
+def _gated_class(base: type) -> type:
+    if issubclass(base, GatedAMQP):
+        return base
+    if base not in _GATED_CLASSES:
+        _GATED_CLASSES[base] = type(f"Gated{base.__name__}", (GatedAMQP, base), {"__module__": __name__})
+    return _GATED_CLASSES[base]
+
+
+def gate_send_task(app: Any) -> None:
+    """Gate ``app.send_task`` by name, for this app's DedupTasks (idempotent).
+
+    Through ``app.amqp_cls``, Celery's hook for its AMQP class. An AMQP object
+    the app made already (it published before ``install``) is dropped, and
+    Celery makes a gated one at its next use.
+    """
+    base = symbol_by_name(app.amqp_cls)
+    if issubclass(base, GatedAMQP):
+        return
+    app.amqp_cls = _gated_class(base)
+    app.__dict__.pop("amqp", None)
 
 
 def connect(app: Any) -> None:

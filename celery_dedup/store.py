@@ -65,6 +65,19 @@ class Scripts:
         self.purge: Script = client.register_script(load_script("purge"))
 
 
+def storable(text: str) -> str:
+    """``text`` as Redis can take it: a lone surrogate (JSON's ``"\\ud800"`` decodes to one) is escaped.
+
+    Celery publishes such arguments; the UTF-8 that redis-py sends cannot
+    hold them, so what celery-dedup records of them keeps ``\\ud800`` instead.
+    """
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError:
+        return text.encode("utf-8", "backslashreplace").decode("utf-8")
+    return text
+
+
 def _text(value: Any) -> str:
     return value.decode("utf-8", "surrogateescape") if isinstance(value, bytes) else str(value)
 
@@ -279,8 +292,8 @@ class DedupStore:
             grace_ms,
             self.schema.prefix,
             self.history_length,
-            argsrepr,
-            kwargsrepr,
+            storable(argsrepr),
+            storable(kwargsrepr),
             "1" if continues else "0",
         ]
         if queue is not None:
@@ -433,10 +446,10 @@ class DedupStore:
             token,
             self.schema.prefix,
             self.history_length,
-            error,
+            storable(error),
             payload,
             role,
-            note,
+            storable(note),
         ]
         owned, lock_kept = self.scripts.finish(keys, args)
         return bool(owned), bool(lock_kept)

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import difflib
 import inspect
 import logging
 from collections.abc import Callable, Iterable, Mapping, Sequence
@@ -30,6 +31,19 @@ from .modes import MODES, Mode
 from .store import DedupStore
 
 logger = logging.getLogger("celery_dedup")
+
+#: Every task option, as a DedupTask attribute or a keyword of ``@app.task``.
+TASK_OPTIONS = (
+    "dedup_key",
+    "dedup_mode",
+    "dedup_ttl",
+    "dedup_on_duplicate",
+    "dedup_lock_ttl",
+    "dedup_on_locked",
+    "dedup_window",
+    "dedup_max_wait",
+    "dedup_debounce",
+)
 
 #: Publish failures whose outcome ``_after_lost_reply`` finds out (an error reply is told apart there).
 _RECOVERABLE: tuple[type[Exception], ...] = (*UNREACHABLE, redis.ResponseError)
@@ -109,6 +123,7 @@ class DedupTask(_TaskBase):
 
     @classmethod
     def _resolve_policy(cls, app: Any) -> TaskPolicy:
+        cls._refuse_unknown_options()
         config = runtime.config_for(app)
         name = cls.name
         mode_name = cls.dedup_mode if cls.dedup_mode is not None else config.default_mode
@@ -135,6 +150,24 @@ class DedupTask(_TaskBase):
             on_locked=check_on_locked("dedup_on_locked", on_locked, task=name),
             **cls._resolve_window(mode),
         )
+
+    @classmethod
+    def _refuse_unknown_options(cls) -> None:
+        """A ``dedup_*`` attribute that is no option (``dedup_keys=``) is a typo, not a setting to ignore."""
+        for klass in cls.__mro__:
+            if klass is DedupTask:
+                return
+            for attribute in vars(klass):
+                known = attribute in TASK_OPTIONS or hasattr(DedupTask, attribute)
+                if attribute.startswith("dedup_") and not known:
+                    close = difflib.get_close_matches(attribute, TASK_OPTIONS, n=1)
+                    hint = f"; did you mean {close[0]!r}?" if close else ""
+                    raise DedupConfigError(
+                        attribute,
+                        vars(klass)[attribute],
+                        f"unknown celery-dedup task option{hint} (dedup_* attributes of a DedupTask are its options)",
+                        task=cls.name,
+                    )
 
     @classmethod
     def _resolve_window(cls, mode: type[Mode]) -> dict[str, Any]:

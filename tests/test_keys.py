@@ -10,7 +10,6 @@ import decimal
 import enum
 import hashlib
 import inspect
-import json
 import random
 import re
 import socket
@@ -196,33 +195,40 @@ def test_scalars_render_in_a_type_stable_form() -> None:
     """Each scalar type has one documented text form, independent of its __str__/__repr__."""
     assert render(42) == "42"
     assert render(LoudInt(42)) == "42", "an int subclass renders as its value"
-    assert render(True) == "true"
-    assert render(False) == "false"
+    assert render(True) == "{true}"
+    assert render(False) == "{false}"
     assert render(True) != render(1), "bools do not collapse into ints"
-    assert render(None) == "null"
+    assert render(None) == "{null}", "tagged: the string 'null' keeps the plain form"
     assert render(-7) == "-7"
 
 
-@pytest.mark.parametrize("value", [0.1, 0.1 + 0.2, -0.0, 1e300, 1.0])
+@pytest.mark.parametrize("value", [0.1, 0.1 + 0.2, -0.0, 1e300, 1.0, float("inf"), float("-inf")])
 def test_floats_render_round_trippable(value: float) -> None:
-    """Floats render in their shortest round-trip form, so equal floats agree and distinct ones differ."""
+    """Floats render, tagged, in their shortest round-trip form: equal floats agree, distinct ones differ."""
     text = render(value)
-    assert float(text) == value
-    assert render(float(text)) == text
+    assert text.startswith("{float}")
+    assert float(text.removeprefix("{float}")) == value
+    assert render(float(text.removeprefix("{float}"))) == text
     assert render(1.0) != render(1.5)
+    assert render(float("nan")) == render(-float("nan")) == "{float}nan"
 
 
 def test_decimal_uuid_and_time_values() -> None:
     """Decimal, UUID and dates render in canonical text; spellings of one UUID agree."""
-    assert render(decimal.Decimal("12.50")) == "12.50"
+    assert render(decimal.Decimal("12.50")) == render(decimal.Decimal("12.5")) == "{decimal}12.5"
+    assert render(decimal.Decimal("100")) == "{decimal}100"
+    assert render(decimal.Decimal("1E+40")) == "{decimal}1E+40", "long runs of zeros keep an exponent"
+    assert render(decimal.Decimal("0.0001")) == "{decimal}0.0001"
+    assert render(decimal.Decimal("1.0000000000000000000000000000001")) != render(decimal.Decimal(1)), "no rounding"
     braced = uuid.UUID("{12345678-1234-5678-1234-56789ABCDEF0}")
     bare = uuid.UUID("1234567812345678123456789ABCDEF0")
     assert render(braced) == render(bare) == "12345678-1234-5678-1234-56789abcdef0"
     assert render(uuid.UUID(int=braced.int + 1)) != render(braced)
     day = datetime.date(2024, 1, 2)
     moment = datetime.datetime(2024, 1, 2, 3, 4, 5, 6000, tzinfo=datetime.timezone.utc)
-    assert urllib.parse.unquote(render(day)) == "2024-01-02"
-    assert urllib.parse.unquote(render(moment)) == moment.isoformat()
+    assert render(day) == "{date}2024-01-02"
+    assert urllib.parse.unquote(render(moment)) == "{datetime}" + moment.isoformat()
+    assert urllib.parse.unquote(render(datetime.time(3, 4))) == "{time}03:04:00"
     assert render(day) != render(datetime.datetime(2024, 1, 2)), "a date is not midnight of that date"
     assert_safe(render(moment), 200)
 
@@ -234,28 +240,33 @@ def test_enums_render_as_their_values() -> None:
 
 
 def test_bytes_render_as_hex() -> None:
-    """bytes and bytearray render alike as hex, never as a Python repr."""
+    """bytes and bytearray render alike as tagged hex, never as a Python repr."""
+    assert render(b"A") == "{bytes}41"
     assert render(b"\x00\xff") == render(bytearray(b"\x00\xff"))
     assert render(b"\x00\xff") != render(b"\x00\xfe")
     assert "b'" not in render(b"\x00\xff")
     assert "ff" in render(b"\x00\xff").lower()
 
 
-def test_containers_render_as_canonical_json() -> None:
-    """Dicts sort their keys and sets their members, so construction order never changes a key."""
-    assert render({"b": 1, "a": 2}) == render({"a": 2, "b": 1})
+def test_containers_render_canonically() -> None:
+    """Dicts sort their entries and sets their members, so construction order never changes a key.
+
+    Lists and tuples render as ``[a,b]``, dicts as ``{k=v,...}``, sets as ``{set}[...]``;
+    items render as argument values do, inside brackets no string can spell.
+    """
+    assert render({"b": 1, "a": 2}) == render({"a": 2, "b": 1}) == "{a=2,b=1}"
     assert render({"b": 1, "a": 2}) != render({"b": 2, "a": 1})
     words = [f"w{i}" for i in range(64)]
     forward, backward = set(words), set()
     for word in reversed(words):
         backward.add(word)
     assert render(forward) == render(backward) == render(frozenset(words))
-    assert render([1, 2]) == render((1, 2))
+    assert render([1, 2]) == render((1, 2)) == "[1,2]"
     assert render([1, 2]) != render([2, 1]), "sequences keep their order"
+    assert render(["a:b", "c,d"]) == "[a%3Ab,c%2Cd]"
     nested = {"when": datetime.date(2024, 1, 2), "ids": {3, 1, 2}, "amount": decimal.Decimal("1.5"), "c": Color.RED}
     assert render(nested) == render(dict(reversed(list(nested.items()))))
-    decoded = json.loads(urllib.parse.unquote(render(nested)))
-    assert decoded == {"amount": "1.5", "c": "red", "ids": [1, 2, 3], "when": "2024-01-02"}
+    assert render(nested) == "{amount={decimal}1.5,c=red,ids={set}[1,2,3],when={date}2024-01-02}"
 
 
 def test_set_and_dict_keys_agree_across_processes() -> None:
@@ -310,6 +321,8 @@ STRANGE = [
     "#",
     "~",
     "a=b,c=d",
+    "[1,2]",
+    "{null}",
 ]
 
 
@@ -392,7 +405,7 @@ def test_kwarg_names_of_var_keyword_tasks_are_made_safe() -> None:
 
 
 # Single characters that could blur structure, multi-byte letters, and text that looks like an escape.
-_TOKENS = [*":{}%\n\t \r\x00\x1b\x7f,=#~*", "é", "東", "\u2028", "\u00a0", "😀", *"ab0", "%3A", "%25", "x:", "a="]
+_TOKENS = [*":{}[]%\n\t \r\x00\x1b\x7f,=#~*", "é", "東", "\u2028", "\u00a0", "😀", *"ab0", "%3A", "%25", "x:", "a="]
 
 
 def _random_value(rng: random.Random) -> str:
@@ -453,6 +466,159 @@ def test_empty_value_and_placeholder_do_not_collide() -> None:
     """A key that renders empty is not confused with a value that is literally the placeholder."""
     s = spec("{a}", one)
     assert s.business_key(("",), {}) != s.business_key(("*",), {})
+
+
+# --- distinct values, distinct keys ----------------------------------------------------------------
+
+#: Pairs of distinct values whose plain text is alike: each must give two keys, in every key form.
+LOOKALIKES = [
+    pytest.param(None, "null", id="None-null"),
+    pytest.param(True, "true", id="True-true"),
+    pytest.param(False, "false", id="False-false"),
+    pytest.param(b"A", "0x41", id="bytes-hex-text"),
+    pytest.param(datetime.date(2024, 1, 1), "2024-01-01", id="date-iso-text"),
+    pytest.param(datetime.datetime(2024, 1, 1, 3, 4), "2024-01-01T03:04:00", id="datetime-iso-text"),
+    pytest.param(datetime.time(3, 4), "03:04:00", id="time-iso-text"),
+    pytest.param({1: "a", "1": "b"}, {"1": "b"}, id="dict-losing-an-entry"),
+    pytest.param(1.5, "1.5", id="float-text"),
+    pytest.param(float("nan"), "nan", id="nan-text"),
+    pytest.param(1.0, 1, id="float-int"),
+    pytest.param(decimal.Decimal("1.5"), "1.5", id="decimal-text"),
+    pytest.param(decimal.Decimal("1.5"), 1.5, id="decimal-float"),
+    pytest.param(["a"], '["a"]', id="list-json-text"),
+    pytest.param([1, 2], "[1,2]", id="int-list-json-text"),
+    pytest.param({"a": 1}, '{"a":1}', id="dict-json-text"),
+    pytest.param({1, 2}, [1, 2], id="set-list"),
+    pytest.param([None], ["null"], id="None-in-list"),
+    pytest.param([datetime.date(2024, 1, 1)], ["2024-01-01"], id="date-in-list"),
+    pytest.param({True: 1}, {"true": 1}, id="bool-dict-key"),
+    pytest.param([], [""], id="empty-list-and-empty-string-item"),
+    pytest.param(set(), {""}, id="empty-set-and-empty-string-member"),
+    pytest.param(10**5000, hex(10**5000), id="huge-int-hex-text"),
+]
+
+
+def _key_of(a: Any) -> Any:
+    return a
+
+
+KEY_FORMS = [
+    pytest.param("v:{a}", id="template"),
+    pytest.param(["a"], id="names"),
+    pytest.param(None, id="all-arguments"),
+    pytest.param(_key_of, id="callable"),
+]
+
+
+@pytest.mark.parametrize("option", KEY_FORMS)
+@pytest.mark.parametrize(("a", "b"), LOOKALIKES)
+def test_distinct_values_that_look_alike_get_distinct_keys(option: KeyOption, a: Any, b: Any) -> None:
+    """A value never shares a key with a different value that prints alike (None/"null", b"A"/"0x41", ...)."""
+    s = spec(option, one, max_length=100_000)
+    if option is _key_of and (a is None or a in ([], set())):
+        with pytest.raises(DedupKeyError):  # a callable returning nothing is refused, see below
+            s.business_key((a,), {})
+        return
+    assert s.business_key((a,), {}) != s.business_key((b,), {})
+
+
+#: Pairs of values that are the same unit of work however they were spelled or transported.
+SAME_VALUE = [
+    pytest.param(42, "42", id="int-and-its-digits"),
+    pytest.param(-7, "-7", id="negative-int-and-its-digits"),
+    pytest.param(
+        uuid.UUID("12345678-1234-5678-1234-56789abcdef0"), "12345678-1234-5678-1234-56789abcdef0", id="uuid-and-text"
+    ),
+    pytest.param((1, "a"), [1, "a"], id="tuple-and-list"),
+    pytest.param([(1, 2)], [[1, 2]], id="nested-tuple-and-list"),
+    pytest.param({"b": 1, "a": 2}, {"a": 2, "b": 1}, id="dict-order"),
+    pytest.param({1: "x"}, {"1": "x"}, id="int-dict-key-and-its-digits"),
+    pytest.param(-0.0, 0.0, id="negative-zero"),
+    pytest.param(decimal.Decimal("12.50"), decimal.Decimal("12.5"), id="decimal-trailing-zero"),
+    pytest.param(decimal.Decimal("-0"), decimal.Decimal("0.00"), id="decimal-zeros"),
+    pytest.param(decimal.Decimal("1E+2"), decimal.Decimal("100"), id="decimal-exponent"),
+    pytest.param(b"ab", bytearray(b"ab"), id="bytes-and-bytearray"),
+    pytest.param(frozenset({1, 2}), {2, 1}, id="frozenset-and-set"),
+    pytest.param(Color.RED, "red", id="enum-and-value"),
+    pytest.param([Level.HIGH], [3], id="int-enum-in-list-and-what-json-delivers"),
+    pytest.param("\ud800\udc00", "\U00010000", id="surrogate-pair-and-what-json-delivers"),
+    pytest.param(
+        datetime.datetime(2024, 1, 1, 12, tzinfo=datetime.timezone.utc),
+        datetime.datetime(2024, 1, 1, 13, tzinfo=datetime.timezone(datetime.timedelta(hours=1))),
+        id="one-instant-two-zones",
+    ),
+]
+
+
+@pytest.mark.parametrize("option", KEY_FORMS)
+@pytest.mark.parametrize(("a", "b"), SAME_VALUE)
+def test_equal_values_share_a_key(option: KeyOption, a: Any, b: Any) -> None:
+    """Spellings of one value agree: an id as int or digits, a tuple or the list JSON makes of it, ..."""
+    s = spec(option, one, max_length=100_000)
+    assert s.business_key((a,), {}) == s.business_key((b,), {})
+
+
+def test_ints_and_plain_strings_keep_their_readable_keys() -> None:
+    """The common case reads as before: ``order:42``, ``order:abc``, ``order_id=42``."""
+    assert spec("order:{a}", one).business_key((42,), {}) == "order:42"
+    assert spec("order:{a}", one).business_key(("abc",), {}) == "order:abc"
+    assert spec(["a"], one).business_key((42,), {}) == "a=42"
+    assert spec(None, pair).business_key((42, "abc"), {}) == "a=42,b=abc"
+    assert spec(lambda a: f"order:{a}", one).business_key((42,), {}) == "order:42"
+
+
+# --- keys that carry nothing ------------------------------------------------------------------------
+
+
+class Nothing(enum.Enum):
+    NONE = None
+
+
+@pytest.mark.parametrize(
+    "result",
+    [None, "", (), [], {}, set(), frozenset(), b"", Nothing.NONE],
+    ids=[
+        "None",
+        "empty-str",
+        "empty-tuple",
+        "empty-list",
+        "empty-dict",
+        "empty-set",
+        "empty-frozenset",
+        "empty-bytes",
+        "enum-of-None",
+    ],
+)
+def test_callable_returning_no_key_is_refused(result: Any) -> None:
+    """A dedup_key callable that returns None or an empty value (a forgotten ``return``, a missing field)
+    would give every call one key; it is refused with DedupKeyError naming the task and the value."""
+
+    def key_of(order_id: Any, **_: Any) -> Any:
+        return result
+
+    s = spec(key_of, charge)
+    with pytest.raises(DedupKeyError) as info:
+        s.business_key((1,), {})
+    assert info.value.task == TASK
+    assert TASK in str(info.value)
+    assert repr(result) in str(info.value)
+    assert "dedup_key" in str(info.value)
+
+
+@pytest.mark.parametrize("option", ["order:{a}", ["a"], None], ids=["template", "names", "all-arguments"])
+def test_empty_and_none_argument_values_are_keys(option: KeyOption) -> None:
+    """Argument data is never refused for being empty: equal arguments are one call, and "" differs from None."""
+    s = spec(option, one)
+    keys = {s.business_key((value,), {}) for value in ("", None, "*", (), 0, False)}
+    assert len(keys) == 6, keys
+
+
+def test_a_task_without_arguments_has_the_key_star() -> None:
+    """A task that takes no arguments has one key, ``*``, under the all-arguments form."""
+
+    def tick() -> None: ...
+
+    assert spec(None, tick).business_key((), {}) == "*"
 
 
 # --- errors -----------------------------------------------------------------------------------------

@@ -1,0 +1,202 @@
+"""Setting an app up: misspelled options, install order, and what install leaves alone.
+
+Each test here reproduces a way configuration used to be silently ignored or
+to fail late, at the first call instead of at start-up.
+"""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from collections.abc import Iterator
+from types import SimpleNamespace
+from typing import Any
+
+import pytest
+import redis
+from celery import Celery
+
+import celery_dedup
+from celery_dedup import DedupConfigError, DedupTask
+from celery_dedup.exceptions import DedupOperationError
+from celery_dedup.runtime import config_for
+
+from .conftest import AppFactory, Server, queued_messages
+
+NEVER_CONTACTED = "redis://127.0.0.1:6379/15"
+
+
+@pytest.fixture
+def offline_app() -> Iterator[Celery]:
+    app = Celery("install", set_as_current=False, broker=NEVER_CONTACTED)
+    yield app
+    app.close()
+
+
+# --------------------------------------------------------------------------- misspelled task options
+
+
+@pytest.mark.parametrize(("typo", "meant"), [("dedup_keys", "dedup_key"), ("dedup_ttls", "dedup_ttl")])
+def test_a_misspelled_task_option_fails_when_the_task_is_bound(offline_app: Celery, typo: str, meant: str) -> None:
+    celery_dedup.install(offline_app)
+    options: dict[str, Any] = {typo: "order:{order_id}" if typo == "dedup_keys" else 30}
+    with pytest.raises(DedupConfigError) as info:
+
+        @offline_app.task(base=DedupTask, name="install.charge", shared=False, **options)
+        def charge(order_id: int) -> None: ...
+
+        offline_app.finalize()
+        charge.dedup_policy  # noqa: B018 - bound lazily on apps finalized before the task existed
+
+    error = info.value
+    assert error.task == "install.charge" and error.setting == typo
+    assert f"did you mean {meant!r}" in str(error)
+
+
+def test_a_misspelled_option_on_a_task_class_is_refused(offline_app: Celery) -> None:
+    celery_dedup.install(offline_app)
+
+    class Charge(DedupTask):
+        name = "install.Charge"
+        dedup_mode_ = "until_executed"
+
+        def run(self, order_id: int) -> None: ...
+
+    with pytest.raises(DedupConfigError, match=r"dedup_mode_.*unknown"):
+        offline_app.register_task(Charge())
+        offline_app.tasks["install.Charge"].dedup_policy  # noqa: B018
+
+
+def test_dedup_methods_and_documented_options_are_not_taken_for_typos(offline_app: Celery) -> None:
+    celery_dedup.install(offline_app)
+
+    @offline_app.task(base=DedupTask, name="install.ok", dedup_key="k:{n}", dedup_ttl=5, shared=False)
+    def ok(n: int) -> None: ...
+
+    assert ok.dedup_policy.ttl == 5
+
+
+# --------------------------------------------------------------------------- settings spelled otherwise
+
+
+def test_a_wrong_store_url_scheme_fails_at_install(offline_app: Celery) -> None:
+    offline_app.conf.dedup_redis_url = "http://cache:6379/0"
+    with pytest.raises(DedupConfigError, match=r"dedup_redis_url.*http"):
+        celery_dedup.install(offline_app)
+
+
+def test_uppercase_settings_in_a_plain_config_module_are_read(offline_app: Celery) -> None:
+    """Celery reads a plain config module's old uppercase names as its settings: so do we."""
+    offline_app.config_from_object(SimpleNamespace(DEDUP_DEFAULT_TTL=5, DEDUP_KEY_PREFIX="shop"))
+    celery_dedup.install(offline_app)
+    config = config_for(offline_app)
+    assert (config.default_ttl, config.key_prefix) == (5, "shop")
+
+
+def test_one_setting_spelled_both_ways_is_refused(offline_app: Celery) -> None:
+    offline_app.config_from_object(SimpleNamespace(DEDUP_DEFAULT_TTL=5, dedup_default_ttl=6))
+    with pytest.raises(DedupConfigError, match="both"):
+        celery_dedup.install(offline_app)
+
+
+def test_uppercase_typos_are_refused_with_a_suggestion(offline_app: Celery) -> None:
+    offline_app.config_from_object(SimpleNamespace(DEDUP_DEFAULT_TLL=5))
+    with pytest.raises(DedupConfigError, match="did you mean 'dedup_default_ttl'"):
+        celery_dedup.install(offline_app)
+
+
+# --------------------------------------------------------------------------- install order
+
+
+def keyed_task(app: Celery) -> Any:
+    @app.task(base=DedupTask, name="install.keyed", dedup_key="order:{n}", shared=False)
+    def keyed(n: int) -> int:
+        return n
+
+    return keyed
+
+
+LATE_INSTALL = """
+import json, sys
+from celery import Celery
+import celery_dedup
+from celery_dedup import DedupTask
+
+app = Celery("late", broker=sys.argv[1], set_as_current=False)
+
+@app.task(name="install.plain")
+def plain(n):
+    return n
+
+unkeyed = plain.delay(1)  # the app's pool now holds a connection of kombu's own transport
+celery_dedup.install(app)
+
+@app.task(base=DedupTask, name="install.keyed", dedup_key="order:{n}", shared=False)
+def keyed(n):
+    return n
+
+first, second = keyed.delay(7), keyed.delay(7)
+print(json.dumps({"unkeyed": unkeyed.id, "first": [first.id, first.deduplicated],
+                  "second": [second.id, second.deduplicated]}))
+"""
+
+
+def test_install_after_the_app_published_still_gates_every_keyed_call(server: Server, r: redis.Redis) -> None:
+    """In a fresh process (kombu's transport aliases are process-wide, and this one installed already)."""
+    done = subprocess.run(
+        [sys.executable, "-c", LATE_INSTALL, server.url], capture_output=True, text=True, timeout=60, check=True
+    )
+    seen = json.loads(done.stdout.strip().splitlines()[-1])
+    assert seen["first"][1] is False and seen["second"] == [seen["first"][0], True], seen
+    assert sorted(m["headers"]["id"] for m in queued_messages(r)) == sorted([seen["unkeyed"], seen["first"][0]])
+
+
+def test_publish_settings_changed_after_install_are_honoured(make_app: AppFactory, r: redis.Redis) -> None:
+    """install() must not snapshot Celery's publish settings: a change afterwards applies, as without it.
+
+    (Celery reads them when it builds its message sender, at the first publish.)
+    """
+    app = make_app()
+
+    @app.task(name="install.plain_after", shared=False)
+    def plain(n: int) -> int:
+        return n
+
+    app.conf.task_default_delivery_mode = "transient"
+    plain.delay(1)
+    keyed_task(app).delay(2)
+    modes = [m["properties"]["delivery_mode"] for m in queued_messages(r)]
+    assert modes == [1, 1], "task_default_delivery_mode set after install was ignored"
+
+
+# --------------------------------------------------------------------------- out-of-range arguments
+
+
+def test_a_key_callable_that_cannot_take_the_tasks_arguments_fails_when_bound(offline_app: Celery) -> None:
+    celery_dedup.install(offline_app)
+    with pytest.raises(DedupConfigError, match=r"cannot take the task's arguments \(order_id\)") as info:
+
+        @offline_app.task(base=DedupTask, name="install.by_two", dedup_key=lambda a, b: f"{a}:{b}", shared=False)
+        def by_two(order_id: int, amount: int = 0) -> None: ...
+
+        offline_app.finalize()
+        by_two.dedup_policy  # noqa: B018
+    assert info.value.task == "install.by_two"
+
+
+def test_a_key_callable_taking_what_the_task_requires_is_accepted(offline_app: Celery) -> None:
+    celery_dedup.install(offline_app)
+
+    @offline_app.task(base=DedupTask, name="install.by_order", dedup_key=lambda order_id, **_: order_id, shared=False)
+    def by_order(order_id: int, amount: int = 0) -> None: ...
+
+    assert by_order.dedup_business_key(7, amount=3) == "7"
+
+
+@pytest.mark.parametrize("chunk", [0, -1, 2.5, True])
+def test_apply_async_many_refuses_a_chunk_below_one(make_app: AppFactory, chunk: Any) -> None:
+    keyed = keyed_task(make_app())
+    with pytest.raises(DedupOperationError, match="chunk") as info:
+        keyed.apply_async_many([((1,), {})], chunk=chunk)
+    assert info.value.operation == "apply_async_many"
