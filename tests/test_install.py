@@ -64,8 +64,8 @@ def test_a_misspelled_option_on_a_task_class_is_refused(offline_app: Celery) -> 
         def run(self, order_id: int) -> None: ...
 
     with pytest.raises(DedupConfigError, match=r"dedup_mode_.*unknown"):
-        offline_app.register_task(Charge())
-        offline_app.tasks["install.Charge"].dedup_policy  # noqa: B018
+        registered = offline_app.register_task(Charge())
+        registered.dedup_policy  # noqa: B018
 
 
 def test_dedup_methods_and_documented_options_are_not_taken_for_typos(offline_app: Celery) -> None:
