@@ -17,6 +17,7 @@ from typing import Any
 
 import pytest
 
+from celery_dedup.testing import free_port
 from tests._demo import (
     ROOT,
     Client,
@@ -26,11 +27,14 @@ from tests._demo import (
     messages,
     port_free,
     record_page_key,
+    run_in_terminal,
+    screen_lines,
 )
 from tests.conftest import Server, wait_for
 
 CHARGE_TASK = "demo_project.shop.tasks.charge_payment"
 EMAIL_TASK = "demo_project.shop.tasks.send_confirmation_email"
+PROJECT = ROOT / "demo_project"
 
 
 def manage(*command: str, env: dict[str, str], timeout: float = 300) -> subprocess.CompletedProcess[str]:
@@ -131,7 +135,7 @@ def test_storm_charges_every_order_once(demo: DemoProcess) -> None:
     assert table["calls"] == "40"
     assert table["accepted"] == "4"
     assert table["deduplicated"] == "36"
-    assert table["executions per order (expected 1)"] == "1"
+    assert table["charges per order (expected 1)"] == "1"
     assert table["orders not charged exactly once"] == "0"
 
 
@@ -222,6 +226,77 @@ def test_order_page_names_products_and_the_order(demo: DemoProcess) -> None:
 
 
 @pytest.mark.slow
+def test_printed_storm_line_runs_when_pasted_anywhere(demo: DemoProcess, tmp_path: Path) -> None:
+    found = re.search(r"^\s+storm\s+(.+)$", demo.output(), re.MULTILINE)
+    assert found, demo.output()
+    # a fresh terminal somewhere else: nothing of this test's environment but the basics
+    env = {name: os.environ[name] for name in ("PATH", "HOME", "LANG") if name in os.environ}
+    status, output = run_in_terminal(found.group(1), cwd=tmp_path, env=env)
+    assert status == 0, output
+    screen = [line for line in screen_lines(output) if line.strip()]
+    table = [line for line in screen if line.startswith("|")]
+    assert "| orders not charged exactly once | 0 |" in table, output
+    assert len(screen) <= 24, f"the summary should fit one screen, it took {len(screen)} lines:\n{output}"
+    assert "1000/1000" in output, f"no progress shown while it ran:\n{output}"
+
+
+@pytest.mark.slow
+def test_manage_py_works_from_its_directory_and_the_repository_root(demo: DemoProcess, tmp_path: Path) -> None:
+    env = {name: os.environ[name] for name in ("PATH", "HOME", "LANG") if name in os.environ}
+    env["DEMO_DATA_DIR"] = str(demo.data_dir)  # where the running demo keeps its database and says where Redis is
+
+    def run(cwd: Path, *command: str, **extra: str) -> subprocess.CompletedProcess[str]:
+        done = subprocess.run(
+            [sys.executable, *command],
+            cwd=cwd,
+            env={**env, **extra},
+            capture_output=True,
+            text=True,
+            timeout=300,
+            check=False,
+        )
+        assert done.returncode == 0, f"{' '.join(command)} in {cwd}:\n{done.stdout}{done.stderr}"
+        return done
+
+    assert "No migrations to apply" in run(ROOT, "demo_project/manage.py", "migrate").stdout
+    run(PROJECT, "manage.py", "migrate")
+    run(
+        ROOT,
+        *("demo_project/manage.py", "createsuperuser", "--noinput", "--username", "ops", "--email", "ops@example.com"),
+        DJANGO_SUPERUSER_PASSWORD="ops-password",
+    )
+    assert query(demo, "SELECT is_superuser FROM auth_user WHERE username = 'ops'") == [(1,)]
+    storm = run(PROJECT, "manage.py", "storm", "--orders", "2", "--processes", "2", "--sends", "4")
+    assert "| orders not charged exactly once | 0 |" in storm.stdout
+
+    port = free_port()
+    server = subprocess.Popen(
+        [sys.executable, "manage.py", "runserver", f"127.0.0.1:{port}"],
+        cwd=PROJECT,
+        env=env,
+        stdout=subprocess.DEVNULL,
+        stderr=(tmp_path / "runserver.log").open("wb"),
+        start_new_session=True,
+    )
+    try:
+        client = Client(f"http://127.0.0.1:{port}")
+
+        def storefront() -> str:
+            if server.poll() is not None:
+                raise AssertionError((tmp_path / "runserver.log").read_text())
+            with contextlib.suppress(OSError):
+                return client.get("/")[1]
+            return ""
+
+        page = wait_for(storefront, 60, "runserver answering", interval=0.2)
+        assert "Tea shop" in page
+    finally:
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(server.pid, signal.SIGKILL)
+        server.wait()
+
+
+@pytest.mark.slow
 def test_ctrl_c_stops_every_process_and_frees_the_port(demo: DemoProcess) -> None:
     processes = demo.descendants()
     redis_port = int(demo.redis_url.rsplit(":", 1)[1].split("/")[0])
@@ -232,4 +307,5 @@ def test_ctrl_c_stops_every_process_and_frees_the_port(demo: DemoProcess) -> Non
     assert not survivors, f"still running after SIGINT: {survivors}\n{demo.output()}"
     assert port_free(demo.port)
     assert port_free(redis_port)
+    assert not (demo.data_dir / "redis-url").exists(), "the stopped demo's Redis URL is left behind"
     assert "demo stopped" in demo.output()
