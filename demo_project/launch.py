@@ -5,7 +5,8 @@ the database migrations, the demo superuser, a Celery worker and Django's
 web server, each server in its own process group. SIGINT (Ctrl-C) or SIGTERM
 stops them all: each group leader is asked to stop, then whatever is left of
 its group is killed, so no process outlives the launcher and the port is
-free when it returns.
+free when it returns. While it runs, a file in the data directory names the
+Redis URL, so ``manage.py`` commands in another terminal reach the server.
 """
 
 from __future__ import annotations
@@ -14,6 +15,7 @@ import argparse
 import contextlib
 import importlib.util
 import os
+import shlex
 import signal
 import socket
 import subprocess
@@ -26,9 +28,12 @@ from pathlib import Path
 from types import FrameType
 
 from celery_dedup.testing import RedisServer
+from demo_project import REDIS_URL_FILE
 
-ROOT = Path(__file__).resolve().parent.parent
-DEFAULT_DATA_DIR = Path(__file__).resolve().parent / "var"
+PROJECT = Path(__file__).resolve().parent
+ROOT = PROJECT.parent
+MANAGE = PROJECT / "manage.py"
+DEFAULT_DATA_DIR = PROJECT / "var"
 USERNAME = PASSWORD = "demo"
 
 
@@ -160,7 +165,11 @@ class Demo:
         return server.url
 
     def manage(self, *command: str) -> None:
-        subprocess.run([sys.executable, "-m", "django", *command], cwd=ROOT, env=self.env, check=True)
+        subprocess.run([sys.executable, str(MANAGE), *command], cwd=ROOT, env=self.env, check=True)
+
+    @property
+    def redis_url_file(self) -> Path:
+        return Path(self.args.data_dir) / REDIS_URL_FILE
 
     def spawn(self, name: str, *command: str) -> Child:
         process = subprocess.Popen([sys.executable, *command], cwd=ROOT, env=self.env, start_new_session=True)
@@ -183,6 +192,7 @@ class Demo:
             raise LaunchError(f"port {args.port} on {args.host} is in use: pass --port to choose another")
         args.data_dir.mkdir(parents=True, exist_ok=True)
         url = self.env["REDIS_URL"] = self.redis_url()
+        self.redis_url_file.write_text(url + "\n")
         self.manage("migrate", "--noinput", "--verbosity", "0")
         self.manage("demo_user", "--username", USERNAME, "--password", PASSWORD)
         worker = self.spawn(
@@ -190,7 +200,7 @@ class Demo:
             *("-m", "celery", "-A", "demo_project.celery", "worker", "--loglevel", "INFO"),
             *("--pool", "prefork", "--concurrency", str(args.concurrency), "--without-gossip", "--without-mingle"),
         )
-        web = self.spawn("web server", "-m", "django", "runserver", "--noreload", f"{args.host}:{args.port}")
+        web = self.spawn("web server", str(MANAGE), "runserver", "--noreload", f"{args.host}:{args.port}")
         self.wait_until(worker, lambda: worker_answers(url), "answering a ping")
         self.wait_until(web, lambda: accepts(args.host, args.port), f"listening on port {args.port}")
         self.announce(url)
@@ -206,11 +216,12 @@ class Demo:
         if has_module("celery_dedup.contrib.django"):
             lines.append(f"  dedup records  {base}/admin/celery_dedup/")
         embedded = " (embedded, stopped on exit)" if self.redis_server else ""
+        data_dir = Path(self.args.data_dir).resolve()
+        manage = f"DEMO_DATA_DIR={shlex.quote(str(data_dir))} {shlex.join([sys.executable, str(MANAGE)])}"
         lines += [
             f"  redis          {redis_url}{embedded}",
-            f"  database       {self.args.data_dir / 'db.sqlite3'}",
-            f"  storm          REDIS_URL={redis_url} DJANGO_SETTINGS_MODULE=demo_project.settings "
-            f"{sys.executable} -m django storm --orders 20 --processes 4 --sends 50",
+            f"  database       {data_dir / 'db.sqlite3'}",
+            f"  storm          {manage} storm --orders 20 --processes 4 --sends 50",
             "Press Ctrl-C to stop.",
             "",
         ]
@@ -227,6 +238,7 @@ class Demo:
         for child in reversed(self.children):
             child.stop(grace=20.0)
         self.children.clear()
+        self.redis_url_file.unlink(missing_ok=True)
         if self.redis_server is not None:
             self.redis_server.stop()
             self.redis_server = None

@@ -1,8 +1,10 @@
 """Django settings of the demo shop.
 
-Environment: ``REDIS_URL`` (broker, result backend and dedup store; the
-launcher sets it), ``DEMO_DATA_DIR`` (where the SQLite database lives,
-default ``demo_project/var/``, which git ignores).
+Environment: ``DEMO_DATA_DIR`` (where the SQLite database lives, default
+``demo_project/var/``, which git ignores) and ``REDIS_URL`` (broker, result
+backend and dedup store). Without ``REDIS_URL``, the server of the
+``run-demo`` running on the same data directory, so that ``manage.py``
+commands in another terminal reach it; without that, the default port.
 """
 
 from __future__ import annotations
@@ -10,9 +12,24 @@ from __future__ import annotations
 import os
 from pathlib import Path
 
+from demo_project import REDIS_URL_FILE
+
 BASE_DIR = Path(__file__).resolve().parent
 DATA_DIR = Path(os.environ.get("DEMO_DATA_DIR", BASE_DIR / "var"))
-REDIS_URL = os.environ.get("REDIS_URL", "redis://127.0.0.1:6379/0")
+
+
+def _redis_url(default: str = "redis://127.0.0.1:6379/0") -> str:
+    """``REDIS_URL``; else the URL a running ``run-demo`` wrote into the data directory; else ``default``."""
+    url = os.environ.get("REDIS_URL")
+    if url:
+        return url
+    try:
+        return (DATA_DIR / REDIS_URL_FILE).read_text().strip() or default
+    except OSError:
+        return default
+
+
+REDIS_URL = _redis_url()
 
 SECRET_KEY = os.environ.get("DEMO_SECRET_KEY", "demo-only-not-secret")
 DEBUG = True

@@ -3,10 +3,13 @@
 from __future__ import annotations
 
 import contextlib
+import html
 import http.cookiejar
 import json
 import os
+import pty
 import re
+import select
 import signal
 import socket
 import subprocess
@@ -18,9 +21,14 @@ from pathlib import Path
 from typing import Any
 
 from celery_dedup.testing import free_port
+from tests.conftest import wait_for
 
 ROOT = Path(__file__).resolve().parent.parent
 READY = "celery-dedup demo is running"
+#: the admin's own links to the dedup app and its record list (sidebar, breadcrumbs)
+NAVIGATION = ("/admin/celery_dedup/", "/admin/celery_dedup/record/")
+#: record states of a charge that is not over yet
+IN_FLIGHT = ("queued", "started", "retry")
 
 
 def process_table() -> dict[int, tuple[int, int, str]]:
@@ -165,3 +173,92 @@ class Client:
         found = re.search(r"/orders/(\d+)/$", url)
         assert found, f"placing the order did not lead to an order page: {url}"
         return int(found.group(1))
+
+    def login(self, username: str = "demo", password: str = "demo") -> None:
+        """Log in to the admin as ``username``."""
+        _, page = self.get("/admin/login/?next=/admin/")
+        fields = {"username": username, "password": password, "next": "/admin/"}
+        url, _ = self.post("/admin/login/?next=/admin/", fields, self.csrf_token(page))
+        assert url == f"{self.base}/admin/", f"login as {username!r} failed: {url}"
+
+    def order(self, order_id: int) -> Any:
+        return self.get_json(f"/orders/{order_id}.json")
+
+    def settled(self, order_id: int, timeout: float = 60.0) -> Any:
+        """The order's JSON once its charge key's run is over (and, when it charged, its e-mail sent)."""
+
+        def over() -> Any:
+            order = self.order(order_id)
+            state = (order["charge_dedup"] or {}).get("state")
+            if state is None or state in IN_FLIGHT or (order["charges"] and not order["emails"]):
+                return None
+            return order
+
+        return wait_for(over, timeout, lambda: f"order {order_id}'s charge over: {self.order(order_id)}")
+
+    def pay(self, order_id: int) -> Any:
+        """Press "pay" once and wait until that charge is over; the order's JSON."""
+        _, page = self.get(f"/orders/{order_id}/")
+        self.post(f"/orders/{order_id}/pay/", {}, self.csrf_token(page))
+        return self.settled(order_id)
+
+
+def messages(page: str) -> list[str]:
+    """The texts of the Django messages shown on a page."""
+    return [html.unescape(text).strip() for text in re.findall(r'<li class="[^"]*">(.*?)</li>', page)]
+
+
+def record_page_key(page: str) -> tuple[str, str] | None:
+    """(task, business key) shown by a dedup record's admin page; None for any other page."""
+    task = re.search(r"<label>Task:</label><div class=\"readonly\">(.*?)</div>", page)
+    key = re.search(r"<label>Business key:</label><div class=\"readonly\"><code>(.*?)</code>", page)
+    if not (task and key):
+        return None
+    return html.unescape(task.group(1)), html.unescape(key.group(1))
+
+
+def dedup_links(page: str) -> list[str]:
+    """A page's links into the dedup records admin, in page order, without repeats or the admin's navigation."""
+    found = (html.unescape(link) for link in re.findall(r'href="(/admin/celery_dedup/[^"]*)"', page))
+    return list(dict.fromkeys(link for link in found if link not in NAVIGATION))
+
+
+def run_in_terminal(command: str, cwd: Path, env: dict[str, str], timeout: float = 300.0) -> tuple[int, str]:
+    """Run a shell command line on a pseudo-terminal, as typed at a prompt; (exit status, what it wrote)."""
+    controller, terminal = pty.openpty()
+    process = subprocess.Popen(
+        ["/bin/sh", "-c", command],
+        cwd=cwd,
+        env=env,
+        stdin=terminal,
+        stdout=terminal,
+        stderr=terminal,
+        start_new_session=True,
+    )
+    os.close(terminal)
+    chunks: list[bytes] = []
+    deadline = time.monotonic() + timeout
+    try:
+        while time.monotonic() < deadline:
+            ready, _, _ = select.select([controller], [], [], 0.5)
+            if not ready:
+                continue
+            try:
+                data = os.read(controller, 65536)
+            except OSError:  # EIO: every process holding the terminal has exited
+                break
+            if not data:
+                break
+            chunks.append(data)
+        else:
+            with contextlib.suppress(ProcessLookupError):
+                os.killpg(process.pid, signal.SIGKILL)
+    finally:
+        os.close(controller)
+    status = process.wait(30)
+    return status, b"".join(chunks).decode(errors="replace").replace("\r\n", "\n")
+
+
+def screen_lines(output: str) -> list[str]:
+    """The lines a terminal is left showing: what a carriage return overwrote is gone."""
+    return [line.rsplit("\r", 1)[-1] for line in output.split("\n")]

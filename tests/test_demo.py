@@ -3,7 +3,9 @@
 from __future__ import annotations
 
 import contextlib
+import html
 import os
+import re
 import signal
 import sqlite3
 import subprocess
@@ -15,8 +17,24 @@ from typing import Any
 
 import pytest
 
-from tests._demo import ROOT, Client, DemoProcess, alive, port_free
+from celery_dedup.testing import free_port
+from tests._demo import (
+    ROOT,
+    Client,
+    DemoProcess,
+    alive,
+    dedup_links,
+    messages,
+    port_free,
+    record_page_key,
+    run_in_terminal,
+    screen_lines,
+)
 from tests.conftest import Server, wait_for
+
+CHARGE_TASK = "demo_project.shop.tasks.charge_payment"
+EMAIL_TASK = "demo_project.shop.tasks.send_confirmation_email"
+PROJECT = ROOT / "demo_project"
 
 
 def manage(*command: str, env: dict[str, str], timeout: float = 300) -> subprocess.CompletedProcess[str]:
@@ -117,8 +135,165 @@ def test_storm_charges_every_order_once(demo: DemoProcess) -> None:
     assert table["calls"] == "40"
     assert table["accepted"] == "4"
     assert table["deduplicated"] == "36"
-    assert table["executions per order (expected 1)"] == "1"
+    assert table["charges per order (expected 1)"] == "1"
     assert table["orders not charged exactly once"] == "0"
+
+
+@pytest.mark.slow
+def test_pay_again_after_payment_charges_nothing(demo: DemoProcess) -> None:
+    client = Client(demo.base)
+    order_id = client.place_order(POT_003=1)
+    _, unpaid_page = client.get(f"/orders/{order_id}/")
+    paid = client.pay(order_id)
+    assert paid["charges"] == 1
+    first_run = paid["charge_dedup"]["task_id"]
+
+    # "pay" pressed again on the page as it was before the payment (a second tab, the back button)
+    _, answer = client.post(f"/orders/{order_id}/pay/", {}, client.csrf_token(unpaid_page))
+    order = client.settled(order_id)
+    assert order["charges"] == 1, f"a paid order was charged again: {order}"
+    charge_id = order["charge_ids"][0]
+    assert f"Order {paid['number']} is already paid (charge #{charge_id})" in " ".join(messages(answer))
+    assert order["charge_dedup"]["task_id"] == first_run, "nothing is sent for a paid order"
+    _, page = client.get(f"/orders/{order_id}/")
+    assert 'id="pay"' not in page, "a paid order offers no Pay button"
+    assert f"Paid (charge #{charge_id})" in page
+
+
+@pytest.mark.slow
+def test_charge_task_refuses_a_paid_order(demo: DemoProcess) -> None:
+    """The dedup key is free once the charge ran: the order's state is what stops a later charge."""
+    client = Client(demo.base)
+    order_id = client.place_order(MUG_002=1)
+    paid = client.pay(order_id)
+    env = {"REDIS_URL": demo.redis_url, "DEMO_DATA_DIR": str(demo.data_dir)}
+    code = (
+        "from demo_project.shop.tasks import charge_payment\n"
+        f"result = charge_payment.delay({order_id})\n"
+        "print(result.id, result.deduplicated)"
+    )
+    done = manage("shell", "--verbosity", "0", "-c", code, env=env)
+    assert done.returncode == 0, done.stdout + done.stderr
+    run, deduplicated = done.stdout.split()
+    assert deduplicated == "False", "the key is free once its run succeeded"
+
+    def run_over() -> Any:
+        order = client.order(order_id)
+        record = order["charge_dedup"] or {}
+        return order if record.get("task_id") == run and record.get("state") == "succeeded" else None
+
+    order = wait_for(run_over, 60, lambda: f"run {run} over: {client.order(order_id)}")
+    assert order["charges"] == 1, f"the task charged a paid order again: {order}"
+    assert order["emails"] == 1
+    assert order["charge_result"] == f"Order {paid['number']} is already paid (charge #{order['charge_ids'][0]})"
+
+
+@pytest.mark.slow
+def test_dedup_links_lead_to_exactly_this_orders_records(demo: DemoProcess) -> None:
+    client = Client(demo.base)
+    client.login()
+    order_id = client.place_order(TEA_001=1)
+    order = client.pay(order_id)
+    key = order["charge_key"]
+    expected = {(CHARGE_TASK, key), (EMAIL_TASK, key)}
+
+    def records_linked_from(path: str) -> set[tuple[str, str]]:
+        _, page = client.get(path)
+        found = set()
+        for link in dedup_links(page):
+            _, target = client.get(link)
+            shown = record_page_key(target)
+            assert shown, f"{path}: link {link} does not lead to one record's page"
+            found.add(shown)
+        return found
+
+    assert records_linked_from(f"/orders/{order_id}/") == expected
+    assert records_linked_from(f"/admin/shop/order/{order_id}/change/") == expected
+    assert records_linked_from(f"/admin/shop/order/?q={order['number']}") == {(CHARGE_TASK, key)}
+
+
+@pytest.mark.slow
+def test_order_page_names_products_and_the_order(demo: DemoProcess) -> None:
+    client = Client(demo.base)
+    order_id = client.place_order(TEA_001=2, POT_003=1)
+    order = client.pay(order_id)
+    _, page = client.get(f"/orders/{order_id}/")
+    lines = re.findall(r'<tr class="line"><td>(.*?)</td>', page)
+    assert lines == ["Green tea, 100 g", "Cast-iron teapot"], page
+    heading = re.search(r'<h2 id="dedup-heading">(.*?)</h2>', page)
+    assert heading, page
+    assert f"order {order['number']}" in html.unescape(heading.group(1))
+
+
+@pytest.mark.slow
+def test_printed_storm_line_runs_when_pasted_anywhere(demo: DemoProcess, tmp_path: Path) -> None:
+    found = re.search(r"^\s+storm\s+(.+)$", demo.output(), re.MULTILINE)
+    assert found, demo.output()
+    # a fresh terminal somewhere else: nothing of this test's environment but the basics
+    env = {name: os.environ[name] for name in ("PATH", "HOME", "LANG") if name in os.environ}
+    status, output = run_in_terminal(found.group(1), cwd=tmp_path, env=env)
+    assert status == 0, output
+    screen = [line for line in screen_lines(output) if line.strip()]
+    table = [line for line in screen if line.startswith("|")]
+    assert "| orders not charged exactly once | 0 |" in table, output
+    assert len(screen) <= 24, f"the summary should fit one screen, it took {len(screen)} lines:\n{output}"
+    assert "1000/1000" in output, f"no progress shown while it ran:\n{output}"
+
+
+@pytest.mark.slow
+def test_manage_py_works_from_its_directory_and_the_repository_root(demo: DemoProcess, tmp_path: Path) -> None:
+    env = {name: os.environ[name] for name in ("PATH", "HOME", "LANG") if name in os.environ}
+    env["DEMO_DATA_DIR"] = str(demo.data_dir)  # where the running demo keeps its database and says where Redis is
+
+    def run(cwd: Path, *command: str, **extra: str) -> subprocess.CompletedProcess[str]:
+        done = subprocess.run(
+            [sys.executable, *command],
+            cwd=cwd,
+            env={**env, **extra},
+            capture_output=True,
+            text=True,
+            timeout=300,
+            check=False,
+        )
+        assert done.returncode == 0, f"{' '.join(command)} in {cwd}:\n{done.stdout}{done.stderr}"
+        return done
+
+    assert "No migrations to apply" in run(ROOT, "demo_project/manage.py", "migrate").stdout
+    run(PROJECT, "manage.py", "migrate")
+    run(
+        ROOT,
+        *("demo_project/manage.py", "createsuperuser", "--noinput", "--username", "ops", "--email", "ops@example.com"),
+        DJANGO_SUPERUSER_PASSWORD="ops-password",
+    )
+    assert query(demo, "SELECT is_superuser FROM auth_user WHERE username = 'ops'") == [(1,)]
+    storm = run(PROJECT, "manage.py", "storm", "--orders", "2", "--processes", "2", "--sends", "4")
+    assert "| orders not charged exactly once | 0 |" in storm.stdout
+
+    port = free_port()
+    server = subprocess.Popen(
+        [sys.executable, "manage.py", "runserver", f"127.0.0.1:{port}"],
+        cwd=PROJECT,
+        env=env,
+        stdout=subprocess.DEVNULL,
+        stderr=(tmp_path / "runserver.log").open("wb"),
+        start_new_session=True,
+    )
+    try:
+        client = Client(f"http://127.0.0.1:{port}")
+
+        def storefront() -> str:
+            if server.poll() is not None:
+                raise AssertionError((tmp_path / "runserver.log").read_text())
+            with contextlib.suppress(OSError):
+                return client.get("/")[1]
+            return ""
+
+        page = wait_for(storefront, 60, "runserver answering", interval=0.2)
+        assert "Tea shop" in page
+    finally:
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(server.pid, signal.SIGKILL)
+        server.wait()
 
 
 @pytest.mark.slow
@@ -132,4 +307,5 @@ def test_ctrl_c_stops_every_process_and_frees_the_port(demo: DemoProcess) -> Non
     assert not survivors, f"still running after SIGINT: {survivors}\n{demo.output()}"
     assert port_free(demo.port)
     assert port_free(redis_port)
+    assert not (demo.data_dir / "redis-url").exists(), "the stopped demo's Redis URL is left behind"
     assert "demo stopped" in demo.output()

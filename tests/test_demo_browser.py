@@ -1,4 +1,4 @@
-"""The demo in a real browser: log in, order, double-click "pay", find one succeeded charge in the dedup admin.
+"""The demo in a real browser: log in, order, double-click "pay", pay again in a stale tab, find one charge.
 
 Drives Debian's Chromium (``/usr/bin/chromium``) through Playwright; skipped
 without it (``python3 run-tests`` installs it when run as root). The admin
@@ -32,6 +32,7 @@ CHROMIUM_ARGS = [
     "--disable-sync",
 ]
 SCREENSHOT = ROOT / "docs" / "_static" / "admin-dedup-records.png"
+CHARGE_TASK = "demo_project.shop.tasks.charge_payment"
 
 pytestmark = [
     pytest.mark.slow,
@@ -74,6 +75,9 @@ def test_double_click_pay_leaves_one_succeeded_record(demo: DemoProcess, page: A
     page.wait_for_url(re.compile(r"/orders/\d+/$"))
     order_id = int(page.url.rstrip("/").rsplit("/", 1)[1])
 
+    stale = page.context.browser.new_page()  # another window on the unpaid order, pressed after the payment
+    stale.goto(page.url)
+
     # Presses 10 ms apart: the first request leaves, the second press cancels its navigation and posts
     # again, as on a slow page. (Two presses in the same tick make Chromium send only the second.)
     page.dblclick("#pay", delay=10)
@@ -81,14 +85,31 @@ def test_double_click_pay_leaves_one_succeeded_record(demo: DemoProcess, page: A
 
     def settled() -> Any:
         order = client.get_json(f"/orders/{order_id}.json")
-        return order if (order["charge_dedup"] or {}).get("state") == "succeeded" else None
+        return order if (order["charge_dedup"] or {}).get("state") == "succeeded" and order["emails"] else None
 
     order = wait_for(settled, 60, f"order {order_id}'s charge succeeded")
     assert order["charge_dedup"]["duplicates"] == "1", "the double click should send two pay requests"
     assert order["charges"] == 1
 
     page.goto(f"{demo.base}/orders/{order_id}/")
-    page.click("text=dedup records for this order")
+    assert page.locator("#pay").count() == 0, "a paid order offers no Pay button"
+    charge_id = order["charge_ids"][0]
+    assert page.locator("#paid").inner_text().strip() == f"Paid (charge #{charge_id})"
+    page.screenshot(path=str(tmp_path / "order-paid.png"), full_page=True)
+
+    with stale.expect_navigation():
+        stale.click("#pay")
+    assert f"Order {order['number']} is already paid (charge #{charge_id})" in stale.locator(".messages").inner_text()
+    stale.screenshot(path=str(tmp_path / "order-paid-again.png"), full_page=True)
+    assert client.get_json(f"/orders/{order_id}.json")["charges"] == 1
+
+    page.click(f"#dedup-records a[data-task='{CHARGE_TASK}']")
+    page.wait_for_selector(".field-state")
+    assert page.locator(".field-state .readonly").inner_text().strip() == "succeeded"
+    assert page.locator("code", has_text=order["charge_key"]).count() >= 1
+    page.screenshot(path=str(tmp_path / "record.png"), full_page=True)
+
+    page.goto(f"{demo.base}/admin/celery_dedup/record/")
     page.wait_for_selector("#result_list")
     rows = page.locator("#result_list tbody tr")
     charges = [
@@ -107,7 +128,7 @@ def test_double_click_pay_leaves_one_succeeded_record(demo: DemoProcess, page: A
     page.goto(f"{demo.base}/admin/shop/order/")
     assert page.locator(".field-charge_key_state").first.inner_text().strip() == "succeeded"
     page.goto(f"{demo.base}/admin/shop/order/{order_id}/change/")
-    record = page.locator(".field-charge_key_record").inner_text()
+    record = page.locator(".field-dedup_records").inner_text()
     assert "state=succeeded" in record
     assert "duplicates=1" in record
 

@@ -1,18 +1,28 @@
-"""Admin: orders with their lines, each order's charge key state, and what the tasks recorded."""
+"""Admin: orders with their lines and charges, and the dedup records of each order's tasks, linked."""
 
 from __future__ import annotations
 
 from django.contrib import admin
-from django.utils.html import format_html
+from django.utils.html import format_html, format_html_join
+from django.utils.safestring import SafeString
 
-from .dedup_links import dedup_admin_url
+from .dedup_links import DedupRecord, dedup_record
 from .models import Charge, EmailLog, InventorySync, Order, OrderLine, SalesReport
-from .tasks import charge_payment
+from .tasks import charge_payment, send_confirmation_email
+
+#: the record fields the order's change page shows
+SHOWN = ("state", "task_id", "duplicates", "skipped", "attempts", "worker", "error")
 
 
 class OrderLineInline(admin.TabularInline):
     model = OrderLine
     extra = 0
+    fields = ("product", "sku", "quantity", "price")
+    readonly_fields = ("product",)
+
+    @admin.display(description="product")
+    def product(self, line: OrderLine) -> str:
+        return line.product_name
 
 
 class ChargeInline(admin.TabularInline):
@@ -22,12 +32,23 @@ class ChargeInline(admin.TabularInline):
     can_delete = False
 
 
+def linked(item: DedupRecord, text: str) -> SafeString:
+    """``text``, linked to the admin page of exactly this record when there is one."""
+    return format_html('<a href="{}">{}</a>', item.url, text) if item.url else format_html("{}", text)
+
+
+def summary(record: dict[str, str] | None) -> str:
+    """``state=succeeded, task_id=..., ...``: the fields of a record worth a glance."""
+    shown = [f"{name}={record[name]}" for name in SHOWN if record and record.get(name)]
+    return ", ".join(shown) or "no record"
+
+
 @admin.register(Order)
 class OrderAdmin(admin.ModelAdmin):
     list_display = ("number", "email", "status", "paid", "emailed", "created", "charge_count", "charge_key_state")
     list_filter = ("status", "paid")
     search_fields = ("number", "email")
-    readonly_fields = ("charge_key_state", "charge_key_record")
+    readonly_fields = ("dedup_records",)
     inlines = (OrderLineInline, ChargeInline)
 
     @admin.display(description="charges")
@@ -35,21 +56,19 @@ class OrderAdmin(admin.ModelAdmin):
         return order.charges.count()
 
     @admin.display(description="charge key")
-    def charge_key_state(self, order: Order) -> str:
-        """The state of ``charge_payment``'s key for this order, linked to the dedup records admin."""
-        record = charge_payment.dedup_status(order.pk)
-        state = record["state"] if record else "no record"
-        url = dedup_admin_url(charge_payment.dedup_business_key(order.pk))
-        return format_html('<a href="{}">{}</a>', url, state) if url else state
+    def charge_key_state(self, order: Order) -> SafeString:
+        """The state of ``charge_payment``'s record for this order, linked to that record."""
+        item = dedup_record(charge_payment, order.pk)
+        return linked(item, item.state)
 
-    @admin.display(description="charge key record")
-    def charge_key_record(self, order: Order) -> str:
-        record = charge_payment.dedup_status(order.pk) or {}
-        shown = ("state", "task_id", "duplicates", "skipped", "attempts", "worker", "error")
-        return format_html(
-            "<code>{}</code><br>{}",
-            charge_payment.dedup_business_key(order.pk),
-            ", ".join(f"{name}={record[name]}" for name in shown if record.get(name)) or "no record",
+    @admin.display(description="dedup records")
+    def dedup_records(self, order: Order) -> SafeString:
+        """Each of the order's tasks: its record's key, linked, and what the record says."""
+        items = [dedup_record(task, order.pk) for task in (charge_payment, send_confirmation_email)]
+        return format_html_join(
+            "",
+            "<p>{} <code>{}</code>: {}</p>",
+            ((item.task_label, linked(item, item.key), summary(item.record)) for item in items),
         )
 
 

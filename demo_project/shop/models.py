@@ -7,6 +7,8 @@ from decimal import Decimal
 
 from django.db import models
 
+from .catalog import BY_SKU
+
 
 def new_order_number() -> str:
     return secrets.token_hex(4).upper()
@@ -15,6 +17,8 @@ def new_order_number() -> str:
 class Order(models.Model):
     class Status(models.TextChoices):
         NEW = "new", "new"
+        #: a charge run has claimed the order and is at the payment gateway
+        PAYING = "paying", "paying"
         PAID = "paid", "paid"
 
     number = models.CharField(max_length=16, unique=True, default=new_order_number)
@@ -34,6 +38,17 @@ class Order(models.Model):
     def total(self) -> Decimal:
         return sum((line.subtotal for line in self.lines.all()), Decimal("0"))
 
+    def charge(self) -> Charge | None:
+        """The charge that paid this order, if it is paid."""
+        return self.charges.order_by("pk").first()
+
+    def refusal(self) -> str:
+        """Why a charge of this order, no longer new, is refused: paid (by which charge) or being paid."""
+        if self.paid:
+            charge = self.charge()
+            return f"Order {self.number} is already paid (charge #{charge.pk if charge else '?'})"
+        return f"Order {self.number} is being paid by another run"
+
 
 class OrderLine(models.Model):
     order = models.ForeignKey(Order, related_name="lines", on_delete=models.CASCADE)
@@ -42,7 +57,12 @@ class OrderLine(models.Model):
     price = models.DecimalField(max_digits=10, decimal_places=2)
 
     def __str__(self) -> str:
-        return f"{self.quantity} x {self.sku}"
+        return f"{self.quantity} x {self.product_name}"
+
+    @property
+    def product_name(self) -> str:
+        product = BY_SKU.get(self.sku)
+        return product.name if product else self.sku
 
     @property
     def subtotal(self) -> Decimal:
@@ -58,7 +78,7 @@ class Charge(models.Model):
     created = models.DateTimeField(auto_now_add=True)
 
     def __str__(self) -> str:
-        return f"charge of {self.amount} for order {self.order_id}"
+        return f"charge #{self.pk} of {self.amount} for order {self.order.number}"
 
 
 class EmailLog(models.Model):

@@ -2,19 +2,25 @@
 
 Run through the ``storm`` management command; each sender is a fresh
 (spawned) process that sets Django up itself, then waits at a barrier so all
-of them publish at once.
+of them publish at once. The senders count their sends in shared memory, for
+a progress bar, and keep the ``celery_dedup`` logger quiet unless asked: a
+storm is hundreds of duplicates, each worth an INFO line elsewhere.
 """
 
 from __future__ import annotations
 
+import logging
 import multiprocessing
 import queue
+import sys
 import time
 from collections import defaultdict
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from multiprocessing.synchronize import Barrier
 from typing import Any
+
+from demo_project import without_project_dir
 
 
 class StormError(RuntimeError):
@@ -47,11 +53,14 @@ def shares(sends: int, processes: int) -> list[int]:
     return [sends // processes + (i < sends % processes) for i in range(processes)]
 
 
-def send(order_ids: Sequence[int], rounds: int, barrier: Barrier, results: Any) -> None:
+def send(order_ids: Sequence[int], rounds: int, barrier: Barrier, results: Any, sent: Any, quiet: bool) -> None:
     """One sender process: ``rounds`` passes over every order, after all senders are ready."""
+    sys.path[:] = without_project_dir(sys.path)  # before celery is imported here
     import django  # noqa: PLC0415 - a spawned process sets Django up before importing models
 
     django.setup()
+    if quiet:
+        logging.getLogger("celery_dedup").setLevel(logging.WARNING)
     from .tasks import charge_payment  # noqa: PLC0415
 
     tally = Tally()
@@ -59,6 +68,8 @@ def send(order_ids: Sequence[int], rounds: int, barrier: Barrier, results: Any) 
     for _ in range(rounds):
         for order_id in order_ids:
             result = charge_payment.delay(order_id)
+            with sent.get_lock():
+                sent.value += 1
             tally.calls += 1
             if result.deduplicated:
                 tally.deduplicated += 1
@@ -68,22 +79,40 @@ def send(order_ids: Sequence[int], rounds: int, barrier: Barrier, results: Any) 
     results.put(Tally(tally.calls, tally.accepted, tally.deduplicated, dict(tally.task_ids)))
 
 
-def race(order_ids: Sequence[int], sends: int, processes: int, timeout: float = 120.0) -> Tally:
-    """Publish ``sends`` charge requests per order from ``processes`` processes at once; add up what they saw."""
+def race(
+    order_ids: Sequence[int],
+    sends: int,
+    processes: int,
+    timeout: float = 120.0,
+    *,
+    quiet: bool = True,
+    progress: Callable[[int], None] | None = None,
+) -> Tally:
+    """Publish ``sends`` charge requests per order from ``processes`` processes at once; add up what they saw.
+
+    ``progress`` is called with the number of sends so far, a few times a second.
+    """
     context = multiprocessing.get_context("spawn")
     barrier = context.Barrier(processes)
     results = context.Queue()
+    sent = context.Value("q", 0)
     senders = [
-        context.Process(target=send, args=(list(order_ids), rounds, barrier, results), name=f"storm-{i}")
+        context.Process(target=send, args=(list(order_ids), rounds, barrier, results, sent, quiet), name=f"storm-{i}")
         for i, rounds in enumerate(shares(sends, processes))
     ]
     for process in senders:
         process.start()
     total = Tally()
     deadline = time.monotonic() + timeout
+
+    def tick() -> None:
+        if progress:
+            progress(sent.value)
+
     try:
         for _ in senders:
-            total.add(_next_result(results, senders, deadline))
+            total.add(_next_result(results, senders, deadline, tick))
+        tick()
     finally:
         for process in senders:
             process.join(5)
@@ -93,11 +122,12 @@ def race(order_ids: Sequence[int], sends: int, processes: int, timeout: float = 
     return total
 
 
-def _next_result(results: Any, senders: list[Any], deadline: float) -> Tally:
+def _next_result(results: Any, senders: list[Any], deadline: float, tick: Callable[[], None]) -> Tally:
     """The next sender's tally; fails fast when a sender died without one, or time ran out."""
     while True:
+        tick()
         try:
-            tally: Tally = results.get(timeout=0.5)
+            tally: Tally = results.get(timeout=0.2)
         except queue.Empty:
             failed = [p.name for p in senders if p.exitcode not in (None, 0)]
             if failed:

@@ -1,7 +1,11 @@
 """The shop's background work, each task deduplicated by the business key its arguments name.
 
-- ``charge_payment``: one charge per order, however often "pay" is pressed
-  (held until the charge ran); on success it sends the confirmation.
+- ``charge_payment``: one charge per order, however often "pay" is pressed.
+  Two guards, because each covers what the other cannot: the dedup key
+  (held until the charge ran) makes concurrent and repeated presses one run;
+  the order's state, claimed by a conditional UPDATE, stops a run that comes
+  after that one ended. Dedup windows end, business invariants don't.
+  On success it sends the confirmation.
 - ``send_confirmation_email``: never two e-mails for an order (held a day,
   even after it was sent).
 - ``sync_inventory``: bursts of orders for a product make one sync, after the
@@ -30,19 +34,42 @@ from .models import Charge, EmailLog, InventorySync, Order, OrderLine, SalesRepo
 logger = logging.getLogger(__name__)
 
 
+def gateway_charge(order: Order, amount: Decimal) -> None:
+    """The payment gateway, simulated: it takes ``DEMO_GATEWAY_SECONDS`` (default 1 s) and never declines."""
+    time.sleep(getattr(settings, "DEMO_GATEWAY_SECONDS", 1.0))
+
+
 @app.task(base=DedupTask, bind=True, dedup_key="order:{order_id}")
 def charge_payment(self: Any, order_id: int) -> str:
-    """Charge the order's total at the (simulated, slow) payment gateway, then confirm by e-mail."""
+    """Charge the order's total at the (simulated, slow) payment gateway, then confirm by e-mail.
+
+    Charges only a new order: the run first claims it (``new`` -> ``paying``)
+    with a conditional UPDATE, which one run at most can win, whatever the
+    dedup key says by then. A run that finds the order paid, or being paid,
+    charges nothing and says why. If the gateway call fails the claim is
+    given back, so "pay" can be pressed again; a worker killed at the gateway
+    leaves the order ``paying``, for someone to check with the gateway
+    rather than charge blindly twice.
+    """
+    claimed = Order.objects.filter(pk=order_id, status=Order.Status.NEW).update(status=Order.Status.PAYING)
     order = Order.objects.get(pk=order_id)
+    if not claimed:
+        refusal: str = order.refusal()
+        logger.info("not charging: %s", refusal)
+        return refusal
     amount = order.total
-    time.sleep(getattr(settings, "DEMO_GATEWAY_SECONDS", 1.0))
+    try:
+        gateway_charge(order, amount)
+    except Exception:  # declined or unreachable: nothing was charged, so the order may be paid again
+        Order.objects.filter(pk=order_id, status=Order.Status.PAYING).update(status=Order.Status.NEW)
+        raise
     with transaction.atomic():
-        Charge.objects.create(order=order, amount=amount, task_id=self.request.id)
+        charge = Charge.objects.create(order=order, amount=amount, task_id=self.request.id)
         Order.objects.filter(pk=order_id).update(paid=True, status=Order.Status.PAID)
     logger.info("charged %s for order %s", amount, order.number)
     send_confirmation_email.delay(order_id)
     daily_sales_report.delay(order.created.date().isoformat())
-    return str(amount)
+    return f"charged {amount} (charge #{charge.pk})"
 
 
 @app.task(

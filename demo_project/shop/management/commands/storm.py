@@ -2,17 +2,20 @@
 
 Creates N orders, races K ``charge_payment`` sends per order from M
 processes, waits for the worker to run what was accepted, counts the
-``Charge`` rows of every order and prints a Markdown table.
+``Charge`` rows of every order and prints a Markdown table. On a terminal a
+progress line shows the sends and the charges meanwhile; the dedup decisions
+of the senders are logged only with ``--verbosity 2``.
 """
 
 from __future__ import annotations
 
 import time
 from collections import Counter
+from collections.abc import Callable
 from decimal import Decimal
 from typing import Any
 
-from django.core.management.base import BaseCommand, CommandError, CommandParser
+from django.core.management.base import BaseCommand, CommandError, CommandParser, OutputWrapper
 from django.db import transaction
 
 from demo_project.celery import app
@@ -30,7 +33,9 @@ class Command(BaseCommand):
         parser.add_argument("--sends", type=int, default=20, help="charge_payment sends per order (default 20)")
         parser.add_argument("--timeout", type=float, default=120.0, help="seconds to wait for the worker")
 
-    def handle(self, *args: Any, orders: int, processes: int, sends: int, timeout: float, **options: Any) -> None:
+    def handle(
+        self, *args: Any, orders: int, processes: int, sends: int, timeout: float, verbosity: int, **options: Any
+    ) -> None:
         if min(orders, processes, sends) < 1:
             raise CommandError("--orders, --processes and --sends must be at least 1")
         if not app.control.ping(timeout=2.0):
@@ -39,13 +44,16 @@ class Command(BaseCommand):
                 "(or `celery -A demo_project.celery worker`) against the same REDIS_URL"
             )
         order_ids = self.create_orders(orders)
+        progress = Progress(self.stderr, calls=orders * sends, orders=orders)
         started = time.monotonic()
         try:
-            tally = race(order_ids, sends, processes, timeout)
+            tally = race(order_ids, sends, processes, timeout, quiet=verbosity < 2, progress=progress.sent)
+            published = time.monotonic() - started
+            self.wait_until_done(order_ids, started + timeout, progress.charged)
         except StormError as exc:
             raise CommandError(str(exc)) from exc
-        published = time.monotonic() - started
-        self.wait_until_done(order_ids, started + timeout)
+        finally:
+            progress.end()
         elapsed = time.monotonic() - started
         charges = Counter(Charge.objects.filter(order_id__in=order_ids).values_list("order_id", flat=True).order_by())
         executions = [charges[order_id] for order_id in order_ids]
@@ -59,7 +67,7 @@ class Command(BaseCommand):
             ("accepted", tally.accepted),
             ("deduplicated", tally.deduplicated),
             ("task ids seen per order (expected 1)", spread(ids_per_order)),
-            ("executions per order (expected 1)", spread(executions)),
+            ("charges per order (expected 1)", spread(executions)),
             ("orders not charged exactly once", wrong),
             ("time to publish", f"{published:.2f} s"),
             ("time until all charged", f"{elapsed:.2f} s"),
@@ -78,16 +86,68 @@ class Command(BaseCommand):
             )
         return [order.pk for order in created]
 
-    def wait_until_done(self, order_ids: list[int], deadline: float) -> None:
+    def wait_until_done(self, order_ids: list[int], deadline: float, progress: Callable[[int], None]) -> None:
         """Until every order's charge key has a record that is no longer in flight."""
         pending = list(order_ids)
         while pending:
             pending = [order_id for order_id in pending if _in_flight(order_id)]
+            progress(len(order_ids) - len(pending))
             if not pending:
                 return
             if time.monotonic() > deadline:
                 raise CommandError(f"the worker did not finish the charges of orders {pending} in time")
             time.sleep(0.1)
+
+
+class Progress:
+    """One line on a terminal, redrawn in place: the sends made, then the orders whose charge is over.
+
+    Draws nothing where the output is not a terminal (a pipe, a file, a test).
+    """
+
+    WIDTH = 24
+
+    def __init__(self, out: OutputWrapper, *, calls: int, orders: int) -> None:
+        self.out = out
+        self.shown = out.isatty()
+        self.calls, self.orders = calls, orders
+        self.done_calls = self.done_orders = 0
+        self.drawn: tuple[int, int] | None = None
+
+    def sent(self, calls: int) -> None:
+        self.done_calls = calls
+        self.draw()
+
+    def charged(self, orders: int) -> None:
+        self.done_orders = orders
+        self.draw()
+
+    def draw(self) -> None:
+        if not self.shown or self.drawn == (self.done_calls, self.done_orders):
+            return
+        line = (
+            f"\r{bar(self.done_calls, self.calls, self.WIDTH)} {self.done_calls}/{self.calls} sends   "
+            f"{bar(self.done_orders, self.orders, self.WIDTH)} {self.done_orders}/{self.orders} orders done"
+        )
+        self.out.write(line, style_func=plain, ending="")
+        self.out.flush()
+        self.drawn = (self.done_calls, self.done_orders)
+
+    def end(self) -> None:
+        """Leave the last state on screen and move to the next line."""
+        if self.drawn:
+            self.out.write("", style_func=plain)
+
+
+def plain(text: str) -> str:
+    """No style: stderr's default is the colour of errors."""
+    return text
+
+
+def bar(done: int, total: int, width: int) -> str:
+    """``[######------]``: ``done`` of ``total`` as a bar ``width`` characters wide."""
+    filled = width * done // total if total else width
+    return "[" + "#" * filled + "-" * (width - filled) + "]"
 
 
 def _in_flight(order_id: int) -> bool:
