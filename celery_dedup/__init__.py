@@ -27,6 +27,7 @@ from .exceptions import (
 from .gate import Outcome, last_outcome
 from .keyed import DedupResult
 from .runtime import reap, stats
+from .status import HistoryEntry, Status
 from .store import Page, ReapReport, Record
 from .task import DedupTask
 
@@ -41,10 +42,12 @@ __all__ = [
     "DedupTask",
     "DedupUnavailableError",
     "DuplicateTaskError",
+    "HistoryEntry",
     "Outcome",
     "Page",
     "ReapReport",
     "Record",
+    "Status",
     "install",
     "last_outcome",
     "reap",
@@ -62,7 +65,9 @@ def records(
     cursor: str | None = None,
     limit: int = 50,
 ) -> Page:
-    """A page of status records, newest update first; pass ``page.cursor`` back for the next.
+    """A page of status records (:class:`Status`, without history), newest update first.
+
+    Pass ``page.cursor`` back for the next page; it is None on the last.
 
     Filters: ``state`` (one of ``celery_dedup.store.STATES``: pending, queued,
     started, retry, succeeded, failed, revoked, rejected, ignored, lost,

@@ -40,6 +40,7 @@ from .checks import run_checks
 from .decisions import DECISIONS
 from .exceptions import DedupError
 from .keys import member_for, split_member, task_from_namespace
+from .status import FIELD_DOC, FIELD_DOCS, HistoryEntry, Status, from_ms
 from .store import ENDED_STATES, STATES, KeyDetail, ReleaseResult
 
 OK, USAGE, NOT_FOUND, REFUSED, CHECK_FAILED = 0, 1, 2, 3, 4
@@ -167,16 +168,17 @@ def _age(seconds: float) -> str:
     return f"in {amount}" if future else f"{amount} ago"
 
 
+def _when(moment: datetime.datetime | None, now: float | None = None) -> str:
+    """A record's time as local time and age; ``-`` when unset."""
+    if moment is None:
+        return "-"
+    local = moment.astimezone()
+    return f"{local:%Y-%m-%d %H:%M:%S} ({_age((time.time() if now is None else now) - moment.timestamp())})"
+
+
 def human_time(ms: str | None, now: float | None = None) -> str:
     """A record's millisecond timestamp as local time and age; ``-`` for missing or 0."""
-    try:
-        value = int(ms or 0)
-    except ValueError:
-        return ms or "-"
-    if value <= 0:
-        return "-"
-    moment = datetime.datetime.fromtimestamp(value / 1000)
-    return f"{moment:%Y-%m-%d %H:%M:%S} ({_age((time.time() if now is None else now) - value / 1000)})"
+    return _when(from_ms(ms), now)
 
 
 def _json_flag(function: Callable[..., Any]) -> Callable[..., Any]:
@@ -214,7 +216,7 @@ def list_(
     except ValueError as exc:
         raise click.BadParameter(f"{cursor!r} is not a cursor this command printed", param_hint="--cursor") from exc
     if as_json:
-        records = [{"member": rec.member, "key": rec.key, "fields": rec.fields} for rec in page.records]
+        records = [status.as_dict() for status in page.records]
         _emit_json({"records": records, "cursor": page.cursor, "total": page.total})
         return
     if not page.records:
@@ -224,16 +226,16 @@ def list_(
         now = time.time()
         rows = [
             (
-                rec.key,
-                rec.task,
-                rec.state,
-                rec.task_id,
-                human_time(rec.fields.get("updated_at"), now),
-                rec.fields.get("worker", "-") or "-",
-                rec.fields.get("attempts", "0"),
-                rec.fields.get("duplicates", "0"),
+                status.key,
+                status.task,
+                status.state,
+                status.task_id,
+                _when(status.updated_at, now),
+                status.worker or "-",
+                str(status.attempts),
+                str(status.duplicates),
             )
-            for rec in page.records
+            for status in page.records
         ]
         click.echo(_table(rows, headers))
     click.echo(f"{len(page.records)} shown, index holds {page.total}")
@@ -245,31 +247,31 @@ def _is_absent(found: KeyDetail) -> bool:
     return found.record is None and not found.held and found.lock_token is None
 
 
-def _history_entry(entry: str) -> dict[str, Any]:
-    ms, state, task_id, note = [*entry.split(" ", 3), "", "", ""][:4]
-    return {"at_ms": int(ms) if ms.isdigit() else ms, "state": state, "task_id": task_id, "note": note}
-
-
 def _detail_json(found: KeyDetail) -> dict[str, Any]:
     namespace, key = split_member(found.member)
-    namespace = task_from_namespace(namespace)
     lock = {"token": found.lock_token, "ttl_ms": found.lock_ttl_ms} if found.lock_token is not None else None
+    status = found.status
     return {
         "member": found.member,
-        "task": namespace,
+        "task": task_from_namespace(namespace),
         "key": key,
         "held": found.held,
         "lock": lock,
         "record": found.record,
-        "history": [_history_entry(entry) for entry in found.history],
+        "status": status.as_dict() if status is not None else None,
+        "history": [HistoryEntry.parse(entry).as_dict() for entry in found.history],
     }
 
 
-def _field_text(field: str, value: str, now: float) -> str:
-    """A record field as shown: millisecond times get their local time and age after them."""
-    if (field.endswith("_at") or field == "held_until") and value not in ("", "0"):
-        return f"{value}  {human_time(value, now)}"
-    return value
+def _field_rows(status: Status, now: float) -> list[tuple[str, str]]:
+    """The record's fields in the order of their groups, times as local time and age; unknown fields last."""
+    rows = []
+    for doc in FIELD_DOCS:
+        value = status.fields.get(doc.name)
+        if value is not None:
+            rows.append((doc.name, _when(from_ms(value), now) if doc.time else value))
+    rows += sorted((name, value) for name, value in status.fields.items() if name not in FIELD_DOC)
+    return rows
 
 
 @dedup.command()
@@ -292,16 +294,17 @@ def show(ctx: click.Context, key: str, task: str | None, as_json: bool) -> None:
     head += [("held", "yes" if found.held else "no"), ("lock", lock)]
     click.echo(_table(head))
     now = time.time()
-    fields = sorted((found.record or {}).items())
-    click.echo("\nrecord:" if fields else "\nrecord: none")
-    if fields:
-        click.echo(_table([(field, _field_text(field, value, now)) for field, value in fields], indent="  "))
-    click.echo("\nhistory (newest first):" if found.history else "\nhistory: none")
-    rows = [
-        (human_time(str(e["at_ms"]), now), e["state"], e["task_id"], e["note"])
-        for e in map(_history_entry, found.history)
-    ]
-    if rows:
+    status = found.status
+    if status is None:
+        click.echo("\nrecord: none")
+    else:
+        tombstone = " (purged: only the run id, how it ended and its nonces remain)" if status.purged else ""
+        click.echo(f"\nrecord{tombstone}:")
+        click.echo(_table(_field_rows(status, now), indent="  "))
+    entries = status.history if status is not None and status.history else ()
+    click.echo("\nhistory (newest first):" if entries else "\nhistory: none")
+    if entries:
+        rows = [(_when(e.at, now), e.state, e.task_id, e.note) for e in entries]
         click.echo(_table(rows, indent="  "))
 
 

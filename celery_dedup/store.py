@@ -15,6 +15,7 @@ from redis.sentinel import Sentinel
 from .exceptions import DedupConfigError
 from .gate import Outcome
 from .keys import KeySchema, split_member, task_namespace
+from .status import Status
 
 #: Scripts that change status records get the shared helpers of ``lib.lua`` first.
 _WITH_LIB = frozenset({"gate", "start", "finish", "reap", "dispatch", "peek", "release", "purge"})
@@ -82,36 +83,15 @@ class StartDecision:
         return self.code == self.RUN
 
 
-@dataclass(frozen=True)
-class Record:
-    """One key's status record as read from Redis."""
-
-    member: str
-    fields: dict[str, str]
-
-    @property
-    def key(self) -> str:
-        """The business key."""
-        return split_member(self.member)[1]
-
-    @property
-    def task(self) -> str:
-        return self.fields.get("task", "")
-
-    @property
-    def state(self) -> str:
-        return self.fields.get("state", "")
-
-    @property
-    def task_id(self) -> str:
-        return self.fields.get("task_id", "")
+#: The name of :class:`~celery_dedup.status.Status` before it was typed (same attributes, and more).
+Record = Status
 
 
 @dataclass(frozen=True)
 class Page:
     """One page of records, newest update first (key order for a prefix search)."""
 
-    records: list[Record]
+    records: list[Status]
     #: Pass back as ``cursor`` for the next page; None on the last page.
     cursor: str | None
     #: Entries in the index the page was read from (an upper bound on matches).
@@ -196,6 +176,11 @@ class KeyDetail:
     lock_token: str | None
     #: The lock's remaining time, ms (0 without a lock).
     lock_ttl_ms: int
+
+    @property
+    def status(self) -> Status | None:
+        """The record with its history as typed values, or None without a record."""
+        return None if self.record is None else Status.from_record(self.member, self.record, self.history)
 
 
 @dataclass(frozen=True)
@@ -458,6 +443,16 @@ class DedupStore:
         raw = self.client.hgetall(self.schema.record(member))
         return {_text(k): _text(v) for k, v in raw.items()} or None
 
+    def status(self, member: str) -> Status | None:
+        """The member's record and history as a :class:`Status` (one round trip), or None without a record."""
+        with self.client.pipeline(transaction=True) as pipe:
+            pipe.hgetall(self.schema.record(member))
+            pipe.lrange(self.schema.history(member), 0, -1)
+            raw, history = pipe.execute()
+        if not raw:
+            return None
+        return Status.from_record(member, {_text(k): _text(v) for k, v in raw.items()}, [_text(e) for e in history])
+
     def history(self, member: str) -> list[str]:
         """The member's recent transitions, newest first: ``"<ms> <state> <task id> [note]"``."""
         return [_text(entry) for entry in self.client.lrange(self.schema.history(member), 0, -1)]
@@ -521,7 +516,7 @@ class DedupStore:
         """
         namespace = task_namespace(task) if task is not None else None
         offset = int(cursor or 0)
-        found: list[Record] = []
+        found: list[Status] = []
         scanned = 0
         total = 0
         while scanned < 20 * limit:
@@ -534,7 +529,7 @@ class DedupStore:
                 scanned += 1
                 fields = fetched.get(member)
                 if fields and (state is None or fields.get("state") == state):
-                    found.append(Record(member, fields))
+                    found.append(Status.from_record(member, fields))
                     if len(found) == limit:
                         return Page(found, str(offset) if offset < total else None, total)
             if len(members) < batch:

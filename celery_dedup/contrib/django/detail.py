@@ -6,7 +6,7 @@ import datetime
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 
-from .listing import from_ms
+from celery_dedup.status import from_ms
 
 #: Fields holding a millisecond timestamp.
 TIME_FIELDS = frozenset(
