@@ -17,6 +17,7 @@ from typing import Any
 
 from . import runtime, signals, steps
 from .exceptions import (
+    DedupArgumentError,
     DedupConfigError,
     DedupError,
     DedupKeyError,
@@ -34,6 +35,7 @@ from .task import DedupTask
 __version__ = "0.1.0"
 
 __all__ = [
+    "DedupArgumentError",
     "DedupConfigError",
     "DedupError",
     "DedupKeyError",
@@ -73,6 +75,11 @@ def records(
     started, retry, succeeded, failed, revoked, rejected, ignored, lost,
     skipped, released, replaced), ``task`` (a task name) and ``prefix``
     (of the business key, e.g. ``"order:4"``; results then come in key order).
+    A cursor past the end gives an empty last page.
+
+    Raises:
+        DedupArgumentError: ``limit`` is below 1, or ``cursor`` is not a
+            page's cursor (a decimal number of ASCII digits).
     """
     store = runtime.store_for(app)
     return store.records(state=state, task=task, prefix=prefix, cursor=cursor, limit=limit)

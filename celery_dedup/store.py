@@ -12,7 +12,7 @@ import redis
 from redis.commands.core import Script
 from redis.sentinel import Sentinel
 
-from .exceptions import DedupConfigError
+from .exceptions import DedupArgumentError, DedupConfigError
 from .gate import Outcome
 from .keys import KeySchema, split_member, task_namespace
 from .status import Status
@@ -199,6 +199,10 @@ class LockRef:
     lock_key: str
     record_key: str
     token: str
+
+
+#: Cursors beyond this read from here: past any index, and within the range Redis takes.
+_MAX_OFFSET = 2**62
 
 
 class DedupStore:
@@ -512,10 +516,17 @@ class DedupStore:
 
         Reads one index (never the keyspace) and at most ``20 * limit`` of its
         entries per page; entries whose record expired are skipped (the reaper
-        removes them).
+        removes them). A cursor past the end gives an empty last page.
+
+        Raises:
+            DedupArgumentError: ``limit`` below 1, or ``cursor`` not a decimal number.
         """
+        if limit < 1:
+            raise DedupArgumentError("limit", limit, "must be at least 1")
+        if cursor and not (cursor.isascii() and cursor.isdigit()):
+            raise DedupArgumentError("cursor", cursor, "must be the cursor of a page: a number, 0 or more")
         namespace = task_namespace(task) if task is not None else None
-        offset = int(cursor or 0)
+        offset = min(int(cursor or 0), _MAX_OFFSET)  # beyond any index, still an offset Redis accepts
         found: list[Status] = []
         scanned = 0
         total = 0

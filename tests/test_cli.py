@@ -102,6 +102,8 @@ def test_help_documents_every_exit_code(dedup: Invoke) -> None:
     [
         ("nosuchcommand",),
         ("list", "--limit", "0"),
+        ("list", "--cursor", "-1"),
+        ("list", "--cursor", "²"),
         ("list", "--state", "bogus"),
         ("show", "no-colon-and-no-task"),
         ("purge", "--state", "queued", "--yes"),

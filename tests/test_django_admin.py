@@ -309,6 +309,23 @@ def test_list_pages_with_the_cursor(app: Celery, charges: Records, root: Client)
     assert listed(root.get(LIST, {"cursor": "not-a-number"})) == newest_first[:100]
 
 
+@pytest.mark.parametrize("cursor", ["²", "٣", "-1", "1.0", " 5"])
+def test_list_reads_a_cursor_that_is_no_number_as_the_first_page(
+    app: Celery, charges: Records, root: Client, cursor: str
+) -> None:
+    runs = [charges.queued(n) for n in range(3)]
+    assert set(listed(root.get(LIST, {"cursor": cursor}))) == {run.member for run in runs}
+    assert set(listed(root.get(LIST, {"cursor": "1", "trail": f"0,{cursor}"}))) <= {run.member for run in runs}
+
+
+def test_list_past_the_end_is_an_empty_last_page(app: Celery, charges: Records, root: Client) -> None:
+    charges.queued(1)
+    response = root.get(LIST, {"cursor": "99999999999999999999999"})
+    assert listed(response) == []
+    assert response.context["listing"].next_url is None
+    assert response.context["listing"].first_url is not None
+
+
 # --- one record ----------------------------------------------------------------------------------
 
 

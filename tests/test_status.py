@@ -8,7 +8,7 @@ import pytest
 from celery import Celery
 
 import celery_dedup
-from celery_dedup import Status, operations, runtime
+from celery_dedup import DedupArgumentError, DedupError, Status, operations, runtime
 from celery_dedup.status import HistoryEntry
 
 from ._records import Records, keyed_tasks
@@ -126,3 +126,50 @@ def test_as_dict_is_json_ready() -> None:
     (entry,) = document["history"]
     assert entry == {"at": document["queued_at"], "at_ms": 1700000000123, "state": "queued", "task_id": "x", "note": ""}
     assert document["fields"]["attempts"] == "2"
+
+
+@pytest.mark.parametrize(
+    ("arguments", "parameter"),
+    [
+        ({"limit": 0}, "limit"),
+        ({"limit": -5}, "limit"),
+        ({"cursor": "-1"}, "cursor"),
+        ({"cursor": "²"}, "cursor"),
+        ({"cursor": "1.5"}, "cursor"),
+        ({"cursor": "next"}, "cursor"),
+        ({"cursor": " 3"}, "cursor"),
+    ],
+)
+def test_records_refuses_a_bad_limit_or_cursor_naming_it(
+    app: Celery, records: Records, arguments: dict[str, object], parameter: str
+) -> None:
+    records.queued(1)
+    with pytest.raises(DedupArgumentError) as caught:
+        celery_dedup.records(app, **arguments)  # type: ignore[arg-type]
+    assert isinstance(caught.value, DedupError) and isinstance(caught.value, ValueError)
+    assert caught.value.parameter == parameter and caught.value.value == arguments[parameter]
+    assert f"{parameter}=" in str(caught.value)
+
+
+def test_a_cursor_past_the_end_is_the_last_page(app: Celery, records: Records) -> None:
+    for order in range(3):
+        records.queued(order)
+    for cursor in ("3", "99999999999999999999999"):
+        page = celery_dedup.records(app, cursor=cursor)
+        assert (page.records, page.cursor, page.total) == ([], None, 3)
+        assert celery_dedup.records(app, prefix="order:", cursor=cursor).records == []
+    assert len(celery_dedup.records(app, cursor="0").records) == 3
+
+
+def test_following_the_cursor_ends(app: Celery, records: Records) -> None:
+    for order in range(5):
+        records.queued(order)
+    seen, cursor, pages = [], None, 0
+    while True:
+        page = celery_dedup.records(app, cursor=cursor, limit=2)
+        seen += [status.member for status in page.records]
+        pages += 1
+        cursor = page.cursor
+        if cursor is None:
+            break
+    assert pages == 3 and len(set(seen)) == 5

@@ -20,6 +20,11 @@ TRAIL_LENGTH = 50
 STATE, TASK, SEARCH, CURSOR, TRAIL = "state", "task", "q", "cursor", "trail"
 
 
+def _is_number(text: str) -> bool:
+    """ASCII digits only: ``"²".isdigit()`` and ``"٣".isdigit()`` are true too."""
+    return text.isascii() and text.isdigit()
+
+
 @dataclass(frozen=True)
 class Query:
     """The list's filters and position, as read from (and written back to) the query string."""
@@ -32,10 +37,13 @@ class Query:
 
     @classmethod
     def parse(cls, params: Mapping[str, str]) -> Query:
-        """Read the filters; a cursor or trail that is not a number means the first page."""
+        """Read the filters; a cursor or trail that is not a number means the first page.
+
+        A number past the end of the index is an empty last page (the store's rule).
+        """
         cursor = params.get(CURSOR, "")
         trail = tuple(params.get(TRAIL, "").split(",")) if params.get(TRAIL) else ()
-        if not cursor.isdigit() or not all(c.isdigit() for c in trail):
+        if not _is_number(cursor) or not all(_is_number(c) for c in trail):
             cursor, trail = "", ()
         return cls(
             state=params.get(STATE, "").strip(),
