@@ -58,10 +58,34 @@ Exit codes:
 """
 
 
+_NAMED = {"\n": "\\n", "\r": "\\r", "\t": "\\t"}
+
+
+def printable(text: str) -> str:
+    """``text`` with what a terminal would act on escaped as Python does in ``repr``.
+
+    Control characters (an ``ESC`` sequence clears the screen or sets the
+    window title, a carriage return overwrites the line), bidi overrides and
+    line separators become ``\\x1b``, ``\\u202e``...: stored text (keys, errors,
+    worker names, notes) is shown, never obeyed. Backslashes stay as they are,
+    so printed keys can be pasted back.
+    """
+    if text.isprintable():
+        return text
+    return "".join(ch if ch.isprintable() else _NAMED.get(ch) or _escaped(ord(ch)) for ch in text)
+
+
+def _escaped(code: int) -> str:
+    return f"\\x{code:02x}" if code < 0x100 else f"\\u{code:04x}" if code < 0x10000 else f"\\U{code:08x}"
+
+
 class CliError(click.ClickException):
-    """A failure reported on stderr, exit code 1."""
+    """A failure reported on stderr, exit code 1; what it quotes from Redis is escaped."""
 
     exit_code = USAGE
+
+    def __init__(self, message: str) -> None:
+        super().__init__(printable(message))
 
 
 class NotFound(CliError):
@@ -149,8 +173,8 @@ def _emit_json(document: Any) -> None:
 
 
 def _table(rows: Sequence[Sequence[str]], headers: Sequence[str] = (), indent: str = "") -> str:
-    """Rows as aligned columns, two spaces apart, under ``headers`` if given."""
-    lines = [headers, *rows] if headers else list(rows)
+    """Rows as aligned columns, two spaces apart, under ``headers`` if given; cells made :func:`printable`."""
+    lines = [[printable(cell) for cell in line] for line in ([headers, *rows] if headers else rows)]
     widths = [max(len(cell) for cell in column) for column in zip(*lines, strict=True)]
     return "\n".join(
         indent + "  ".join(c.ljust(w) for c, w in zip(line, widths, strict=True)).rstrip() for line in lines
@@ -339,7 +363,7 @@ def release(ctx: click.Context, key: str, task: str | None, force: bool, yes: bo
         )
     if not yes:
         what = f" and delete the live lock {token}" if token else ""
-        click.confirm(f"Release {member!r}{what}?", abort=True, err=True)
+        click.confirm(printable(f"Release {member!r}{what}?"), abort=True, err=True)
     result = operations.release(app, member, force_token=(token or "") if force else "", by=_operator())
     if result.code == ReleaseResult.REFUSED_LOCKED:
         raise Refused(f"refused: {member!r} started executing meanwhile ({int(result.detail) / 1000:.1f} s left)")
@@ -354,7 +378,7 @@ def release(ctx: click.Context, key: str, task: str | None, force: bool, yes: bo
     parts.append("key was held" if result.was_held else "key was not held")
     if result.forced:
         parts.append(f"lock {token} deleted")
-    click.echo("; ".join(parts))
+    click.echo(printable("; ".join(parts)))
 
 
 @dedup.command()
@@ -445,6 +469,6 @@ def check(ctx: click.Context, countdown: float, strict: bool, as_json: bool) -> 
         for f in findings:
             level = f.level.ljust(7)
             styled = obj.style(level, fg=colors[f.level]) if obj is not None else level
-            click.echo(f"{styled}  {f.check.ljust(width)}  {f.message}")
+            click.echo(f"{styled}  {printable(f.check.ljust(width))}  {printable(f.message)}")
     if failed:
         ctx.exit(CHECK_FAILED)
