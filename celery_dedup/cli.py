@@ -15,6 +15,7 @@ Exit codes::
     2  nothing found: show or release of a key with no record, hold or lock
     3  refused: release of a key whose execution lock is alive, without --force
     4  check found an error (warnings too, with --strict)
+    5  nothing held: release of a key that is not held and has no live lock
 """
 
 from __future__ import annotations
@@ -43,7 +44,7 @@ from .keys import member_for, split_member, task_from_namespace
 from .status import FIELD_DOC, FIELD_DOCS, HistoryEntry, Status, from_ms
 from .store import ENDED_STATES, STATES, KeyDetail, ReleaseResult
 
-OK, USAGE, NOT_FOUND, REFUSED, CHECK_FAILED = 0, 1, 2, 3, 4
+OK, USAGE, NOT_FOUND, REFUSED, CHECK_FAILED, NOT_HELD = 0, 1, 2, 3, 4, 5
 
 
 _HELP = """Inspect and repair celery-dedup keys.
@@ -55,6 +56,7 @@ Exit codes:
   2  nothing found (show/release of an unknown key)
   3  refused (release of a live execution lock without --force)
   4  check found an error (or a warning, with --strict)
+  5  nothing held (release of a key neither held nor locked)
 """
 
 
@@ -98,6 +100,12 @@ class Refused(CliError):
     """A release refused because the key is executing: exit code 3."""
 
     exit_code = REFUSED
+
+
+class NotHeld(CliError):
+    """A release of a key that is not held and has no live lock: nothing to do, exit code 5."""
+
+    exit_code = NOT_HELD
 
 
 class _UsageError(click.UsageError):
@@ -348,7 +356,8 @@ def release(ctx: click.Context, key: str, task: str | None, force: bool, yes: bo
 
     Refused (exit 3) while a worker holds the key's execution lock, unless
     --force: the lock whose token is read now is then deleted, and only if it
-    still holds that token.
+    still holds that token. A key that is not held and has no live lock is
+    left alone (exit 5): there is nothing to release.
     """
     app = _app(ctx)
     found = operations.detail(app, _member(key, task))
@@ -356,6 +365,8 @@ def release(ctx: click.Context, key: str, task: str | None, force: bool, yes: bo
     if _is_absent(found):
         raise NotFound(f"nothing to release: {member!r} has no record, hold or lock")
     token = found.lock_token
+    if not found.held and not token:
+        raise NotHeld(_not_held(member, (found.record or {}).get("state", "")))
     if token and not force:
         raise Refused(
             f"refused: {member!r} is executing: lock {token} ({found.lock_ttl_ms / 1000:.1f} s left). "
@@ -369,6 +380,8 @@ def release(ctx: click.Context, key: str, task: str | None, force: bool, yes: bo
         raise Refused(f"refused: {member!r} started executing meanwhile ({int(result.detail) / 1000:.1f} s left)")
     if result.code == ReleaseResult.REFUSED_LOCK_CHANGED:
         raise Refused(f"refused: the lock of {member!r} now belongs to {result.detail}, not {token}")
+    if result.code == ReleaseResult.NOTHING and result.detail:
+        raise NotHeld(_not_held(member, result.detail))
     if result.code == ReleaseResult.NOTHING:
         raise NotFound(f"nothing to release: {member!r} has no record, hold or lock any more")
     if as_json:
@@ -379,6 +392,10 @@ def release(ctx: click.Context, key: str, task: str | None, force: bool, yes: bo
     if result.forced:
         parts.append(f"lock {token} deleted")
     click.echo(printable("; ".join(parts)))
+
+
+def _not_held(member: str, state: str) -> str:
+    return f"nothing to release: {member!r} is not held and no execution lock is alive (its run is {state})"
 
 
 @dedup.command()

@@ -41,7 +41,9 @@ def release(app: Any, member: str, *, force_token: str = "", by: str = "") -> Re
 
     Refused while the key's execution lock is alive, unless ``force_token`` is
     that lock's current token (as shown to the operator): the lock is then
-    deleted, and the history says it was forced, and by whom (``by``).
+    deleted, and the history says it was forced, and by whom (``by``). A key
+    that is not held and has no live lock is left alone: the result is
+    ``NOTHING`` with the record's state, and nothing is written or counted.
     """
     config = runtime.config_for(app)
     store = runtime.store_for(app)

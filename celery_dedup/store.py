@@ -141,7 +141,8 @@ class ReleaseResult:
 
     code: int
     #: RELEASED: the record's state now ("" without a record); REFUSED_LOCKED:
-    #: the lock's remaining ms; REFUSED_LOCK_CHANGED: the lock's current token.
+    #: the lock's remaining ms; REFUSED_LOCK_CHANGED: the lock's current token;
+    #: NOTHING (neither the key nor a lock was held): the record's state, or "".
     detail: str
     #: Whether the key was in the held set.
     was_held: bool = False

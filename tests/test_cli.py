@@ -92,7 +92,8 @@ def test_help_documents_every_exit_code(dedup: Invoke) -> None:
     assert result.exit_code == 0
     for command in ("list", "show", "release", "purge", "reap", "stats", "check"):
         assert command in result.stdout
-    for code, meaning in ((0, "ok"), (1, "usage"), (2, "nothing found"), (3, "refused"), (4, "check found")):
+    meanings = ((0, "ok"), (1, "usage"), (2, "nothing found"), (3, "refused"), (4, "check found"), (5, "nothing held"))
+    for code, meaning in meanings:
         assert f"{code}  {meaning}" in result.stdout
     assert "Exit codes" in (cli.__doc__ or "")
 
@@ -309,6 +310,18 @@ def test_release_unknown_key_exits_2(dedup: Invoke) -> None:
 
     assert result.exit_code == cli.NOT_FOUND
     assert "nothing to release" in result.stderr
+
+
+def test_release_of_a_key_nothing_holds_exits_5_and_writes_nothing(apps: ModuleType, dedup: Invoke) -> None:
+    run = Records(apps.app, apps.charge).ended(4, "succeeded")
+    history = as_json(dedup("show", run.member, "--json"))["history"]
+
+    result = dedup("release", run.member, "--yes")
+
+    assert result.exit_code == cli.NOT_HELD == 5
+    assert "nothing to release" in result.stderr and "not held" in result.stderr and "succeeded" in result.stderr
+    assert as_json(dedup("show", run.member, "--json"))["history"] == history
+    assert "released" not in as_json(dedup("stats", "--json")).get("cli.charge", {})
 
 
 def test_release_refuses_a_live_lock_unless_forced(apps: ModuleType, dedup: Invoke, r: redis.Redis) -> None:

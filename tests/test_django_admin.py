@@ -384,6 +384,27 @@ def test_release_confirms_then_frees_a_queued_key(app: Celery, charges: Records,
     assert not charges.task.delay(5).deduplicated
 
 
+def test_release_is_offered_only_where_something_is_held(app: Celery, charges: Records, root: Client) -> None:
+    done = charges.ended(5, "succeeded")
+    window = charges.ended(6, "succeeded", keep_key=True)
+    store = runtime.store_for(app)
+    history = store.history(done.member)
+
+    assert "Release key" not in root.get(detail_url(done.member)).content.decode()
+    assert "Release key" in root.get(detail_url(window.member)).content.decode()
+    confirm = root.get(release_url(done.member))
+    assert confirm.status_code == 200
+    page = confirm.content.decode()
+    assert "Nothing to release" in page and "Yes, release it" not in page
+
+    refused = root.post(release_url(done.member), {"token": ""}, follow=True)
+
+    assert refused.redirect_chain == [(detail_url(done.member), 302)]
+    assert "Nothing to release" in refused.content.decode()
+    assert store.history(done.member) == history
+    assert store.stats().get("shop.charge", {}).get("released", 0) == 0
+
+
 def test_release_refuses_a_live_lock_without_force(app: Celery, charges: Records, root: Client) -> None:
     run = charges.started(6)
 

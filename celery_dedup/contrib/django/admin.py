@@ -139,7 +139,7 @@ class RecordAdmin(admin.ModelAdmin):  # type: ignore[type-arg]
             fields=fields_of(found.record or {}),
             history=history_of(found.history),
             lock_ttl_s=found.lock_ttl_ms / 1000,
-            release_url=self._url("release", found.member),
+            release_url=self._url("release", found.member) if _holds_something(found) else None,
             requeue_url=self._url("requeue", found.member) if operations.can_requeue(found.record) else None,
             **(extra_context or {}),
         )
@@ -164,6 +164,8 @@ class RecordAdmin(admin.ModelAdmin):  # type: ignore[type-arg]
                     self.message_user(request, _released_message(found.member, result), messages.SUCCESS)
                     return HttpResponseRedirect(detail_url)
                 self.message_user(request, _refused_message(result), messages.ERROR)
+                if result.code == ReleaseResult.NOTHING:
+                    return HttpResponseRedirect(detail_url)
                 return HttpResponseRedirect(self._url("release", found.member))
         else:
             form = ReleaseForm(initial={"token": found.lock_token or ""})
@@ -174,6 +176,7 @@ class RecordAdmin(admin.ModelAdmin):  # type: ignore[type-arg]
             key=found.member.partition(":")[2],
             state=(found.record or {}).get("state", ""),
             ended=(found.record or {}).get("state") in ENDED_STATES,
+            holds_something=_holds_something(found),
             lock_ttl_s=found.lock_ttl_ms / 1000,
             form=form,
             detail_url=detail_url,
@@ -243,6 +246,11 @@ class RecordAdmin(admin.ModelAdmin):  # type: ignore[type-arg]
         return TemplateResponse(request, f"{TEMPLATES}/purge.html", context)
 
 
+def _holds_something(found: KeyDetail) -> bool:
+    """Whether a release would free anything: the key is held, or an execution lock is alive."""
+    return found.held or found.lock_token is not None
+
+
 def _released_message(member: str, result: ReleaseResult) -> str:
     text = f"Released {member}"
     if result.forced:
@@ -260,4 +268,9 @@ def _refused_message(result: ReleaseResult) -> str:
         )
     if result.code == ReleaseResult.REFUSED_LOCK_CHANGED:
         return f"Not released: the lock now belongs to {result.detail}, not the owner you confirmed. Review again."
+    if result.detail:
+        return (
+            f"Nothing to release: the key is not held and no execution lock is alive (the run is {result.detail}). "
+            "Nothing was changed."
+        )
     return "Nothing to release: the key has no record, hold or lock any more."
