@@ -61,6 +61,7 @@ class Scripts:
         self.peek: Script = client.register_script(load_script("peek"))
         self.release: Script = client.register_script(load_script("release"))
         self.purge: Script = client.register_script(load_script("purge"))
+        self.annotate: Script = client.register_script(load_script("annotate"))
 
 
 def _text(value: Any) -> str:
@@ -461,6 +462,14 @@ class DedupStore:
     def history(self, member: str) -> list[str]:
         """The member's recent transitions, newest first: ``"<ms> <state> <task id> [note]"``."""
         return [_text(entry) for entry in self.client.lrange(self.schema.history(member), 0, -1)]
+
+    def annotate(self, member: str, task_id: str, note: str) -> bool:
+        """Add ``note`` to the history entry run ``task_id``'s publish wrote (see ``annotate.lua``).
+
+        False, and nothing written, once the record names another run.
+        """
+        keys = [self.schema.record(member), self.schema.history(member)]
+        return bool(self.scripts.annotate(keys, [task_id, note, self.history_length]))
 
     def is_held(self, member: str) -> bool:
         return bool(self.client.sismember(self.schema.held, member))

@@ -20,6 +20,7 @@ if not settings.configured:
 django.setup()
 
 from celery.result import AsyncResult  # noqa: E402
+from django.contrib.admin.models import CHANGE, LogEntry  # noqa: E402
 from django.contrib.admin.utils import quote  # noqa: E402
 from django.contrib.auth.models import Permission, User  # noqa: E402
 from django.core.management import call_command  # noqa: E402
@@ -513,6 +514,42 @@ def test_requeue_without_payload_is_refused_with_a_reason(make_app: AppFactory, 
         done = root.post(requeue_url(failed.member), follow=True)
     assert "Not re-enqueued: the record keeps no payload" in done.content.decode()
     assert record(app, failed.member)["task_id"] == failed.task_id
+
+
+def test_actions_leave_admin_log_entries_and_the_requeued_run_names_who_asked(
+    app: Celery, charges: Records, root: Client, users: dict[str, User]
+) -> None:
+    LogEntry.objects.all().delete()
+    held = charges.queued(1)
+    failed = charges.ended(2, "failed", error="boom")
+    done = charges.ended(3, "succeeded")
+    charges.ended(4, "succeeded")
+    store = runtime.store_for(app)
+
+    root.post(release_url(held.member), {"token": ""})
+    root.post(release_url(done.member), {"token": ""})  # nothing held: nothing done, nothing logged
+    root.post(requeue_url(failed.member))
+    new_id = record(app, failed.member)["task_id"]
+    root.post(PURGE, {"states": ["succeeded"]})
+
+    entries = list(LogEntry.objects.order_by("id"))
+    assert [(e.user, e.action_flag, e.object_id) for e in entries] == [
+        (users["root"], CHANGE, held.member),
+        (users["root"], CHANGE, failed.member),
+        (users["root"], CHANGE, None),
+    ]
+    released, requeued, purged = (e.get_change_message() for e in entries)
+    assert released == "Released the key; its run is now released."
+    assert requeued == f"Re-enqueued as task id {new_id} (was {failed.task_id})."
+    assert purged == "Purged 2 records in states succeeded."
+    assert entries[0].get_admin_url() == detail_url(held.member)
+    assert {e.content_type.model for e in entries} == {"record"}
+
+    assert new_id != failed.task_id
+    newest = store.history(failed.member)[0].split(" ", 3)
+    assert newest[1:] == ["queued", new_id, f"re-enqueued by root from {failed.task_id}"]
+    assert [e.object_repr for e in entries] == [held.member, failed.member, "status records"]
+    assert f'href="{detail_url(held.member)}">{held.member}</a>' in root.get("/admin/").content.decode()
 
 
 # --- 100,000 records -----------------------------------------------------------------------------

@@ -3,7 +3,8 @@
 Viewing needs staff status and the ``view_record`` (or ``change_record``)
 permission; releasing, purging and re-enqueueing need ``change_record``.
 Every action has a confirmation page (GET) and acts on a POST carrying the
-CSRF token. The work itself is in :mod:`celery_dedup.operations`.
+CSRF token; what it did is written to Django's admin log (``LogEntry``). The
+work itself is in :mod:`celery_dedup.operations`.
 """
 
 from __future__ import annotations
@@ -84,6 +85,10 @@ class RecordAdmin(admin.ModelAdmin):  # type: ignore[type-arg]
             **extra,
         }
 
+    def _log(self, request: HttpRequest, member: str | None, message: str) -> None:
+        """Note in the admin log who did what to ``member`` (None: to records in general)."""
+        self.log_change(request, Record.standing_for(member), message)
+
     def _detail(self, app: Celery, object_id: str) -> KeyDetail:
         found = operations.detail(app, unquote(object_id))
         if found.record is None and not found.held and found.lock_token is None:
@@ -161,6 +166,7 @@ class RecordAdmin(admin.ModelAdmin):  # type: ignore[type-arg]
                     by=request.user.get_username(),
                 )
                 if result.released:
+                    self._log(request, found.member, _released_log(result))
                     self.message_user(request, _released_message(found.member, result), messages.SUCCESS)
                     return HttpResponseRedirect(detail_url)
                 self.message_user(request, _refused_message(result), messages.ERROR)
@@ -189,8 +195,9 @@ class RecordAdmin(admin.ModelAdmin):  # type: ignore[type-arg]
         found = self._detail(app, object_id)
         detail_url = self._url("change", found.member)
         if request.method == "POST":
+            earlier = (found.record or {}).get("task_id", "?")
             try:
-                result = operations.requeue(app, found.member)
+                result = operations.requeue(app, found.member, by=request.user.get_username())
             except DedupOperationError as exc:
                 self.message_user(request, f"Not re-enqueued: {exc.reason}.", messages.ERROR)
                 return HttpResponseRedirect(detail_url)
@@ -198,6 +205,7 @@ class RecordAdmin(admin.ModelAdmin):  # type: ignore[type-arg]
                 text = f"Nothing enqueued: the key is held by run {result.task_id}."
                 self.message_user(request, text, messages.WARNING)
             else:
+                self._log(request, found.member, f"Re-enqueued as task id {result.task_id} (was {earlier}).")
                 self.message_user(request, f"Re-enqueued as task id {result.task_id}.", messages.SUCCESS)
             return HttpResponseRedirect(detail_url)
         record = found.record or {}
@@ -231,7 +239,10 @@ class RecordAdmin(admin.ModelAdmin):  # type: ignore[type-arg]
         if request.method == "POST":
             form = PurgeForm(request.POST)
             if form.is_valid():
-                report = operations.purge(app, states=form.cleaned_data["states"])
+                states = form.cleaned_data["states"]
+                report = operations.purge(app, states=states)
+                if report.purged:
+                    self._log(request, None, f"Purged {report.purged} records in states {', '.join(states)}.")
                 text = f"Purged {report.purged} finished records."
                 if report.kept:
                     text += f" Kept {report.kept} whose key is still held or whose lock is alive."
@@ -249,6 +260,13 @@ class RecordAdmin(admin.ModelAdmin):  # type: ignore[type-arg]
 def _holds_something(found: KeyDetail) -> bool:
     """Whether a release would free anything: the key is held, or an execution lock is alive."""
     return found.held or found.lock_token is not None
+
+
+def _released_log(result: ReleaseResult) -> str:
+    text = "Released the key"
+    if result.forced:
+        text += ", deleting its live execution lock"
+    return text + (f"; its run is now {result.detail}." if result.detail else "; it had no record.")
 
 
 def _released_message(member: str, result: ReleaseResult) -> str:
