@@ -552,6 +552,44 @@ def test_actions_leave_admin_log_entries_and_the_requeued_run_names_who_asked(
     assert f'href="{detail_url(held.member)}">{held.member}</a>' in root.get("/admin/").content.decode()
 
 
+# --- the store is down ---------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    ("conf", "shown"),
+    [
+        ({"broker_url": "redis://shop:s3cret@127.0.0.1:1/0"}, "redis://shop:**@127.0.0.1:1/0"),
+        ({"dedup_redis_url": "redis://:s3cret@127.0.0.1:1/3"}, "redis://:**@127.0.0.1:1/3"),
+    ],
+)
+def test_an_unreachable_store_is_a_page_that_says_so(
+    make_app: AppFactory, users: dict[str, User], conf: dict[str, str], shown: str
+) -> None:
+    down = make_app(**conf)
+    member = "shop.charge:order:1"
+    root = client_for(users, "root")
+    with override_settings(CELERY_DEDUP_APP=down):
+        for method, url in [
+            ("get", LIST),
+            ("get", detail_url(member)),
+            ("get", release_url(member)),
+            ("post", release_url(member)),
+            ("get", requeue_url(member)),
+            ("post", requeue_url(member)),
+            ("get", PURGE),
+            ("post", PURGE),
+            ("get", STATS),
+        ]:
+            response = getattr(root, method)(url, {"states": ["succeeded"]} if url == PURGE else {})
+            page = response.content.decode()
+            assert response.status_code == 503, (method, url, response.status_code)
+            assert "cannot be reached" in page and f"<code>{shown}</code>" in page, (method, url)
+            assert "s3cret" not in page
+            assert "ConnectionError" in page
+        assert client_for(users, "nobody").get(LIST).status_code == 403  # no address for those who may not look
+        assert client_for(users, None).get(LIST).status_code == 302
+
+
 # --- 100,000 records -----------------------------------------------------------------------------
 
 

@@ -9,31 +9,40 @@ work itself is in :mod:`celery_dedup.operations`.
 
 from __future__ import annotations
 
+import functools
+import logging
+from collections.abc import Callable
 from typing import Any
 
+import redis
 from celery import Celery
 from django.contrib import admin, messages
 from django.contrib.admin.utils import quote, unquote
 from django.core.exceptions import PermissionDenied
-from django.http import Http404, HttpRequest, HttpResponse, HttpResponseRedirect
+from django.http import Http404, HttpRequest, HttpResponse, HttpResponseBase, HttpResponseRedirect
 from django.template.response import TemplateResponse
 from django.urls import URLPattern, path, reverse
 from django.views.generic import RedirectView
+from kombu.exceptions import OperationalError
 
 import celery_dedup
 from celery_dedup import DedupTask, operations, runtime
 from celery_dedup.decisions import DECISIONS
-from celery_dedup.exceptions import DedupOperationError
+from celery_dedup.exceptions import DedupOperationError, DedupUnavailableError
 from celery_dedup.gate import decode_payload
 from celery_dedup.store import ENDED_STATES, STATES, KeyDetail, ReleaseResult
 
-from .conf import celery_app
+from .conf import celery_app, store_url
 from .detail import fields_of, history_of
 from .forms import PurgeForm, ReleaseForm
 from .listing import PAGE_SIZE, Listing, Query, task_names
 from .models import Record
 
 TEMPLATES = "admin/celery_dedup/record"
+logger = logging.getLogger("celery_dedup")
+
+#: What an unreachable (or failing) Redis raises: from the store, from the gate, from a publish.
+UNAVAILABLE = (redis.RedisError, DedupUnavailableError, OperationalError)
 
 
 @admin.register(Record)
@@ -48,7 +57,10 @@ class RecordAdmin(admin.ModelAdmin):  # type: ignore[type-arg]
 
     def get_urls(self) -> list[URLPattern]:
         name = f"{self.opts.app_label}_{self.opts.model_name}"
-        wrap = self.admin_site.admin_view
+
+        def wrap(view: Callable[..., HttpResponseBase]) -> Callable[..., HttpResponseBase]:
+            return self.admin_site.admin_view(self._answering(view))
+
         return [
             path("", wrap(self.changelist_view), name=f"{name}_changelist"),
             path("purge/", wrap(self.purge_view), name=f"{name}_purge"),
@@ -63,6 +75,33 @@ class RecordAdmin(admin.ModelAdmin):  # type: ignore[type-arg]
         ]
 
     # --- helpers -------------------------------------------------------------------------------
+
+    def _answering(self, view: Callable[..., HttpResponseBase]) -> Callable[..., HttpResponseBase]:
+        """``view``, answering with a page that says the store is unreachable instead of a server error."""
+
+        @functools.wraps(view)
+        def answering(request: HttpRequest, *args: Any, **kwargs: Any) -> HttpResponseBase:
+            try:
+                return view(request, *args, **kwargs)
+            except UNAVAILABLE as exc:
+                return self._unavailable(request, exc)
+
+        return answering
+
+    def _unavailable(self, request: HttpRequest, exc: Exception) -> HttpResponse:
+        app = celery_app()
+        where = store_url(app)
+        error = f"{type(exc).__name__}: {exc}"
+        logger.warning("celery-dedup admin: the dedup store at %s cannot be reached (%s)", where, error)
+        context = self._context(
+            request,
+            "Status records unavailable",
+            store_url=where,
+            error=error,
+            posted=request.method == "POST",
+            retry_url=request.get_full_path(),
+        )
+        return TemplateResponse(request, f"{TEMPLATES}/unavailable.html", context, status=503)
 
     def _require(self, request: HttpRequest, *, change: bool = False) -> None:
         allowed = self.has_change_permission(request) if change else self.has_view_or_change_permission(request)
