@@ -217,7 +217,7 @@ GROUPS = (
     ("internals", "Internals"),
 )
 
-#: Every field a record may hold, in the order shown (docs/concepts.md has the same table).
+#: Every field a record may hold, in the order shown (docs/concepts.md lists the main ones).
 FIELD_DOCS = (
     FieldDoc(
         "state",
@@ -357,3 +357,20 @@ FIELD_DOCS = (
     FieldDoc("message", "internals", "Parked message", "Debounce: the whole message, pushed when the run is due."),
 )
 FIELD_DOC = {doc.name: doc for doc in FIELD_DOCS}
+
+#: What each state means, in one line, for people.
+STATE_HELP = {
+    "pending": "Debounce: waiting for its burst of calls to go quiet before its message is pushed.",
+    "queued": "Accepted: its message waits in the queue for a worker.",
+    "started": "A worker is running the task's body.",
+    "retry": "The body asked for a retry: the run starts again later and keeps the key.",
+    "succeeded": "Ended: the body returned.",
+    "failed": "Ended: the body raised, with no retry left.",
+    "revoked": "Ended: revoked before or while it ran.",
+    "rejected": "Ended: a worker rejected its message.",
+    "ignored": "Ended: the body raised Ignore.",
+    "lost": "Its worker died, or the transport lost its message: the key was freed, and a copy may still run it.",
+    "skipped": "Ended without running: another run of its key held the execution lock.",
+    "released": "Ended: an operator released its key.",
+    "replaced": "Ended: the run replaced itself (Task.replace) with work under another key or task.",
+}

@@ -26,11 +26,13 @@ from django.contrib.auth.models import Permission, User  # noqa: E402
 from django.core.management import call_command  # noqa: E402
 from django.test import Client, override_settings  # noqa: E402
 from django.test.utils import setup_test_environment, teardown_test_environment  # noqa: E402
+from django.utils.html import escape  # noqa: E402
 
-from celery_dedup import DedupTask, runtime  # noqa: E402
+from celery_dedup import DedupTask, operations, runtime  # noqa: E402
 from celery_dedup.contrib.django.conf import celery_app  # noqa: E402
 from celery_dedup.exceptions import DedupConfigError  # noqa: E402
 from celery_dedup.keys import KeySchema, member_for, new_nonce, new_task_id  # noqa: E402
+from celery_dedup.status import FIELD_DOC  # noqa: E402
 
 from ._records import Records, keyed_tasks  # noqa: E402
 from .conftest import AppFactory, in_process_worker, wait_for  # noqa: E402
@@ -240,15 +242,18 @@ def test_post_without_csrf_token_is_rejected(app: Celery, charges: Records, user
 
 def test_list_shows_every_column_and_links_to_the_record(app: Celery, charges: Records, root: Client) -> None:
     run = charges.started(7)
+    charges.task.delay(7)
 
     response = root.get(LIST)
 
     assert listed(response) == [run.member]
     page = response.content.decode()
-    for header in ("Key", "Task", "State", "Task id", "Last update", "Worker", "Attempts", "Retries"):
+    for header in ("Key and task", "State", "Task id", "Last update", "Worker", "Counters"):
         assert f"<span>{header}</span>" in page
-    assert "<span>Duplicates suppressed</span>" in page
-    assert f'<a href="{detail_url(run.member)}">order:7</a>' in page
+    assert f'<a href="{detail_url(run.member)}" class="field-key">order:7</a>' in page
+    assert '<div class="field-task">shop.<wbr>charge</div>' in page
+    assert "1 attempt · 1 duplicate" in page
+    assert re.search(r'<span class="when" title="[^"]+">\d+ s ago</span>', page)
     row = response.context["listing"].rows[0].status
     assert (row.task, row.state, row.task_id, row.worker, row.attempts) == (
         "shop.charge",
@@ -337,21 +342,59 @@ def test_detail_shows_fields_history_hold_and_lock(app: Celery, charges: Records
 
     assert response.status_code == 200
     page = response.content.decode()
-    fields = {field.name: field for field in response.context["fields"]}
-    fields_wanted = {"state", "task", "task_id", "queued_at", "started_at", "updated_at", "worker", "lock", "args"}
-    assert fields_wanted <= set(fields)
-    assert fields["state"].value == "started"
-    assert fields["started_at"].time is not None
+    groups = {group.title: {row.name: row for row in group.rows} for group in response.context["groups"]}
+    assert list(groups) == ["Run", "Timing", "Worker and lock", "Counters", "Internals"]
+    assert {"task_id", "args", "kwargs"} <= set(groups["Run"])
+    assert not {"state", "task"} & set(groups["Run"]), "the summary above shows them"
+    assert {"queued_at", "started_at", "updated_at", "held_until"} <= set(groups["Timing"])
+    assert {"worker", "pid", "lock"} <= set(groups["Worker and lock"])
+    assert {"attempts", "retries", "duplicates"} <= set(groups["Counters"])
+    assert {"nonce", "queue", "tag", "unacked"} <= set(groups["Internals"])
+    assert '<span class="dedup-state state-started">started</span>' in page
+    assert groups["Counters"]["attempts"].value == 1
+    assert groups["Timing"]["started_at"].time is not None
     assert [(e.state, e.task_id) for e in response.context["history"]] == [
         ("started", run.task_id),
         ("queued", run.task_id),
     ]
-    assert all(e.time is not None for e in response.context["history"])
+    assert all(e.at is not None for e in response.context["history"])
     assert f'<code class="lock-token">{run.token}</code>' in page
     assert response.context["detail"].held
     assert 0 < response.context["lock_ttl_s"] <= 60
-    assert '<div class="readonly key-held">yes</div>' in page
+    assert '<dd class="key-held">yes, until' in page
     assert "Release key" in page
+
+
+def test_detail_groups_fields_explains_them_and_folds_the_internals(
+    app: Celery, charges: Records, root: Client
+) -> None:
+    done = charges.ended(4, "failed", error="ValueError: 4")
+
+    response = root.get(detail_url(done.member))
+
+    page = response.content.decode()
+    for group in response.context["groups"]:
+        for row in group.rows:
+            assert escape(FIELD_DOC[row.name].help) in page, row.name
+    assert re.search(r'<dd class="field-held_until">\s*not held', page), "held_until 0 is shown as not held"
+    assert not re.search(r"<dd[^>]*>\s*0\s*</dd>", page.split('<details class="internals">')[0].split("Counters")[0])
+    started = re.search(r'<dd class="field-started_at">(.*?)</dd>', page, re.S)
+    assert started and re.search(r"\d{4}-\d\d-\d\d \d\d:\d\d:\d\d", started.group(1)) and "ago" in started.group(1)
+    internals = page.split('<details class="internals">', 1)
+    assert len(internals) == 2, "internals are folded into a closed <details>"
+    assert "field-nonce" in internals[1] and "field-nonce" not in internals[0]
+    assert "field-payload" in internals[1]
+    assert '<dd class="field-error"><code>ValueError: 4</code></dd>' in page
+
+
+def test_detail_of_a_tombstone_says_what_is_left(app: Celery, charges: Records, root: Client) -> None:
+    done = charges.ended(5, "succeeded")
+    operations.purge(app, states=["succeeded"])
+
+    page = root.get(detail_url(done.member)).content.decode()
+
+    assert "purged" in page and "only the run id" in page
+    assert done.task_id in page
 
 
 def test_detail_of_an_unknown_key_is_not_found(app: Celery, root: Client) -> None:

@@ -30,10 +30,12 @@ from celery_dedup import DedupTask, operations, runtime
 from celery_dedup.decisions import DECISIONS
 from celery_dedup.exceptions import DedupOperationError, DedupUnavailableError
 from celery_dedup.gate import decode_payload
+from celery_dedup.keys import split_member, task_from_namespace
+from celery_dedup.status import STATE_HELP
 from celery_dedup.store import ENDED_STATES, STATES, KeyDetail, ReleaseResult
 
 from .conf import celery_app, store_url
-from .detail import fields_of, history_of
+from .detail import groups_of
 from .forms import PurgeForm, ReleaseForm
 from .listing import PAGE_SIZE, Listing, Query, task_names
 from .models import Record
@@ -175,13 +177,18 @@ class RecordAdmin(admin.ModelAdmin):  # type: ignore[type-arg]
         self._require(request)
         app = celery_app()
         found = self._detail(app, object_id)
+        namespace, key = split_member(found.member)
+        status = found.status
         context = self._context(
             request,
-            f"Status record {found.member}",
+            f"Status record {key}",
             detail=found,
-            key=found.member.partition(":")[2],
-            fields=fields_of(found.record or {}),
-            history=history_of(found.history),
+            status=status,
+            task=status.task if status is not None else task_from_namespace(namespace),
+            key=key,
+            state_help=STATE_HELP.get(status.state, "") if status is not None else "",
+            groups=groups_of(status) if status is not None else [],
+            history=(status.history or ()) if status is not None else (),
             lock_ttl_s=found.lock_ttl_ms / 1000,
             release_url=self._url("release", found.member) if _holds_something(found) else None,
             requeue_url=self._url("requeue", found.member) if operations.can_requeue(found.record) else None,

@@ -93,6 +93,19 @@ class Row:
     def member(self) -> str:
         return self.status.member
 
+    @property
+    def counters(self) -> str:
+        """The counters that are not zero, in words: ``"2 attempts · 1 retry · 3 duplicates"``."""
+        status = self.status
+        counts = [
+            (status.attempts, "attempt", "attempts"),
+            (status.retries, "retry", "retries"),
+            (status.duplicates, "duplicate", "duplicates"),
+            (status.skipped, "skipped delivery", "skipped deliveries"),
+            (status.debounced, "call joined", "calls joined"),
+        ]
+        return " · ".join(f"{n} {one if n == 1 else many}" for n, one, many in counts if n) or "-"
+
 
 @dataclass(frozen=True)
 class Choice:
