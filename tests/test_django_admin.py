@@ -595,6 +595,42 @@ def test_actions_leave_admin_log_entries_and_the_requeued_run_names_who_asked(
     assert f'href="{detail_url(held.member)}">{held.member}</a>' in root.get("/admin/").content.decode()
 
 
+MARKUP = """<script>alert(1)</script>"><img src=x onerror=alert(2)>.x~y"""
+
+
+def test_hostile_text_is_escaped_on_every_page(app: Celery, root: Client) -> None:
+    store = runtime.store_for(app)
+    member = member_for(f"shop.{MARKUP}", f"order:{MARKUP}")
+    task_id = f"order:{MARKUP}~1"
+    assert store.gate(member, task_id, "n1", hold_ms=60_000, grace_ms=1000, task_name=f"shop.{MARKUP}").accepted
+    token = f"{MARKUP}:1:ab"
+    started = store.start(
+        member,
+        task_id,
+        token,
+        lock_ms=60_000,
+        gated=True,
+        key_mode="lock",
+        hostname=MARKUP,
+        pid=1,
+        retries=0,
+        task_name=f"shop.{MARKUP}",
+        record_ms=60_000,
+    )
+    assert started.run
+    store.client.hset(store.schema.record(member), mapping={"error": MARKUP, "args": MARKUP, MARKUP: MARKUP})
+    store.client.lpush(store.schema.history(member), f"1700000000000 started {task_id} {MARKUP}")
+
+    pages = [root.get(url) for url in (LIST, detail_url(member), release_url(member), requeue_url(member))]
+    pages.append(root.get(LIST, {"q": "order:<", "task": MARKUP, "state": MARKUP}))
+    for response in pages:
+        assert response.status_code == 200
+        page = response.content.decode()
+        assert "<script>alert(1)" not in page and "<img src=x" not in page, response.request["PATH_INFO"]
+    detail = pages[1].content.decode()
+    assert "&lt;script&gt;alert(1)&lt;/script&gt;" in detail
+
+
 # --- the store is down ---------------------------------------------------------------------------
 
 
