@@ -17,6 +17,7 @@ from typing import Any
 
 from . import runtime, signals, steps
 from .exceptions import (
+    DedupArgumentError,
     DedupConfigError,
     DedupError,
     DedupKeyError,
@@ -28,12 +29,14 @@ from .exceptions import (
 from .gate import Outcome, last_outcome
 from .keyed import DedupResult
 from .runtime import reap, stats
+from .status import HistoryEntry, Status
 from .store import Page, ReapReport, Record
 from .task import DedupTask
 
 __version__ = "0.1.0"
 
 __all__ = [
+    "DedupArgumentError",
     "DedupConfigError",
     "DedupError",
     "DedupKeyError",
@@ -43,10 +46,12 @@ __all__ = [
     "DedupTask",
     "DedupUnavailableError",
     "DuplicateTaskError",
+    "HistoryEntry",
     "Outcome",
     "Page",
     "ReapReport",
     "Record",
+    "Status",
     "install",
     "last_outcome",
     "reap",
@@ -64,12 +69,19 @@ def records(
     cursor: str | None = None,
     limit: int = 50,
 ) -> Page:
-    """A page of status records, newest update first; pass ``page.cursor`` back for the next.
+    """A page of status records (:class:`Status`, without history), newest update first.
+
+    Pass ``page.cursor`` back for the next page; it is None on the last.
 
     Filters: ``state`` (one of ``celery_dedup.store.STATES``: pending, queued,
     started, retry, succeeded, failed, revoked, rejected, ignored, lost,
     skipped, released, replaced), ``task`` (a task name) and ``prefix``
     (of the business key, e.g. ``"order:4"``; results then come in key order).
+    A cursor past the end gives an empty last page.
+
+    Raises:
+        DedupArgumentError: ``limit`` is below 1, or ``cursor`` is not a
+            page's cursor (a decimal number of ASCII digits).
     """
     store = runtime.store_for(app)
     return store.records(state=state, task=task, prefix=prefix, cursor=cursor, limit=limit)

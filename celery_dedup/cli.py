@@ -15,6 +15,7 @@ Exit codes::
     2  nothing found: show or release of a key with no record, hold or lock
     3  refused: release of a key whose execution lock is alive, without --force
     4  check found an error (warnings too, with --strict)
+    5  nothing held: release of a key that is not held and has no live lock
 """
 
 from __future__ import annotations
@@ -40,9 +41,10 @@ from .checks import run_checks
 from .decisions import DECISIONS
 from .exceptions import DedupError
 from .keys import member_for, split_member, task_from_namespace
+from .status import FIELD_DOC, FIELD_DOCS, HistoryEntry, Status, from_ms
 from .store import ENDED_STATES, STATES, KeyDetail, ReleaseResult
 
-OK, USAGE, NOT_FOUND, REFUSED, CHECK_FAILED = 0, 1, 2, 3, 4
+OK, USAGE, NOT_FOUND, REFUSED, CHECK_FAILED, NOT_HELD = 0, 1, 2, 3, 4, 5
 
 
 _HELP = """Inspect and repair celery-dedup keys.
@@ -54,13 +56,38 @@ Exit codes:
   2  nothing found (show/release of an unknown key)
   3  refused (release of a live execution lock without --force)
   4  check found an error (or a warning, with --strict)
+  5  nothing held (release of a key neither held nor locked)
 """
 
 
+_NAMED = {"\n": "\\n", "\r": "\\r", "\t": "\\t"}
+
+
+def printable(text: str) -> str:
+    """``text`` with what a terminal would act on escaped as Python does in ``repr``.
+
+    Control characters (an ``ESC`` sequence clears the screen or sets the
+    window title, a carriage return overwrites the line), bidi overrides and
+    line separators become ``\\x1b``, ``\\u202e``...: stored text (keys, errors,
+    worker names, notes) is shown, never obeyed. Backslashes stay as they are,
+    so printed keys can be pasted back.
+    """
+    if text.isprintable():
+        return text
+    return "".join(ch if ch.isprintable() else _NAMED.get(ch) or _escaped(ord(ch)) for ch in text)
+
+
+def _escaped(code: int) -> str:
+    return f"\\x{code:02x}" if code < 0x100 else f"\\u{code:04x}" if code < 0x10000 else f"\\U{code:08x}"
+
+
 class CliError(click.ClickException):
-    """A failure reported on stderr, exit code 1."""
+    """A failure reported on stderr, exit code 1; what it quotes from Redis is escaped."""
 
     exit_code = USAGE
+
+    def __init__(self, message: str) -> None:
+        super().__init__(printable(message))
 
 
 class NotFound(CliError):
@@ -73,6 +100,12 @@ class Refused(CliError):
     """A release refused because the key is executing: exit code 3."""
 
     exit_code = REFUSED
+
+
+class NotHeld(CliError):
+    """A release of a key that is not held and has no live lock: nothing to do, exit code 5."""
+
+    exit_code = NOT_HELD
 
 
 class _UsageError(click.UsageError):
@@ -148,8 +181,8 @@ def _emit_json(document: Any) -> None:
 
 
 def _table(rows: Sequence[Sequence[str]], headers: Sequence[str] = (), indent: str = "") -> str:
-    """Rows as aligned columns, two spaces apart, under ``headers`` if given."""
-    lines = [headers, *rows] if headers else list(rows)
+    """Rows as aligned columns, two spaces apart, under ``headers`` if given; cells made :func:`printable`."""
+    lines = [[printable(cell) for cell in line] for line in ([headers, *rows] if headers else rows)]
     widths = [max(len(cell) for cell in column) for column in zip(*lines, strict=True)]
     return "\n".join(
         indent + "  ".join(c.ljust(w) for c, w in zip(line, widths, strict=True)).rstrip() for line in lines
@@ -167,16 +200,17 @@ def _age(seconds: float) -> str:
     return f"in {amount}" if future else f"{amount} ago"
 
 
+def _when(moment: datetime.datetime | None, now: float | None = None) -> str:
+    """A record's time as local time and age; ``-`` when unset."""
+    if moment is None:
+        return "-"
+    local = moment.astimezone()
+    return f"{local:%Y-%m-%d %H:%M:%S} ({_age((time.time() if now is None else now) - moment.timestamp())})"
+
+
 def human_time(ms: str | None, now: float | None = None) -> str:
     """A record's millisecond timestamp as local time and age; ``-`` for missing or 0."""
-    try:
-        value = int(ms or 0)
-    except ValueError:
-        return ms or "-"
-    if value <= 0:
-        return "-"
-    moment = datetime.datetime.fromtimestamp(value / 1000)
-    return f"{moment:%Y-%m-%d %H:%M:%S} ({_age((time.time() if now is None else now) - value / 1000)})"
+    return _when(from_ms(ms), now)
 
 
 def _json_flag(function: Callable[..., Any]) -> Callable[..., Any]:
@@ -214,7 +248,7 @@ def list_(
     except ValueError as exc:
         raise click.BadParameter(f"{cursor!r} is not a cursor this command printed", param_hint="--cursor") from exc
     if as_json:
-        records = [{"member": rec.member, "key": rec.key, "fields": rec.fields} for rec in page.records]
+        records = [status.as_dict() for status in page.records]
         _emit_json({"records": records, "cursor": page.cursor, "total": page.total})
         return
     if not page.records:
@@ -224,16 +258,16 @@ def list_(
         now = time.time()
         rows = [
             (
-                rec.key,
-                rec.task,
-                rec.state,
-                rec.task_id,
-                human_time(rec.fields.get("updated_at"), now),
-                rec.fields.get("worker", "-") or "-",
-                rec.fields.get("attempts", "0"),
-                rec.fields.get("duplicates", "0"),
+                status.key,
+                status.task,
+                status.state,
+                status.task_id,
+                _when(status.updated_at, now),
+                status.worker or "-",
+                str(status.attempts),
+                str(status.duplicates),
             )
-            for rec in page.records
+            for status in page.records
         ]
         click.echo(_table(rows, headers))
     click.echo(f"{len(page.records)} shown, index holds {page.total}")
@@ -245,31 +279,31 @@ def _is_absent(found: KeyDetail) -> bool:
     return found.record is None and not found.held and found.lock_token is None
 
 
-def _history_entry(entry: str) -> dict[str, Any]:
-    ms, state, task_id, note = [*entry.split(" ", 3), "", "", ""][:4]
-    return {"at_ms": int(ms) if ms.isdigit() else ms, "state": state, "task_id": task_id, "note": note}
-
-
 def _detail_json(found: KeyDetail) -> dict[str, Any]:
     namespace, key = split_member(found.member)
-    namespace = task_from_namespace(namespace)
     lock = {"token": found.lock_token, "ttl_ms": found.lock_ttl_ms} if found.lock_token is not None else None
+    status = found.status
     return {
         "member": found.member,
-        "task": namespace,
+        "task": task_from_namespace(namespace),
         "key": key,
         "held": found.held,
         "lock": lock,
         "record": found.record,
-        "history": [_history_entry(entry) for entry in found.history],
+        "status": status.as_dict() if status is not None else None,
+        "history": [HistoryEntry.parse(entry).as_dict() for entry in found.history],
     }
 
 
-def _field_text(field: str, value: str, now: float) -> str:
-    """A record field as shown: millisecond times get their local time and age after them."""
-    if (field.endswith("_at") or field == "held_until") and value not in ("", "0"):
-        return f"{value}  {human_time(value, now)}"
-    return value
+def _field_rows(status: Status, now: float) -> list[tuple[str, str]]:
+    """The record's fields in the order of their groups, times as local time and age; unknown fields last."""
+    rows = []
+    for doc in FIELD_DOCS:
+        value = status.fields.get(doc.name)
+        if value is not None:
+            rows.append((doc.name, _when(from_ms(value), now) if doc.time else value))
+    rows += sorted((name, value) for name, value in status.fields.items() if name not in FIELD_DOC)
+    return rows
 
 
 @dedup.command()
@@ -292,16 +326,17 @@ def show(ctx: click.Context, key: str, task: str | None, as_json: bool) -> None:
     head += [("held", "yes" if found.held else "no"), ("lock", lock)]
     click.echo(_table(head))
     now = time.time()
-    fields = sorted((found.record or {}).items())
-    click.echo("\nrecord:" if fields else "\nrecord: none")
-    if fields:
-        click.echo(_table([(field, _field_text(field, value, now)) for field, value in fields], indent="  "))
-    click.echo("\nhistory (newest first):" if found.history else "\nhistory: none")
-    rows = [
-        (human_time(str(e["at_ms"]), now), e["state"], e["task_id"], e["note"])
-        for e in map(_history_entry, found.history)
-    ]
-    if rows:
+    status = found.status
+    if status is None:
+        click.echo("\nrecord: none")
+    else:
+        tombstone = " (purged: only the run id, how it ended and its nonces remain)" if status.purged else ""
+        click.echo(f"\nrecord{tombstone}:")
+        click.echo(_table(_field_rows(status, now), indent="  "))
+    entries = status.history if status is not None and status.history else ()
+    click.echo("\nhistory (newest first):" if entries else "\nhistory: none")
+    if entries:
+        rows = [(_when(e.at, now), e.state, e.task_id, e.note) for e in entries]
         click.echo(_table(rows, indent="  "))
 
 
@@ -321,7 +356,8 @@ def release(ctx: click.Context, key: str, task: str | None, force: bool, yes: bo
 
     Refused (exit 3) while a worker holds the key's execution lock, unless
     --force: the lock whose token is read now is then deleted, and only if it
-    still holds that token.
+    still holds that token. A key that is not held and has no live lock is
+    left alone (exit 5): there is nothing to release.
     """
     app = _app(ctx)
     found = operations.detail(app, _member(key, task))
@@ -329,6 +365,8 @@ def release(ctx: click.Context, key: str, task: str | None, force: bool, yes: bo
     if _is_absent(found):
         raise NotFound(f"nothing to release: {member!r} has no record, hold or lock")
     token = found.lock_token
+    if not found.held and not token:
+        raise NotHeld(_not_held(member, (found.record or {}).get("state", "")))
     if token and not force:
         raise Refused(
             f"refused: {member!r} is executing: lock {token} ({found.lock_ttl_ms / 1000:.1f} s left). "
@@ -336,12 +374,14 @@ def release(ctx: click.Context, key: str, task: str | None, force: bool, yes: bo
         )
     if not yes:
         what = f" and delete the live lock {token}" if token else ""
-        click.confirm(f"Release {member!r}{what}?", abort=True, err=True)
+        click.confirm(printable(f"Release {member!r}{what}?"), abort=True, err=True)
     result = operations.release(app, member, force_token=(token or "") if force else "", by=_operator())
     if result.code == ReleaseResult.REFUSED_LOCKED:
         raise Refused(f"refused: {member!r} started executing meanwhile ({int(result.detail) / 1000:.1f} s left)")
     if result.code == ReleaseResult.REFUSED_LOCK_CHANGED:
         raise Refused(f"refused: the lock of {member!r} now belongs to {result.detail}, not {token}")
+    if result.code == ReleaseResult.NOTHING and result.detail:
+        raise NotHeld(_not_held(member, result.detail))
     if result.code == ReleaseResult.NOTHING:
         raise NotFound(f"nothing to release: {member!r} has no record, hold or lock any more")
     if as_json:
@@ -351,7 +391,11 @@ def release(ctx: click.Context, key: str, task: str | None, force: bool, yes: bo
     parts.append("key was held" if result.was_held else "key was not held")
     if result.forced:
         parts.append(f"lock {token} deleted")
-    click.echo("; ".join(parts))
+    click.echo(printable("; ".join(parts)))
+
+
+def _not_held(member: str, state: str) -> str:
+    return f"nothing to release: {member!r} is not held and no execution lock is alive (its run is {state})"
 
 
 @dedup.command()
@@ -442,6 +486,6 @@ def check(ctx: click.Context, countdown: float, strict: bool, as_json: bool) -> 
         for f in findings:
             level = f.level.ljust(7)
             styled = obj.style(level, fg=colors[f.level]) if obj is not None else level
-            click.echo(f"{styled}  {f.check.ljust(width)}  {f.message}")
+            click.echo(f"{styled}  {printable(f.check.ljust(width))}  {printable(f.message)}")
     if failed:
         ctx.exit(CHECK_FAILED)

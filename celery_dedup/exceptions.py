@@ -160,6 +160,19 @@ class DedupOperationError(DedupError):
         super().__init__(f"{operation} {target!r}: {reason}")
 
 
+class DedupArgumentError(DedupError, ValueError):
+    """A function of celery-dedup was called with an argument it cannot take (``records(limit=0)``).
+
+    A ``ValueError`` too, so code that catches bad values keeps working.
+    """
+
+    def __init__(self, parameter: str, value: Any, reason: str) -> None:
+        self.parameter = parameter
+        self.value = value
+        self.reason = reason
+        super().__init__(f"{parameter}={_short_repr(value)}: {reason}")
+
+
 def _short_repr(value: Any, limit: int = 80) -> str:
     try:
         text = repr(value)

@@ -41,7 +41,9 @@ def release(app: Any, member: str, *, force_token: str = "", by: str = "") -> Re
 
     Refused while the key's execution lock is alive, unless ``force_token`` is
     that lock's current token (as shown to the operator): the lock is then
-    deleted, and the history says it was forced, and by whom (``by``).
+    deleted, and the history says it was forced, and by whom (``by``). A key
+    that is not held and has no live lock is left alone: the result is
+    ``NOTHING`` with the record's state, and nothing is written or counted.
     """
     config = runtime.config_for(app)
     store = runtime.store_for(app)
@@ -82,8 +84,14 @@ def can_requeue(record: dict[str, str] | None) -> bool:
     return bool(record and record.get("payload") and record.get("state") in REQUEUE_STATES)
 
 
-def requeue(app: Any, member: str) -> RequeueResult:
+def requeue(app: Any, member: str, *, by: str = "") -> RequeueResult:
     """Publish a fresh, gated run of ``member``'s task with the arguments its record kept.
+
+    The new run's first history entry then says ``re-enqueued by <by> from
+    <the earlier run's task id>`` (``by`` defaults to "an operator"). The note
+    is a second small script after the publish: it is written only while the
+    record still names the new run, so a run that already ended and was
+    followed by another keeps a history without it.
 
     Raises:
         DedupOperationError: no record, no payload (arguments are kept on a
@@ -110,4 +118,7 @@ def requeue(app: Any, member: str) -> RequeueResult:
     except Exception as exc:  # kombu's decoders raise many kinds (ContentDisallowed, ValueError, ...)
         raise DedupOperationError("requeue", member, f"cannot decode its payload: {exc}") from exc
     result = task.apply_async(tuple(args), kwargs)
+    if not result.deduplicated:
+        note = f"re-enqueued by {by or 'an operator'} from {record.get('task_id', '?')}"
+        runtime.store_for(app).annotate(member, result.id, note)
     return RequeueResult(result.id, result.deduplicated)

@@ -15,9 +15,10 @@ from kombu.utils.url import maybe_sanitize_url
 from redis.commands.core import Script
 from redis.sentinel import Sentinel
 
-from .exceptions import DedupConfigError
+from .exceptions import DedupArgumentError, DedupConfigError
 from .gate import Outcome
 from .keys import KeySchema, split_member, task_namespace
+from .status import Status
 
 #: Scripts that change status records get the shared helpers of ``lib.lua`` first.
 _WITH_LIB = frozenset({"gate", "start", "finish", "reap", "dispatch", "peek", "release", "purge"})
@@ -63,6 +64,7 @@ class Scripts:
         self.peek: Script = client.register_script(load_script("peek"))
         self.release: Script = client.register_script(load_script("release"))
         self.purge: Script = client.register_script(load_script("purge"))
+        self.annotate: Script = client.register_script(load_script("annotate"))
 
 
 def storable(text: str) -> str:
@@ -98,36 +100,15 @@ class StartDecision:
         return self.code == self.RUN
 
 
-@dataclass(frozen=True)
-class Record:
-    """One key's status record as read from Redis."""
-
-    member: str
-    fields: dict[str, str]
-
-    @property
-    def key(self) -> str:
-        """The business key."""
-        return split_member(self.member)[1]
-
-    @property
-    def task(self) -> str:
-        return self.fields.get("task", "")
-
-    @property
-    def state(self) -> str:
-        return self.fields.get("state", "")
-
-    @property
-    def task_id(self) -> str:
-        return self.fields.get("task_id", "")
+#: The name of :class:`~celery_dedup.status.Status` before it was typed (same attributes, and more).
+Record = Status
 
 
 @dataclass(frozen=True)
 class Page:
     """One page of records, newest update first (key order for a prefix search)."""
 
-    records: list[Record]
+    records: list[Status]
     #: Pass back as ``cursor`` for the next page; None on the last page.
     cursor: str | None
     #: Entries in the index the page was read from (an upper bound on matches).
@@ -177,7 +158,8 @@ class ReleaseResult:
 
     code: int
     #: RELEASED: the record's state now ("" without a record); REFUSED_LOCKED:
-    #: the lock's remaining ms; REFUSED_LOCK_CHANGED: the lock's current token.
+    #: the lock's remaining ms; REFUSED_LOCK_CHANGED: the lock's current token;
+    #: NOTHING (neither the key nor a lock was held): the record's state, or "".
     detail: str
     #: Whether the key was in the held set.
     was_held: bool = False
@@ -213,6 +195,11 @@ class KeyDetail:
     #: The lock's remaining time, ms (0 without a lock).
     lock_ttl_ms: int
 
+    @property
+    def status(self) -> Status | None:
+        """The record with its history as typed values, or None without a record."""
+        return None if self.record is None else Status.from_record(self.member, self.record, self.history)
+
 
 @dataclass(frozen=True)
 class IndexSizes:
@@ -230,6 +217,10 @@ class LockRef:
     lock_key: str
     record_key: str
     token: str
+
+
+#: Cursors beyond this read from here: past any index, and within the range Redis takes.
+_MAX_OFFSET = 2**62
 
 
 class DedupStore:
@@ -479,9 +470,27 @@ class DedupStore:
         raw = self.client.hgetall(self.schema.record(member))
         return {_text(k): _text(v) for k, v in raw.items()} or None
 
+    def status(self, member: str) -> Status | None:
+        """The member's record and history as a :class:`Status` (one round trip), or None without a record."""
+        with self.client.pipeline(transaction=True) as pipe:
+            pipe.hgetall(self.schema.record(member))
+            pipe.lrange(self.schema.history(member), 0, -1)
+            raw, history = pipe.execute()
+        if not raw:
+            return None
+        return Status.from_record(member, {_text(k): _text(v) for k, v in raw.items()}, [_text(e) for e in history])
+
     def history(self, member: str) -> list[str]:
         """The member's recent transitions, newest first: ``"<ms> <state> <task id> [note]"``."""
         return [_text(entry) for entry in self.client.lrange(self.schema.history(member), 0, -1)]
+
+    def annotate(self, member: str, task_id: str, note: str) -> bool:
+        """Add ``note`` to the history entry run ``task_id``'s publish wrote (see ``annotate.lua``).
+
+        False, and nothing written, once the record names another run.
+        """
+        keys = [self.schema.record(member), self.schema.history(member)]
+        return bool(self.scripts.annotate(keys, [task_id, note, self.history_length]))
 
     def is_held(self, member: str) -> bool:
         return bool(self.client.sismember(self.schema.held, member))
@@ -538,11 +547,18 @@ class DedupStore:
 
         Reads one index (never the keyspace) and at most ``20 * limit`` of its
         entries per page; entries whose record expired are skipped (the reaper
-        removes them).
+        removes them). A cursor past the end gives an empty last page.
+
+        Raises:
+            DedupArgumentError: ``limit`` below 1, or ``cursor`` not a decimal number.
         """
+        if limit < 1:
+            raise DedupArgumentError("limit", limit, "must be at least 1")
+        if cursor and not (cursor.isascii() and cursor.isdigit()):
+            raise DedupArgumentError("cursor", cursor, "must be the cursor of a page: a number, 0 or more")
         namespace = task_namespace(task) if task is not None else None
-        offset = int(cursor or 0)
-        found: list[Record] = []
+        offset = min(int(cursor or 0), _MAX_OFFSET)  # beyond any index, still an offset Redis accepts
+        found: list[Status] = []
         scanned = 0
         total = 0
         while scanned < 20 * limit:
@@ -555,7 +571,7 @@ class DedupStore:
                 scanned += 1
                 fields = fetched.get(member)
                 if fields and (state is None or fields.get("state") == state):
-                    found.append(Record(member, fields))
+                    found.append(Status.from_record(member, fields))
                     if len(found) == limit:
                         return Page(found, str(offset) if offset < total else None, total)
             if len(members) < batch:

@@ -92,7 +92,8 @@ def test_help_documents_every_exit_code(dedup: Invoke) -> None:
     assert result.exit_code == 0
     for command in ("list", "show", "release", "purge", "reap", "stats", "check"):
         assert command in result.stdout
-    for code, meaning in ((0, "ok"), (1, "usage"), (2, "nothing found"), (3, "refused"), (4, "check found")):
+    meanings = ((0, "ok"), (1, "usage"), (2, "nothing found"), (3, "refused"), (4, "check found"), (5, "nothing held"))
+    for code, meaning in meanings:
         assert f"{code}  {meaning}" in result.stdout
     assert "Exit codes" in (cli.__doc__ or "")
 
@@ -102,6 +103,8 @@ def test_help_documents_every_exit_code(dedup: Invoke) -> None:
     [
         ("nosuchcommand",),
         ("list", "--limit", "0"),
+        ("list", "--cursor", "-1"),
+        ("list", "--cursor", "²"),
         ("list", "--state", "bogus"),
         ("show", "no-colon-and-no-task"),
         ("purge", "--state", "queued", "--yes"),
@@ -229,6 +232,57 @@ def test_show_unknown_key_exits_2(dedup: Invoke) -> None:
     assert repr(member("order:404")) in result.stderr
 
 
+HOSTILE = "\x1b[2J\x1b[H\rstate  succeeded\n\x1b]0;owned\x07\u202e\x9b"
+
+
+def assert_inert(text: str) -> None:
+    """No control character (C0, DEL, C1) and no bidi override reaches the terminal."""
+    bad = [c for c in text if (ord(c) < 32 and c != "\n") or 0x7F <= ord(c) <= 0x9F or c in "\u202e\u2028"]
+    assert not bad, bad
+
+
+def test_stored_text_reaches_the_terminal_escaped(apps: ModuleType, dedup: Invoke, r: redis.Redis) -> None:
+    records = Records(apps.app, apps.charge)
+    failed = records.ended(HOSTILE, "failed", error=f"ValueError: {HOSTILE}")  # type: ignore[arg-type]
+    store = runtime.store_for(apps.app)
+    running = member(f"order:{HOSTILE}2")
+    assert store.gate(running, "order:x~1", "n1", hold_ms=60_000, grace_ms=1000, task_name="cli.charge").accepted
+    token = f"{HOSTILE}:1:ab"
+    started = store.start(
+        running,
+        "order:x~1",
+        token,
+        lock_ms=60_000,
+        gated=True,
+        key_mode="lock",
+        hostname=HOSTILE,
+        pid=1,
+        retries=0,
+        task_name="cli.charge",
+        record_ms=60_000,
+    )
+    assert started.run
+    r.hset(SCHEMA.stats, f"{HOSTILE}:accepted", 1)
+
+    shown = dedup("show", failed.member)
+    listed = dedup("list")
+    stats = dedup("stats")
+    refused = dedup("release", running, "--yes")
+    for result in (shown, listed, stats, refused):
+        assert_inert(result.stdout)
+        assert_inert(result.stderr)
+    assert shown.exit_code == 0 and listed.exit_code == 0 and refused.exit_code == cli.REFUSED
+    assert "ValueError: \\x1b[2J\\x1b[H\\rstate  succeeded\\n\\x1b]0;owned\\x07\\u202e\\x9b" in shown.stdout
+    assert re.search(r"^  worker +\\x1b\[2J", dedup("show", running).stdout, re.M)
+    assert "order:\\x1b[2J" in listed.stdout and "\\x1b]0;owned" in stats.stdout
+    assert "\\x1b[2J" in refused.stderr
+
+    document = as_json(dedup("show", failed.member, "--json"))  # JSON escapes by itself and stays faithful
+    assert document["record"]["error"] == f"ValueError: {HOSTILE}"
+    assert as_json(dedup("show", running, "--json"))["record"]["worker"] == HOSTILE
+    assert_inert(dedup("list", "--json").stdout)
+
+
 # -- release ------------------------------------------------------------------------------------
 
 
@@ -256,6 +310,18 @@ def test_release_unknown_key_exits_2(dedup: Invoke) -> None:
 
     assert result.exit_code == cli.NOT_FOUND
     assert "nothing to release" in result.stderr
+
+
+def test_release_of_a_key_nothing_holds_exits_5_and_writes_nothing(apps: ModuleType, dedup: Invoke) -> None:
+    run = Records(apps.app, apps.charge).ended(4, "succeeded")
+    history = as_json(dedup("show", run.member, "--json"))["history"]
+
+    result = dedup("release", run.member, "--yes")
+
+    assert result.exit_code == cli.NOT_HELD == 5
+    assert "nothing to release" in result.stderr and "not held" in result.stderr and "succeeded" in result.stderr
+    assert as_json(dedup("show", run.member, "--json"))["history"] == history
+    assert "released" not in as_json(dedup("stats", "--json")).get("cli.charge", {})
 
 
 def test_release_refuses_a_live_lock_unless_forced(apps: ModuleType, dedup: Invoke, r: redis.Redis) -> None:

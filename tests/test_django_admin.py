@@ -20,16 +20,19 @@ if not settings.configured:
 django.setup()
 
 from celery.result import AsyncResult  # noqa: E402
+from django.contrib.admin.models import CHANGE, LogEntry  # noqa: E402
 from django.contrib.admin.utils import quote  # noqa: E402
 from django.contrib.auth.models import Permission, User  # noqa: E402
 from django.core.management import call_command  # noqa: E402
 from django.test import Client, override_settings  # noqa: E402
 from django.test.utils import setup_test_environment, teardown_test_environment  # noqa: E402
+from django.utils.html import escape  # noqa: E402
 
-from celery_dedup import DedupTask, runtime  # noqa: E402
+from celery_dedup import DedupTask, operations, runtime  # noqa: E402
 from celery_dedup.contrib.django.conf import celery_app  # noqa: E402
 from celery_dedup.exceptions import DedupConfigError  # noqa: E402
 from celery_dedup.keys import KeySchema, member_for, new_nonce, new_task_id  # noqa: E402
+from celery_dedup.status import FIELD_DOC  # noqa: E402
 
 from ._records import Records, keyed_tasks  # noqa: E402
 from .conftest import AppFactory, in_process_worker, wait_for  # noqa: E402
@@ -239,24 +242,27 @@ def test_post_without_csrf_token_is_rejected(app: Celery, charges: Records, user
 
 def test_list_shows_every_column_and_links_to_the_record(app: Celery, charges: Records, root: Client) -> None:
     run = charges.started(7)
+    charges.task.delay(7)
 
     response = root.get(LIST)
 
     assert listed(response) == [run.member]
     page = response.content.decode()
-    for header in ("Key", "Task", "State", "Task id", "Last update", "Worker", "Attempts", "Retries"):
+    for header in ("Key and task", "State", "Task id", "Last update", "Worker", "Counters"):
         assert f"<span>{header}</span>" in page
-    assert "<span>Duplicates suppressed</span>" in page
-    assert f'<a href="{detail_url(run.member)}">order:7</a>' in page
-    row = response.context["listing"].rows[0]
+    assert f'<a href="{detail_url(run.member)}" class="field-key">order:7</a>' in page
+    assert '<div class="field-task">shop.<wbr>charge</div>' in page
+    assert "1 attempt · 1 duplicate" in page
+    assert re.search(r'<span class="when" title="[^"]+">\d+ s ago</span>', page)
+    row = response.context["listing"].rows[0].status
     assert (row.task, row.state, row.task_id, row.worker, row.attempts) == (
         "shop.charge",
         "started",
         run.task_id,
         "worker-1",
-        "1",
+        1,
     )
-    assert row.updated is not None and row.updated.year >= 2024
+    assert row.updated_at is not None and row.updated_at.year >= 2024
 
 
 def test_list_filters_by_state_and_task_and_searches_by_key_prefix(
@@ -284,8 +290,8 @@ def test_list_filters_by_state_and_task_and_searches_by_key_prefix(
     task_counts = {c.label: c.count for c in listing.task_choices}
     assert (task_counts["All"], task_counts["shop.charge"], task_counts["shop.refund"]) == (None, 3, 1)
     assert [c.label for c in listing.state_choices if c.selected] == ["queued"]
-    duplicates = {row.member: row.duplicates for row in listing.rows}
-    assert duplicates[queued.member] == "1"
+    duplicates = {row.member: row.status.duplicates for row in listing.rows}
+    assert duplicates[queued.member] == 1
 
 
 def test_list_pages_with_the_cursor(app: Celery, charges: Records, root: Client) -> None:
@@ -309,6 +315,23 @@ def test_list_pages_with_the_cursor(app: Celery, charges: Records, root: Client)
     assert listed(root.get(LIST, {"cursor": "not-a-number"})) == newest_first[:100]
 
 
+@pytest.mark.parametrize("cursor", ["²", "٣", "-1", "1.0", " 5"])
+def test_list_reads_a_cursor_that_is_no_number_as_the_first_page(
+    app: Celery, charges: Records, root: Client, cursor: str
+) -> None:
+    runs = [charges.queued(n) for n in range(3)]
+    assert set(listed(root.get(LIST, {"cursor": cursor}))) == {run.member for run in runs}
+    assert set(listed(root.get(LIST, {"cursor": "1", "trail": f"0,{cursor}"}))) <= {run.member for run in runs}
+
+
+def test_list_past_the_end_is_an_empty_last_page(app: Celery, charges: Records, root: Client) -> None:
+    charges.queued(1)
+    response = root.get(LIST, {"cursor": "99999999999999999999999"})
+    assert listed(response) == []
+    assert response.context["listing"].next_url is None
+    assert response.context["listing"].first_url is not None
+
+
 # --- one record ----------------------------------------------------------------------------------
 
 
@@ -319,21 +342,59 @@ def test_detail_shows_fields_history_hold_and_lock(app: Celery, charges: Records
 
     assert response.status_code == 200
     page = response.content.decode()
-    fields = {field.name: field for field in response.context["fields"]}
-    fields_wanted = {"state", "task", "task_id", "queued_at", "started_at", "updated_at", "worker", "lock", "args"}
-    assert fields_wanted <= set(fields)
-    assert fields["state"].value == "started"
-    assert fields["started_at"].time is not None
+    groups = {group.title: {row.name: row for row in group.rows} for group in response.context["groups"]}
+    assert list(groups) == ["Run", "Timing", "Worker and lock", "Counters", "Internals"]
+    assert {"task_id", "args", "kwargs"} <= set(groups["Run"])
+    assert not {"state", "task"} & set(groups["Run"]), "the summary above shows them"
+    assert {"queued_at", "started_at", "updated_at", "held_until"} <= set(groups["Timing"])
+    assert {"worker", "pid", "lock"} <= set(groups["Worker and lock"])
+    assert {"attempts", "retries", "duplicates"} <= set(groups["Counters"])
+    assert {"nonce", "queue", "tag", "unacked"} <= set(groups["Internals"])
+    assert '<span class="dedup-state state-started">started</span>' in page
+    assert groups["Counters"]["attempts"].value == 1
+    assert groups["Timing"]["started_at"].time is not None
     assert [(e.state, e.task_id) for e in response.context["history"]] == [
         ("started", run.task_id),
         ("queued", run.task_id),
     ]
-    assert all(e.time is not None for e in response.context["history"])
+    assert all(e.at is not None for e in response.context["history"])
     assert f'<code class="lock-token">{run.token}</code>' in page
     assert response.context["detail"].held
     assert 0 < response.context["lock_ttl_s"] <= 60
-    assert '<div class="readonly key-held">yes</div>' in page
+    assert '<dd class="key-held">yes, until' in page
     assert "Release key" in page
+
+
+def test_detail_groups_fields_explains_them_and_folds_the_internals(
+    app: Celery, charges: Records, root: Client
+) -> None:
+    done = charges.ended(4, "failed", error="ValueError: 4")
+
+    response = root.get(detail_url(done.member))
+
+    page = response.content.decode()
+    for group in response.context["groups"]:
+        for row in group.rows:
+            assert escape(FIELD_DOC[row.name].help) in page, row.name
+    assert re.search(r'<dd class="field-held_until">\s*not held', page), "held_until 0 is shown as not held"
+    assert not re.search(r"<dd[^>]*>\s*0\s*</dd>", page.split('<details class="internals">')[0].split("Counters")[0])
+    started = re.search(r'<dd class="field-started_at">(.*?)</dd>', page, re.S)
+    assert started and re.search(r"\d{4}-\d\d-\d\d \d\d:\d\d:\d\d", started.group(1)) and "ago" in started.group(1)
+    internals = page.split('<details class="internals">', 1)
+    assert len(internals) == 2, "internals are folded into a closed <details>"
+    assert "field-nonce" in internals[1] and "field-nonce" not in internals[0]
+    assert "field-payload" in internals[1]
+    assert '<dd class="field-error"><code>ValueError: 4</code></dd>' in page
+
+
+def test_detail_of_a_tombstone_says_what_is_left(app: Celery, charges: Records, root: Client) -> None:
+    done = charges.ended(5, "succeeded")
+    operations.purge(app, states=["succeeded"])
+
+    page = root.get(detail_url(done.member)).content.decode()
+
+    assert "purged" in page and "only the run id" in page
+    assert done.task_id in page
 
 
 def test_detail_of_an_unknown_key_is_not_found(app: Celery, root: Client) -> None:
@@ -365,6 +426,27 @@ def test_release_confirms_then_frees_a_queued_key(app: Celery, charges: Records,
     assert record(app, run.member)["state"] == "released"
     assert runtime.store_for(app).history(run.member)[0].endswith("released by root")
     assert not charges.task.delay(5).deduplicated
+
+
+def test_release_is_offered_only_where_something_is_held(app: Celery, charges: Records, root: Client) -> None:
+    done = charges.ended(5, "succeeded")
+    window = charges.ended(6, "succeeded", keep_key=True)
+    store = runtime.store_for(app)
+    history = store.history(done.member)
+
+    assert "Release key" not in root.get(detail_url(done.member)).content.decode()
+    assert "Release key" in root.get(detail_url(window.member)).content.decode()
+    confirm = root.get(release_url(done.member))
+    assert confirm.status_code == 200
+    page = confirm.content.decode()
+    assert "Nothing to release" in page and "Yes, release it" not in page
+
+    refused = root.post(release_url(done.member), {"token": ""}, follow=True)
+
+    assert refused.redirect_chain == [(detail_url(done.member), 302)]
+    assert "Nothing to release" in refused.content.decode()
+    assert store.history(done.member) == history
+    assert store.stats().get("shop.charge", {}).get("released", 0) == 0
 
 
 def test_release_refuses_a_live_lock_without_force(app: Celery, charges: Records, root: Client) -> None:
@@ -420,7 +502,8 @@ def test_purge_deletes_finished_records_and_leaves_queued_and_started(
     assert set(listed(done)) == {queued.member, started.member}
     store = runtime.store_for(app)
     # A purge leaves a tombstone (run id, ending, nonces), out of every listing.
-    assert all((store.record(run.member) or {}).get("purged") == "1" for run in finished)
+    tombstones = [store.status(run.member) for run in finished]
+    assert all(status is not None and status.purged for status in tombstones)
     assert store.record(queued.member) is not None and store.record(started.member) is not None
 
 
@@ -475,6 +558,116 @@ def test_requeue_without_payload_is_refused_with_a_reason(make_app: AppFactory, 
         done = root.post(requeue_url(failed.member), follow=True)
     assert "Not re-enqueued: the record keeps no payload" in done.content.decode()
     assert record(app, failed.member)["task_id"] == failed.task_id
+
+
+def test_actions_leave_admin_log_entries_and_the_requeued_run_names_who_asked(
+    app: Celery, charges: Records, root: Client, users: dict[str, User]
+) -> None:
+    LogEntry.objects.all().delete()
+    held = charges.queued(1)
+    failed = charges.ended(2, "failed", error="boom")
+    done = charges.ended(3, "succeeded")
+    charges.ended(4, "succeeded")
+    store = runtime.store_for(app)
+
+    root.post(release_url(held.member), {"token": ""})
+    root.post(release_url(done.member), {"token": ""})  # nothing held: nothing done, nothing logged
+    root.post(requeue_url(failed.member))
+    new_id = record(app, failed.member)["task_id"]
+    root.post(PURGE, {"states": ["succeeded"]})
+
+    entries = list(LogEntry.objects.order_by("id"))
+    assert [(e.user, e.action_flag, e.object_id) for e in entries] == [
+        (users["root"], CHANGE, held.member),
+        (users["root"], CHANGE, failed.member),
+        (users["root"], CHANGE, None),
+    ]
+    released, requeued, purged = (e.get_change_message() for e in entries)
+    assert released == "Released the key; its run is now released."
+    assert requeued == f"Re-enqueued as task id {new_id} (was {failed.task_id})."
+    assert purged == "Purged 2 records in states succeeded."
+    assert entries[0].get_admin_url() == detail_url(held.member)
+    assert {e.content_type.model for e in entries} == {"record"}
+
+    assert new_id != failed.task_id
+    newest = store.history(failed.member)[0].split(" ", 3)
+    assert newest[1:] == ["queued", new_id, f"re-enqueued by root from {failed.task_id}"]
+    assert [e.object_repr for e in entries] == [held.member, failed.member, "status records"]
+    assert f'href="{detail_url(held.member)}">{held.member}</a>' in root.get("/admin/").content.decode()
+
+
+MARKUP = """<script>alert(1)</script>"><img src=x onerror=alert(2)>.x~y"""
+
+
+def test_hostile_text_is_escaped_on_every_page(app: Celery, root: Client) -> None:
+    store = runtime.store_for(app)
+    member = member_for(f"shop.{MARKUP}", f"order:{MARKUP}")
+    task_id = f"order:{MARKUP}~1"
+    assert store.gate(member, task_id, "n1", hold_ms=60_000, grace_ms=1000, task_name=f"shop.{MARKUP}").accepted
+    token = f"{MARKUP}:1:ab"
+    started = store.start(
+        member,
+        task_id,
+        token,
+        lock_ms=60_000,
+        gated=True,
+        key_mode="lock",
+        hostname=MARKUP,
+        pid=1,
+        retries=0,
+        task_name=f"shop.{MARKUP}",
+        record_ms=60_000,
+    )
+    assert started.run
+    store.client.hset(store.schema.record(member), mapping={"error": MARKUP, "args": MARKUP, MARKUP: MARKUP})
+    store.client.lpush(store.schema.history(member), f"1700000000000 started {task_id} {MARKUP}")
+
+    pages = [root.get(url) for url in (LIST, detail_url(member), release_url(member), requeue_url(member))]
+    pages.append(root.get(LIST, {"q": "order:<", "task": MARKUP, "state": MARKUP}))
+    for response in pages:
+        assert response.status_code == 200
+        page = response.content.decode()
+        assert "<script>alert(1)" not in page and "<img src=x" not in page, response.request["PATH_INFO"]
+    detail = pages[1].content.decode()
+    assert "&lt;script&gt;alert(1)&lt;/script&gt;" in detail
+
+
+# --- the store is down ---------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    ("conf", "shown"),
+    [
+        ({"broker_url": "redis://shop:s3cret@127.0.0.1:1/0"}, "redis://shop:**@127.0.0.1:1/0"),
+        ({"dedup_redis_url": "redis://:s3cret@127.0.0.1:1/3"}, "redis://:**@127.0.0.1:1/3"),
+    ],
+)
+def test_an_unreachable_store_is_a_page_that_says_so(
+    make_app: AppFactory, users: dict[str, User], conf: dict[str, str], shown: str
+) -> None:
+    down = make_app(**conf)
+    member = "shop.charge:order:1"
+    root = client_for(users, "root")
+    with override_settings(CELERY_DEDUP_APP=down):
+        for method, url in [
+            ("get", LIST),
+            ("get", detail_url(member)),
+            ("get", release_url(member)),
+            ("post", release_url(member)),
+            ("get", requeue_url(member)),
+            ("post", requeue_url(member)),
+            ("get", PURGE),
+            ("post", PURGE),
+            ("get", STATS),
+        ]:
+            response = getattr(root, method)(url, {"states": ["succeeded"]} if url == PURGE else {})
+            page = response.content.decode()
+            assert response.status_code == 503, (method, url, response.status_code)
+            assert "cannot be reached" in page and f"<code>{shown}</code>" in page, (method, url)
+            assert "s3cret" not in page
+            assert "ConnectionError" in page
+        assert client_for(users, "nobody").get(LIST).status_code == 403  # no address for those who may not look
+        assert client_for(users, None).get(LIST).status_code == 302
 
 
 # --- 100,000 records -----------------------------------------------------------------------------

@@ -12,11 +12,13 @@
 -- ARGV[5]  "" not forced; else the lock token to delete if the lock is alive
 -- ARGV[6]  who releases it (for the history note), may be ""
 --
--- Releasing drops the member from the held set and sets held_until 0. A
--- record whose run has not ended (queued, started, retry, lost, ...) moves to
--- the ended state `released`: its queued message or a redelivered copy is
--- then skipped by the delivery guard. An ended record keeps its state; the
--- release is noted in its history either way.
+-- Only something held is released: the key (in the held set) or a live
+-- lock (deleted when forced). Releasing drops the member from the held set
+-- and sets held_until 0. A record whose run has not ended (queued, started,
+-- retry, lost, ...) moves to the ended state `released`: its queued message
+-- or a redelivered copy is then skipped by the delivery guard. An ended
+-- record keeps its state; the release is noted in its history either way,
+-- and counted. With nothing held, nothing is written.
 --
 -- Returns {code, detail, was_held, forced}:
 --   {1, state, was_held, forced}  released; state: the record's state now
@@ -24,7 +26,9 @@
 --   {0, pttl, 0, 0}               refused: the lock is alive and ARGV[5] is ""
 --   {2, holder, 0, 0}             refused: the lock is alive under another
 --                                 token than ARGV[5] (it changed meanwhile)
---   {3, "", 0, 0}                 nothing to release: no record, no hold, no lock
+--   {3, state, 0, 0}              nothing to release: the key is not held and
+--                                 no lock is alive; state: the record's ("" if
+--                                 there is no record)
 
 local held, record, lock = KEYS[1], KEYS[2], KEYS[3]
 local member, prefix = ARGV[1], ARGV[2]
@@ -47,10 +51,10 @@ end
 local was_held = redis.call('SREM', held, member)
 local current = redis.call('HMGET', record, 'state', 'task_id', 'lock')
 local state, task_id = current[1], current[2]
+if was_held == 0 and forced == 0 then
+  return {3, state or '', 0, 0}
+end
 if not state then
-  if was_held == 0 and forced == 0 then
-    return {3, '', 0, 0}
-  end
   return {1, '', was_held, forced}
 end
 

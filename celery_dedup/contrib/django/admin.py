@@ -3,36 +3,48 @@
 Viewing needs staff status and the ``view_record`` (or ``change_record``)
 permission; releasing, purging and re-enqueueing need ``change_record``.
 Every action has a confirmation page (GET) and acts on a POST carrying the
-CSRF token. The work itself is in :mod:`celery_dedup.operations`.
+CSRF token; what it did is written to Django's admin log (``LogEntry``). The
+work itself is in :mod:`celery_dedup.operations`.
 """
 
 from __future__ import annotations
 
+import functools
+import logging
+from collections.abc import Callable
 from typing import Any
 
+import redis
 from celery import Celery
 from django.contrib import admin, messages
 from django.contrib.admin.utils import quote, unquote
 from django.core.exceptions import PermissionDenied
-from django.http import Http404, HttpRequest, HttpResponse, HttpResponseRedirect
+from django.http import Http404, HttpRequest, HttpResponse, HttpResponseBase, HttpResponseRedirect
 from django.template.response import TemplateResponse
 from django.urls import URLPattern, path, reverse
 from django.views.generic import RedirectView
+from kombu.exceptions import OperationalError
 
 import celery_dedup
 from celery_dedup import DedupTask, operations, runtime
 from celery_dedup.decisions import DECISIONS
-from celery_dedup.exceptions import DedupOperationError
+from celery_dedup.exceptions import DedupOperationError, DedupUnavailableError
 from celery_dedup.gate import decode_payload
+from celery_dedup.keys import split_member, task_from_namespace
+from celery_dedup.status import STATE_HELP
 from celery_dedup.store import ENDED_STATES, STATES, KeyDetail, ReleaseResult
 
-from .conf import celery_app
-from .detail import fields_of, history_of
+from .conf import celery_app, store_url
+from .detail import groups_of
 from .forms import PurgeForm, ReleaseForm
 from .listing import PAGE_SIZE, Listing, Query, task_names
 from .models import Record
 
 TEMPLATES = "admin/celery_dedup/record"
+logger = logging.getLogger("celery_dedup")
+
+#: What an unreachable (or failing) Redis raises: from the store, from the gate, from a publish.
+UNAVAILABLE = (redis.RedisError, DedupUnavailableError, OperationalError)
 
 
 @admin.register(Record)
@@ -47,7 +59,10 @@ class RecordAdmin(admin.ModelAdmin):  # type: ignore[type-arg]
 
     def get_urls(self) -> list[URLPattern]:
         name = f"{self.opts.app_label}_{self.opts.model_name}"
-        wrap = self.admin_site.admin_view
+
+        def wrap(view: Callable[..., HttpResponseBase]) -> Callable[..., HttpResponseBase]:
+            return self.admin_site.admin_view(self._answering(view))
+
         return [
             path("", wrap(self.changelist_view), name=f"{name}_changelist"),
             path("purge/", wrap(self.purge_view), name=f"{name}_purge"),
@@ -62,6 +77,33 @@ class RecordAdmin(admin.ModelAdmin):  # type: ignore[type-arg]
         ]
 
     # --- helpers -------------------------------------------------------------------------------
+
+    def _answering(self, view: Callable[..., HttpResponseBase]) -> Callable[..., HttpResponseBase]:
+        """``view``, answering with a page that says the store is unreachable instead of a server error."""
+
+        @functools.wraps(view)
+        def answering(request: HttpRequest, *args: Any, **kwargs: Any) -> HttpResponseBase:
+            try:
+                return view(request, *args, **kwargs)
+            except UNAVAILABLE as exc:
+                return self._unavailable(request, exc)
+
+        return answering
+
+    def _unavailable(self, request: HttpRequest, exc: Exception) -> HttpResponse:
+        app = celery_app()
+        where = store_url(app)
+        error = f"{type(exc).__name__}: {exc}"
+        logger.warning("celery-dedup admin: the dedup store at %s cannot be reached (%s)", where, error)
+        context = self._context(
+            request,
+            "Status records unavailable",
+            store_url=where,
+            error=error,
+            posted=request.method == "POST",
+            retry_url=request.get_full_path(),
+        )
+        return TemplateResponse(request, f"{TEMPLATES}/unavailable.html", context, status=503)
 
     def _require(self, request: HttpRequest, *, change: bool = False) -> None:
         allowed = self.has_change_permission(request) if change else self.has_view_or_change_permission(request)
@@ -83,6 +125,10 @@ class RecordAdmin(admin.ModelAdmin):  # type: ignore[type-arg]
             "changelist_url": self._url("changelist"),
             **extra,
         }
+
+    def _log(self, request: HttpRequest, member: str | None, message: str) -> None:
+        """Note in the admin log who did what to ``member`` (None: to records in general)."""
+        self.log_change(request, Record.standing_for(member), message)
 
     def _detail(self, app: Celery, object_id: str) -> KeyDetail:
         found = operations.detail(app, unquote(object_id))
@@ -131,15 +177,20 @@ class RecordAdmin(admin.ModelAdmin):  # type: ignore[type-arg]
         self._require(request)
         app = celery_app()
         found = self._detail(app, object_id)
+        namespace, key = split_member(found.member)
+        status = found.status
         context = self._context(
             request,
-            f"Status record {found.member}",
+            f"Status record {key}",
             detail=found,
-            key=found.member.partition(":")[2],
-            fields=fields_of(found.record or {}),
-            history=history_of(found.history),
+            status=status,
+            task=status.task if status is not None else task_from_namespace(namespace),
+            key=key,
+            state_help=STATE_HELP.get(status.state, "") if status is not None else "",
+            groups=groups_of(status) if status is not None else [],
+            history=(status.history or ()) if status is not None else (),
             lock_ttl_s=found.lock_ttl_ms / 1000,
-            release_url=self._url("release", found.member),
+            release_url=self._url("release", found.member) if _holds_something(found) else None,
             requeue_url=self._url("requeue", found.member) if operations.can_requeue(found.record) else None,
             **(extra_context or {}),
         )
@@ -161,9 +212,12 @@ class RecordAdmin(admin.ModelAdmin):  # type: ignore[type-arg]
                     by=request.user.get_username(),
                 )
                 if result.released:
+                    self._log(request, found.member, _released_log(result))
                     self.message_user(request, _released_message(found.member, result), messages.SUCCESS)
                     return HttpResponseRedirect(detail_url)
                 self.message_user(request, _refused_message(result), messages.ERROR)
+                if result.code == ReleaseResult.NOTHING:
+                    return HttpResponseRedirect(detail_url)
                 return HttpResponseRedirect(self._url("release", found.member))
         else:
             form = ReleaseForm(initial={"token": found.lock_token or ""})
@@ -174,6 +228,7 @@ class RecordAdmin(admin.ModelAdmin):  # type: ignore[type-arg]
             key=found.member.partition(":")[2],
             state=(found.record or {}).get("state", ""),
             ended=(found.record or {}).get("state") in ENDED_STATES,
+            holds_something=_holds_something(found),
             lock_ttl_s=found.lock_ttl_ms / 1000,
             form=form,
             detail_url=detail_url,
@@ -186,8 +241,9 @@ class RecordAdmin(admin.ModelAdmin):  # type: ignore[type-arg]
         found = self._detail(app, object_id)
         detail_url = self._url("change", found.member)
         if request.method == "POST":
+            earlier = (found.record or {}).get("task_id", "?")
             try:
-                result = operations.requeue(app, found.member)
+                result = operations.requeue(app, found.member, by=request.user.get_username())
             except DedupOperationError as exc:
                 self.message_user(request, f"Not re-enqueued: {exc.reason}.", messages.ERROR)
                 return HttpResponseRedirect(detail_url)
@@ -195,6 +251,7 @@ class RecordAdmin(admin.ModelAdmin):  # type: ignore[type-arg]
                 text = f"Nothing enqueued: the key is held by run {result.task_id}."
                 self.message_user(request, text, messages.WARNING)
             else:
+                self._log(request, found.member, f"Re-enqueued as task id {result.task_id} (was {earlier}).")
                 self.message_user(request, f"Re-enqueued as task id {result.task_id}.", messages.SUCCESS)
             return HttpResponseRedirect(detail_url)
         record = found.record or {}
@@ -228,7 +285,10 @@ class RecordAdmin(admin.ModelAdmin):  # type: ignore[type-arg]
         if request.method == "POST":
             form = PurgeForm(request.POST)
             if form.is_valid():
-                report = operations.purge(app, states=form.cleaned_data["states"])
+                states = form.cleaned_data["states"]
+                report = operations.purge(app, states=states)
+                if report.purged:
+                    self._log(request, None, f"Purged {report.purged} records in states {', '.join(states)}.")
                 text = f"Purged {report.purged} finished records."
                 if report.kept:
                     text += f" Kept {report.kept} whose key is still held or whose lock is alive."
@@ -241,6 +301,18 @@ class RecordAdmin(admin.ModelAdmin):  # type: ignore[type-arg]
         sizes = runtime.store_for(app).index_sizes(states=ENDED_STATES)
         context = self._context(request, "Purge finished records?", form=form, counts=sizes.states)
         return TemplateResponse(request, f"{TEMPLATES}/purge.html", context)
+
+
+def _holds_something(found: KeyDetail) -> bool:
+    """Whether a release would free anything: the key is held, or an execution lock is alive."""
+    return found.held or found.lock_token is not None
+
+
+def _released_log(result: ReleaseResult) -> str:
+    text = "Released the key"
+    if result.forced:
+        text += ", deleting its live execution lock"
+    return text + (f"; its run is now {result.detail}." if result.detail else "; it had no record.")
 
 
 def _released_message(member: str, result: ReleaseResult) -> str:
@@ -260,4 +332,9 @@ def _refused_message(result: ReleaseResult) -> str:
         )
     if result.code == ReleaseResult.REFUSED_LOCK_CHANGED:
         return f"Not released: the lock now belongs to {result.detail}, not the owner you confirmed. Review again."
+    if result.detail:
+        return (
+            f"Nothing to release: the key is not held and no execution lock is alive (the run is {result.detail}). "
+            "Nothing was changed."
+        )
     return "Nothing to release: the key has no record, hold or lock any more."

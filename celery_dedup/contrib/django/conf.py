@@ -7,6 +7,7 @@ from importlib import import_module
 from celery import Celery
 from celery.app import app_or_default
 from django.conf import settings
+from kombu.utils.url import maybe_sanitize_url
 
 from celery_dedup import runtime
 from celery_dedup.exceptions import DedupConfigError
@@ -58,3 +59,16 @@ def _import(path: str) -> Celery:
     if not isinstance(found, Celery):
         raise DedupConfigError(SETTING, path, f"names a {type(found).__name__}, not a Celery app")
     return found
+
+
+def store_url(app: Celery) -> str:
+    """The address of ``app``'s dedup store with passwords masked, for a page saying it cannot be reached."""
+    url = runtime.config_for(app).redis_url or runtime._broker_url(app)
+    return ";".join(_masked(part.strip()) for part in url.split(";"))
+
+
+def _masked(url: str) -> str:
+    try:
+        return str(maybe_sanitize_url(url))
+    except ValueError:  # not even a URL's shape: show the scheme only, in case the rest holds a password
+        return url.split("://", 1)[0] + "://..."

@@ -1,78 +1,64 @@
-"""What the record page shows: every field (times made readable) and the key's history."""
+"""What a record's page shows: its fields grouped for people, each with what it means, and its history."""
 
 from __future__ import annotations
 
 import datetime
-from collections.abc import Mapping, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
-from .listing import from_ms
-
-#: Fields holding a millisecond timestamp.
-TIME_FIELDS = frozenset(
-    {
-        "queued_at",
-        "started_at",
-        "finished_at",
-        "updated_at",
-        "held_until",
-        "lock_lost_at",
-        "pushed_at",
-        "due_at",
-        "first_at",
-    }
-)
-#: Fields shown first, in this order; the rest follow by name.
-FIRST = (
-    "state",
-    "task",
-    "task_id",
-    "held_until",
-    "queued_at",
-    "started_at",
-    "finished_at",
-    "updated_at",
-    "worker",
-    "pid",
-    "attempts",
-    "retries",
-    "duplicates",
-    "skipped",
-    "lock",
-    "lock_lost_at",
-    "error",
-    "args",
-    "kwargs",
-)
+from celery_dedup.status import FIELD_DOC, GROUPS, Status, from_ms
 
 
 @dataclass(frozen=True)
-class Field:
+class Row:
+    """One field as shown: its label and help, and its value typed (a time, a count, or text)."""
+
     name: str
-    value: str
-    #: The value as a time, for timestamp fields that are set.
+    label: str
+    help: str
+    value: str | int | None
+    #: The value as a time, for timestamp fields (None when unset: not held, not yet, ...).
     time: datetime.datetime | None = None
+    is_time: bool = False
 
 
 @dataclass(frozen=True)
-class HistoryEntry:
-    time: datetime.datetime | None
-    state: str
-    task_id: str
-    note: str
+class Group:
+    """A titled group of rows; ``folded`` ones (the internals) are shown closed."""
+
+    name: str
+    title: str
+    rows: list[Row] = field(default_factory=list)
+
+    @property
+    def folded(self) -> bool:
+        return self.name == "internals"
 
 
-def fields_of(record: Mapping[str, str]) -> list[Field]:
-    """Every field of ``record``, the usual ones first."""
-    names = [name for name in FIRST if name in record]
-    names += sorted(name for name in record if name not in FIRST)
-    return [Field(name, record[name], from_ms(record[name]) if name in TIME_FIELDS else None) for name in names]
+#: Shown above the groups, with the hold and the lock, so left out of them.
+SUMMARY = ("state", "task")
 
 
-def history_of(entries: Sequence[str]) -> list[HistoryEntry]:
-    """Parse ``"<ms> <state> <task id> [note]"`` entries, newest first as stored."""
-    parsed = []
-    for entry in entries:
-        ms, state, task_id, note = [*entry.split(" ", 3), "", "", ""][:4]
-        parsed.append(HistoryEntry(from_ms(ms), state, task_id, note))
-    return parsed
+def groups_of(status: Status) -> list[Group]:
+    """The fields ``status``'s record holds, in :data:`~celery_dedup.status.GROUPS`; unknown fields are internals.
+
+    The page's summary shows state and task, so the groups leave them out; empty groups are left out.
+    """
+    groups = {name: Group(name, title) for name, title in GROUPS}
+    for name, raw in status.fields.items():
+        if name in SUMMARY:
+            continue
+        doc = FIELD_DOC.get(name)
+        if doc is None:
+            groups["internals"].rows.append(Row(name, name, "Not a field this version of celery-dedup writes.", raw))
+            continue
+        value: str | int | None = getattr(status, name, raw)
+        if isinstance(value, bool):
+            value = "yes" if value else "no"
+        elif isinstance(value, datetime.datetime) or value is None:
+            value = raw
+        row = Row(name, doc.label, doc.help, value, from_ms(raw) if doc.time else None, doc.time)
+        groups[doc.group].rows.append(row)
+    order = {doc.name: i for i, doc in enumerate(FIELD_DOC.values())}
+    for group in groups.values():
+        group.rows.sort(key=lambda row: order.get(row.name, len(order)))
+    return [group for group in groups.values() if group.rows]

@@ -6,14 +6,13 @@ page's cursor, and a short trail of earlier cursors makes "previous" work.
 
 from __future__ import annotations
 
-import datetime
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 from urllib.parse import urlencode
 
-from celery_dedup.keys import split_member
-from celery_dedup.store import Page, Record
+from celery_dedup.status import Status
+from celery_dedup.store import Page
 
 PAGE_SIZE = 100
 #: Earlier cursors kept for "previous"; older pages are reached from the first.
@@ -21,15 +20,9 @@ TRAIL_LENGTH = 50
 STATE, TASK, SEARCH, CURSOR, TRAIL = "state", "task", "q", "cursor", "trail"
 
 
-def from_ms(value: str | None) -> datetime.datetime | None:
-    """A record's millisecond timestamp as an aware datetime; None for missing or 0."""
-    try:
-        ms = int(value or 0)
-    except ValueError:
-        return None
-    if ms <= 0:
-        return None
-    return datetime.datetime.fromtimestamp(ms / 1000, tz=datetime.timezone.utc)
+def _is_number(text: str) -> bool:
+    """ASCII digits only: ``"²".isdigit()`` and ``"٣".isdigit()`` are true too."""
+    return text.isascii() and text.isdigit()
 
 
 @dataclass(frozen=True)
@@ -44,10 +37,13 @@ class Query:
 
     @classmethod
     def parse(cls, params: Mapping[str, str]) -> Query:
-        """Read the filters; a cursor or trail that is not a number means the first page."""
+        """Read the filters; a cursor or trail that is not a number means the first page.
+
+        A number past the end of the index is an empty last page (the store's rule).
+        """
         cursor = params.get(CURSOR, "")
         trail = tuple(params.get(TRAIL, "").split(",")) if params.get(TRAIL) else ()
-        if not cursor.isdigit() or not all(c.isdigit() for c in trail):
+        if not _is_number(cursor) or not all(_is_number(c) for c in trail):
             cursor, trail = "", ()
         return cls(
             state=params.get(STATE, "").strip(),
@@ -88,37 +84,27 @@ class Query:
 
 @dataclass(frozen=True)
 class Row:
-    """One record as a line of the list."""
+    """One record as a line of the list: its status and its page's URL."""
 
-    member: str
-    key: str
-    task: str
-    state: str
-    task_id: str
-    updated: datetime.datetime | None
-    worker: str
-    attempts: str
-    retries: str
-    duplicates: str
-    #: The record's page.
+    status: Status
     url: str
 
-    @classmethod
-    def of(cls, record: Record, url: str) -> Row:
-        fields = record.fields
-        return cls(
-            member=record.member,
-            key=split_member(record.member)[1],
-            task=record.task,
-            state=record.state,
-            task_id=record.task_id,
-            updated=from_ms(fields.get("updated_at")),
-            worker=fields.get("worker", ""),
-            attempts=fields.get("attempts", "0"),
-            retries=fields.get("retries", "0"),
-            duplicates=fields.get("duplicates", "0"),
-            url=url,
-        )
+    @property
+    def member(self) -> str:
+        return self.status.member
+
+    @property
+    def counters(self) -> str:
+        """The counters that are not zero, in words: ``"2 attempts · 1 retry · 3 duplicates"``."""
+        status = self.status
+        counts = [
+            (status.attempts, "attempt", "attempts"),
+            (status.retries, "retry", "retries"),
+            (status.duplicates, "duplicate", "duplicates"),
+            (status.skipped, "skipped delivery", "skipped deliveries"),
+            (status.debounced, "call joined", "calls joined"),
+        ]
+        return " · ".join(f"{n} {one if n == 1 else many}" for n, one, many in counts if n) or "-"
 
 
 @dataclass(frozen=True)
@@ -152,7 +138,7 @@ class Listing:
         link: Callable[[str], str],
     ) -> Listing:
         """The page's rows (``link(member)`` is a record's page) and the filters with their counts."""
-        listing = cls(query, page, [Row.of(record, link(record.member)) for record in page.records])
+        listing = cls(query, page, [Row(status, link(status.member)) for status in page.records])
         listing.state_choices = _choices(query, STATE, query.state, states)
         task_counts = dict(tasks)
         if query.task and query.task not in task_counts:

@@ -18,3 +18,16 @@ class Record(models.Model):
         default_permissions = ("view", "change")
         verbose_name = "status record"
         verbose_name_plural = "status records"
+
+    def __str__(self) -> str:
+        return str(self.pk) if self.pk is not None else "status records"
+
+    @classmethod
+    def standing_for(cls, member: str | None) -> Record:
+        """An unsaved stand-in for ``member``'s record (all records for None), for the admin's log.
+
+        Its pk is the member, so a log entry links to the record's page.
+        """
+        record = cls()
+        record.pk = member
+        return record
