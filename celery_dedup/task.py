@@ -28,6 +28,7 @@ from .guard import guarded_call, hand_over, lock_lost, replacing
 from .keyed import DedupResult, TaskPolicy, delay_seconds
 from .keys import KeyOption, KeySpec, member_for, new_nonce, new_task_id, split_member
 from .modes import MODES, Mode
+from .status import Status
 from .store import DedupStore
 
 logger = logging.getLogger("celery_dedup")
@@ -158,8 +159,9 @@ class DedupTask(_TaskBase):
             if klass is DedupTask:
                 return
             for attribute in vars(klass):
-                known = attribute in TASK_OPTIONS or hasattr(DedupTask, attribute)
-                if attribute.startswith("dedup_") and not known:
+                # (Only dedup_* names are looked up on DedupTask: Task.app, for one,
+                # would bind the abstract base to whichever app is current.)
+                if attribute.startswith("dedup_") and not (attribute in TASK_OPTIONS or hasattr(DedupTask, attribute)):
                     close = difflib.get_close_matches(attribute, TASK_OPTIONS, n=1)
                     hint = f"; did you mean {close[0]!r}?" if close else ""
                     raise DedupConfigError(
@@ -216,10 +218,10 @@ class DedupTask(_TaskBase):
         """The business key of a call with these arguments."""
         return self.dedup_policy.spec.business_key(args, kwargs)
 
-    def dedup_status(self, *args: Any, **kwargs: Any) -> dict[str, str] | None:
-        """The status record of the key these arguments map to, or None."""
+    def dedup_status(self, *args: Any, **kwargs: Any) -> Status | None:
+        """The status of the key these arguments map to (state, run, times, counters, history), or None."""
         member = member_for(self.name, self.dedup_business_key(*args, **kwargs))
-        return runtime.store_for(self.app).record(member)
+        return runtime.store_for(self.app).status(member)
 
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
         """Run the body under the execution guard (see :mod:`celery_dedup.guard`).

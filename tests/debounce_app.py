@@ -54,7 +54,7 @@ def record_run(task: Any, **arguments: Any) -> None:
     seconds, micros = client().time()
     entry = {"id": task.request.id, "started_ms": seconds * 1000 + micros // 1000, **arguments}
     status = task.dedup_status(**arguments)
-    entry["queued_at"] = int(status["queued_at"]) if status else None
+    entry["queued_at"] = int(status.fields["queued_at"]) if status else None
     client().rpush(runs_key(task.name), json.dumps(entry))
 
 

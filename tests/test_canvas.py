@@ -109,7 +109,7 @@ def test_send_task_by_name_is_gated_by_the_publish_hook(make_app: AppFactory, r:
     assert message_ids(r) == [first.id]
     assert second.id != first.id, "send_task cannot hand back the accepted id; last_outcome() does"
     record = tasks.a.dedup_status(3)
-    assert record is not None and (record["task_id"], record["duplicates"]) == (first.id, "1")
+    assert record is not None and (record.task_id, record.duplicates) == (first.id, 1)
     with in_process_worker(app):
         assert AsyncResult(first.id, app=app).get(timeout=10) == 30
     assert tasks.ran("a") == [first.id]
@@ -156,7 +156,7 @@ def test_send_task_with_a_countdown_holds_the_key_until_it_is_due(make_app: AppF
     app.send_task("canvas.due", (1,), countdown=5)
     record = due.dedup_status(1)
     assert record is not None
-    held_for_ms = int(record["held_until"]) - int(record["queued_at"])
+    held_for_ms = int(record.fields["held_until"]) - int(record.fields["queued_at"])
     assert 5500 <= held_for_ms <= 6500, held_for_ms
     time.sleep(1.5)  # past dedup_ttl from now, but not past the due time
     again = app.send_task("canvas.due", (1,), countdown=5)
@@ -173,8 +173,8 @@ def test_chain_of_keyed_tasks_runs_and_releases_both_keys(make_app: AppFactory, 
         assert result.get(timeout=10) == 11
     assert [(name, args) for name, _, args in tasks.runs] == [("a", (1,)), ("b", (10,))]
     assert r.scard(HELD) == 0
-    assert (tasks.a.dedup_status(1) or {}).get("state") == "succeeded"
-    assert (tasks.b.dedup_status(10) or {}).get("state") == "succeeded"
+    assert getattr(tasks.a.dedup_status(1), "state", None) == "succeeded"
+    assert getattr(tasks.b.dedup_status(10), "state", None) == "succeeded"
 
 
 def test_group_with_a_duplicate_member_publishes_once_per_key(
@@ -267,7 +267,7 @@ def test_worker_side_chain_dispatch_of_a_duplicate_does_not_fail_the_parent(
         assert tasks.ran("b") == []
     assert tasks.ran("a") == [parent.id]
     assert record is not None
-    assert (record["task_id"], record["duplicates"]) == (pending.id, "1")
+    assert (record.task_id, record.duplicates) == (pending.id, 1)
     assert r.sismember(HELD, member_for(tasks.b.name, "b:10"))
     assert result.id not in message_ids(r), "the chained link must not be enqueued beside the pending run"
 
@@ -291,6 +291,6 @@ def test_retry_with_changed_args_keeps_the_original_key(make_app: AppFactory, r:
     assert [(n, task_id) for n, task_id, _ in seen] == [(1, result.id), (101, result.id)]
     assert seen[1][2] == {original}, "while the retry runs, only the original key is held"
     record = renumber.dedup_status(1)
-    assert record is not None and (record["task_id"], record["state"]) == (result.id, "succeeded")
+    assert record is not None and (record.task_id, record.state) == (result.id, "succeeded")
     assert renumber.dedup_status(101) is None
     assert r.scard(HELD) == 0

@@ -70,8 +70,8 @@ def test_failed_eager_run_is_recorded_failed_whether_or_not_its_error_propagates
     [run_id] = attempts
     record = charge.dedup_status(3)
     assert record is not None, "the record of a run that executed was erased"
-    assert (record["task_id"], record["state"]) == (run_id, "failed")
-    assert record["error"] == "ValueError: 3"
+    assert (record.task_id, record.state) == (run_id, "failed")
+    assert record.error == "ValueError: 3"
     assert states_in_history(app, member) == ["queued", "started", "failed"]
     assert accepted(app, charge.name) == 1
     assert not r.sismember(HELD, member), "a failed run releases its key, as on a worker"
@@ -106,7 +106,7 @@ def test_error_after_a_successful_eager_run_keeps_its_record(make_app: AppFactor
 
     [run_id] = runs
     record = settle.dedup_status(5)
-    assert record is not None and (record["task_id"], record["state"]) == (run_id, "succeeded")
+    assert record is not None and (record.task_id, record.state) == (run_id, "succeeded")
     assert states_in_history(app, member_for(settle.name, "order:5")) == ["queued", "started", "succeeded"]
     assert accepted(app, settle.name) == 1
     assert r.scard(HELD) == 0
@@ -156,7 +156,7 @@ def test_apply_async_many_in_eager_mode_records_each_run(
         assert [result.deduplicated for result in results] == [False, False, False]
         expected = {2: "succeeded", 3: "failed", 4: "succeeded"}
 
-    found = {order_id: (charge.dedup_status(order_id) or {}).get("state") for order_id in expected}
+    found = {order_id: getattr(charge.dedup_status(order_id), "state", None) for order_id in expected}
     assert found == expected
     assert states_in_history(app, member_for(charge.name, "order:3")) == ["queued", "started", "failed"]
     assert accepted(app, charge.name) == len(attempts) == sum(state is not None for state in expected.values())
@@ -202,7 +202,7 @@ def test_error_after_the_broker_took_the_message_keeps_the_key(
     assert message is not None, "the message was enqueued"
     record = charge.dedup_status(8)
     assert record is not None, "the record of an enqueued message was erased"
-    assert (record["task_id"], record["state"]) == (message.headers["id"], "queued")
+    assert (record.task_id, record.state) == (message.headers["id"], "queued")
     assert r.sismember(HELD, member_for(charge.name, "order:8")), "the key of an enqueued message was dropped"
     assert accepted(app, charge.name) == 1
     assert any("publishing raised afterwards" in rec.getMessage() for rec in caplog.records)

@@ -41,9 +41,9 @@ def test_duplicate_gets_accepted_id_and_no_second_message(make_app: AppFactory, 
     assert r.smembers(HELD) == {f"{charge.name}:order:42".encode(), f"{charge.name}:order:43".encode()}
     record = charge.dedup_status(42)
     assert record is not None
-    assert record["task_id"] == first.id
-    assert record["state"] == "queued"
-    assert record["duplicates"] == "1"
+    assert record.task_id == first.id
+    assert record.state == "queued"
+    assert record.duplicates == "1"
 
 
 def test_new_run_after_finish_gets_its_own_id_and_result(make_app: AppFactory, r: redis.Redis) -> None:
@@ -87,8 +87,8 @@ def test_retrying_task_keeps_its_key_and_releases_after_final_failure(make_app: 
     assert attempts[1] == [ok.id] * 3, "both retries must be accepted as the same run"
     assert attempts[2] == [doomed.id] * 3
     assert r.scard(HELD) == 0, "success and final failure release the key"
-    assert (flaky.dedup_status(2, 99) or {}).get("state") == "failed"
-    assert (flaky.dedup_status(1, 2) or {}).get("state") == "succeeded"
+    assert getattr(flaky.dedup_status(2, 99), "state", None) == "failed"
+    assert getattr(flaky.dedup_status(1, 2), "state", None) == "succeeded"
 
 
 @pytest.mark.parametrize("priority", [None, 0, 4, 9])

@@ -13,6 +13,7 @@ from collections.abc import Iterator
 from types import SimpleNamespace
 from typing import Any
 
+import celery
 import pytest
 import redis
 from celery import Celery
@@ -119,6 +120,7 @@ def keyed_task(app: Celery) -> Any:
 
 LATE_INSTALL = """
 import json, sys
+import celery
 from celery import Celery
 import celery_dedup
 from celery_dedup import DedupTask
@@ -200,3 +202,28 @@ def test_apply_async_many_refuses_a_chunk_below_one(make_app: AppFactory, chunk:
     with pytest.raises(DedupOperationError, match="chunk") as info:
         keyed.apply_async_many([((1,), {})], chunk=chunk)
     assert info.value.operation == "apply_async_many"
+
+
+def test_checking_task_options_binds_no_app_to_the_dedup_task_base(offline_app: Celery) -> None:
+    """Looking for misspelled options must not touch ``Task.app``, which binds a class to the current app.
+
+    Bound, the abstract base would take that app's settings (``task_ignore_result``)
+    for every DedupTask defined afterwards, on any app.
+    """
+    current = Celery("current", broker=NEVER_CONTACTED, set_as_current=False)
+    current.conf.task_ignore_result = True
+    previous = celery.current_app._get_current_object()  # type: ignore[attr-defined]
+    current.set_current()
+    try:
+        celery_dedup.install(offline_app)
+
+        @offline_app.task(base=DedupTask, name="install.bound", dedup_key="k:{n}", shared=False)
+        def bound(n: int) -> None: ...
+
+        offline_app.finalize()
+        assert bound.dedup_policy.ttl > 0
+    finally:
+        previous.set_current()
+        current.close()
+    assert not vars(DedupTask).get("__bound__", False), "the abstract DedupTask was bound to the current app"
+    assert bound.ignore_result is False

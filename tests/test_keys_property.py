@@ -474,4 +474,4 @@ def test_a_worker_keys_a_delivery_without_header_as_its_publisher_did(make_app: 
     with in_process_worker(app):
         assert ship.delay(*args).get(timeout=20) == "shipped"
     record = wait_for(lambda: ship.dedup_status(*args), 10, "a record under the publisher's key")
-    assert record is not None and record["state"] == "succeeded", record
+    assert record is not None and record.state == "succeeded", record

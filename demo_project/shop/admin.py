@@ -6,6 +6,8 @@ from django.contrib import admin
 from django.utils.html import format_html, format_html_join
 from django.utils.safestring import SafeString
 
+from celery_dedup.status import Status
+
 from .dedup_links import DedupRecord, dedup_record
 from .models import Charge, EmailLog, InventorySync, Order, OrderLine, SalesReport
 from .tasks import charge_payment, send_confirmation_email
@@ -37,9 +39,9 @@ def linked(item: DedupRecord, text: str) -> SafeString:
     return format_html('<a href="{}">{}</a>', item.url, text) if item.url else format_html("{}", text)
 
 
-def summary(record: dict[str, str] | None) -> str:
+def summary(record: Status | None) -> str:
     """``state=succeeded, task_id=..., ...``: the fields of a record worth a glance."""
-    shown = [f"{name}={record[name]}" for name in SHOWN if record and record.get(name)]
+    shown = [f"{name}={record.fields[name]}" for name in SHOWN if record and record.fields.get(name)]
     return ", ".join(shown) or "no record"
 
 

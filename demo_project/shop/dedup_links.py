@@ -11,6 +11,7 @@ from django.urls import NoReverseMatch, reverse
 
 from celery_dedup import DedupTask
 from celery_dedup.keys import member_for
+from celery_dedup.status import Status
 
 DEDUP_APP = "celery_dedup.contrib.django"
 DEDUP_LABEL = "celery_dedup"
@@ -22,7 +23,7 @@ class DedupRecord:
 
     task: str
     key: str
-    record: dict[str, str] | None
+    record: Status | None
     url: str | None
 
     @property
@@ -31,7 +32,7 @@ class DedupRecord:
 
     @property
     def state(self) -> str:
-        return self.record["state"] if self.record else "no record"
+        return self.record.state if self.record else "no record"
 
 
 def dedup_record(task: DedupTask, *args: Any) -> DedupRecord:

@@ -39,9 +39,9 @@ def order_records(order: Order) -> list[DedupRecord]:
 def last_charge_result(order: Order) -> str | None:
     """What the last charge run of the order returned (charged, or why not), once it succeeded."""
     record = charge_payment.dedup_status(order.pk)
-    if not record or record.get("state") != "succeeded":
+    if not record or record.state != "succeeded":
         return None
-    result = charge_payment.AsyncResult(record["task_id"]).result
+    result = charge_payment.AsyncResult(record.task_id).result
     return result if isinstance(result, str) else None
 
 
@@ -70,8 +70,8 @@ def pay(request: HttpRequest, order_id: int) -> HttpResponse:
     """
     order = get_object_or_404(Order, pk=order_id)
     if order.paid:
-        record = charge_payment.dedup_status(order.pk) or {}
-        last = f"its charge key's last run, {record['task_id']}, {record['state']}" if record else "no charge record"
+        record = charge_payment.dedup_status(order.pk)
+        last = f"its charge key's last run, {record.task_id}, {record.state}" if record else "no charge record"
         messages.info(request, f"{order.refusal()}: nothing was sent or charged ({last}).")
         return redirect("shop:order", order_id=order.pk)
     result = charge_payment.delay(order.pk)
@@ -95,7 +95,7 @@ def order_json(request: HttpRequest, order_id: int) -> JsonResponse:
             "charge_ids": list(order.charges.order_by("pk").values_list("pk", flat=True)),
             "emails": order.emails.count(),
             "charge_key": charge_payment.dedup_business_key(order.pk),
-            "charge_dedup": charge_payment.dedup_status(order.pk),
+            "charge_dedup": (status.fields if (status := charge_payment.dedup_status(order.pk)) else None),
             "charge_result": last_charge_result(order),
             "links": {
                 "order": reverse("shop:order", args=[order.pk]),

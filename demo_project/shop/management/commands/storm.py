@@ -152,7 +152,7 @@ def bar(done: int, total: int, width: int) -> str:
 
 def _in_flight(order_id: int) -> bool:
     record = charge_payment.dedup_status(order_id)
-    return record is None or record.get("state") in IN_FLIGHT
+    return record is None or record.state in IN_FLIGHT
 
 
 def spread(values: list[int]) -> str:
