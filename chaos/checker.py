@@ -1,0 +1,620 @@
+"""The checker: does a run's merged history keep celery-dedup's promises?
+
+It reads every process's events (see :mod:`chaos.history`) and ``final.json``,
+the status records, their histories (``dedup:hist:<member>``, every
+transition with the server's time), the held set and the locks as they were
+after the quiet period. Each invariant below is checked over all of it; a
+violation is printed with an excerpt of the history around it.
+
+``overlap``
+    No two bodies of one key run at the same time. Every mode takes the
+    key's execution lock, so this holds for all of them, across runs and
+    across copies of one run. The one allowed exception is a body that lost
+    its lock because a fault stopped it from renewing (its worker was
+    SIGSTOPped, its connections were cut or delayed, the server restarted, it
+    was revoked): that overlap is *explained* if the library recorded the
+    loss (``self.dedup_lock_lost``, the ``lock_lost`` decision, the
+    record's history) and a fault can account for it; it is counted and
+    printed, not a violation.
+``again-after-end``
+    A run whose body succeeded, or failed for good, never executes again
+    (Celery's retry is not an ending; a body killed mid-run may run again).
+    A restart that wiped the server's data in between explains it.
+``unresolved-run``
+    Every run a call was accepted into (and every run the server's history
+    shows queued, e.g. from a producer killed mid-publish) executed, or has
+    an ending recorded with a reason (status history, or a ``skipped`` or
+    ``reaped`` decision), by the end of the quiet period.
+``unresolved-duplicate``
+    Every id handed to a duplicate caller resolves the same way.
+``stuck-key``
+    After the quiet period, no key is held without a live run (a lock, or
+    its message queued, unacknowledged or parked) past the longest hold any
+    call could have asked for.
+``double-accept``
+    until_executed and until_executing: a key never accepts a second run
+    while its first is alive (not ended, not dead, not past its hold; for
+    until_executing, not yet started).
+``window``
+    throttle and until_expired: at most one run per window, unless the
+    first run failed, was released or lost (which frees the window).
+``debounce-args``
+    A debounced run executes with the arguments of its burst's last call as
+    the server ordered them: no call of the burst was sent after the one
+    whose arguments ran had returned.
+"""
+
+from __future__ import annotations
+
+import json
+from collections import Counter, defaultdict
+from collections.abc import Iterable
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from .app import LOCK_TTL, MODE_BY_TASK, ModeSpec
+from .history import Event, read_events
+
+INVARIANTS = (
+    "overlap",
+    "again-after-end",
+    "unresolved-run",
+    "unresolved-duplicate",
+    "stuck-key",
+    "double-accept",
+    "window",
+    "debounce-args",
+)
+#: States after which a run has ended (lib.lua's ENDED), and those that count as its fate.
+ENDED = frozenset({"succeeded", "failed", "revoked", "rejected", "ignored", "skipped", "released"})
+FATES = ENDED | {"lost"}
+#: Body outcomes that end a run for good (``retry`` does not; an exit mid-body is a death).
+FINAL_OUTCOMES = frozenset({"succeeded", "failed", "SoftTimeLimitExceeded", "ChaosFailure"})
+#: Decisions that settle a run that never executed.
+SETTLING_DECISIONS = frozenset({"skipped", "reaped", "released"})
+#: Slack for comparing host times with the server's millisecond timestamps.
+MS = 0.002
+
+
+@dataclass
+class Body:
+    """One execution of a task body, from its start to its end or its process's death."""
+
+    task_id: str
+    member: str
+    call: str
+    pid: int
+    role: str
+    start: float
+    end: float = float("inf")
+    #: The body's own outcome, or ``killed`` / ``unknown`` when it did not record one.
+    outcome: str = "unknown"
+    lock_lost: bool = False
+
+
+@dataclass
+class Call:
+    """One producer call and what it returned."""
+
+    call: str
+    member: str
+    mode: str
+    way: str
+    delay: float
+    t0: float
+    t: float
+    outcome: str
+    task_id: str
+    #: Position in its producer's publish order (calls of one ``many`` batch share t0 and t).
+    seq: int
+
+
+@dataclass
+class Entry:
+    """One transition in a key's server-side history."""
+
+    t: float
+    state: str
+    task_id: str
+    note: str
+
+
+@dataclass
+class Violation:
+    invariant: str
+    member: str
+    message: str
+    t: float
+    task_ids: tuple[str, ...] = ()
+    excerpt: list[str] = field(default_factory=list)
+
+
+@dataclass
+class Explained:
+    member: str
+    message: str
+
+
+@dataclass
+class Report:
+    ops: int
+    faults: int
+    violations: list[Violation]
+    explained: list[Explained]
+    #: Invariant -> how many cases it examined.
+    checked: Counter[str]
+    fault_kinds: Counter[str]
+    bodies: int
+    seed: int | None
+
+    def summary(self) -> str:
+        seed = "?" if self.seed is None else str(self.seed)
+        return (
+            f"chaos: {self.ops} operations, {self.faults} faults, {len(self.violations)} violations, seed {seed}"
+        )
+
+    def render(self, *, explained_limit: int = 20) -> str:
+        lines = []
+        for violation in self.violations:
+            lines.append(f"VIOLATION {violation.invariant} on {violation.member}: {violation.message}")
+            lines += [f"    {line}" for line in violation.excerpt]
+        if self.explained:
+            lines.append(f"{len(self.explained)} explained overlaps (a body lost its lock to a fault, and said so):")
+            lines += [f"    {item.member}: {item.message}" for item in self.explained[:explained_limit]]
+            if len(self.explained) > explained_limit:
+                lines.append(f"    ... and {len(self.explained) - explained_limit} more")
+        checked = ", ".join(f"{name} {self.checked[name]}" for name in INVARIANTS)
+        lines.append(f"checked: {self.bodies} bodies; cases per invariant: {checked}")
+        if self.fault_kinds:
+            lines.append("faults: " + ", ".join(f"{kind} {n}" for kind, n in sorted(self.fault_kinds.items())))
+        return "\n".join(lines)
+
+
+class History:
+    """The merged history of one run, indexed for the invariants."""
+
+    def __init__(self, events: list[Event], final: dict[str, Any]) -> None:
+        self.events = events
+        self.final = final
+        self.t0 = events[0]["t"] if events else 0.0
+        self.phases = {e["name"]: e["t"] for e in events if e["ev"] == "phase"}
+        self.end = self.phases.get("stopped", events[-1]["t"] if events else 0.0)
+        self.faults = [e for e in events if e["ev"] == "fault"]
+        self.wipes = [e["t"] for e in self.faults if e["kind"] == "restart" and e.get("wipe")]
+        self.deaths: dict[int, list[float]] = defaultdict(list)
+        for event in events:
+            if event["ev"] == "kill":
+                for pid in event["pids"]:
+                    self.deaths[int(pid)].append(event["t"])
+            elif event["ev"] == "revoked" and event.get("terminated") and _is_sigkill(event.get("signum")):
+                if event.get("worker_pid"):
+                    self.deaths[int(event["worker_pid"])].append(event["t"])
+        self.bodies = self._bodies()
+        self.bodies_by_task: dict[str, list[Body]] = defaultdict(list)
+        for body in self.bodies:
+            self.bodies_by_task[body.task_id].append(body)
+        self.calls = self._calls()
+        self.server_history = {
+            member: [_entry(raw) for raw in reversed(info.get("history", []))]
+            for member, info in final.get("members", {}).items()
+        }
+        self.decisions: dict[str, list[Event]] = defaultdict(list)
+        for event in events:
+            if event["ev"] == "decision" and event.get("task_id"):
+                self.decisions[event["task_id"]].append(event)
+        self.lock_lost_seen = {(e["pid"], e["task_id"]) for e in events if e["ev"] == "lock_lost_seen"}
+        self.renewer_losses = [e for e in events if e["ev"] == "lock_lost_log"]
+
+    # --- building --------------------------------------------------------------------------
+
+    def _bodies(self) -> list[Body]:
+        open_bodies: dict[int, Body] = {}
+        bodies: list[Body] = []
+        for event in self.events:
+            if event["ev"] == "body_start":
+                pid = event["pid"]
+                previous = open_bodies.pop(pid, None)
+                if previous is not None:  # the process moved on: the previous body ended unrecorded
+                    previous.end = min(self._death(pid, previous.start), event["t"])
+                    previous.outcome = "unknown"
+                body = Body(
+                    event["task_id"], event["member"], event["call"], pid, event["role"], event["t"]
+                )
+                open_bodies[pid] = body
+                bodies.append(body)
+            elif event["ev"] == "body_end":
+                body = open_bodies.pop(event["pid"], None)
+                if body is not None and body.task_id == event["task_id"]:
+                    body.end = event["t"]
+                    body.outcome = event["outcome"]
+                    body.lock_lost = bool(event.get("lock_lost"))
+        for pid, body in open_bodies.items():
+            death = self._death(pid, body.start)
+            body.end = death
+            body.outcome = "killed" if death < self.end else "unknown"
+        return bodies
+
+    def _death(self, pid: int, after: float) -> float:
+        return min((t for t in self.deaths.get(pid, []) if t >= after), default=self.end)
+
+    def _calls(self) -> list[Call]:
+        started: dict[str, Event] = {}
+        calls: list[Call] = []
+        for index, event in enumerate(self.events):
+            if event["ev"] == "call_start":
+                started[event["call"]] = event
+            elif event["ev"] == "call":
+                begin = started.get(event["call"], event)
+                calls.append(
+                    Call(
+                        event["call"],
+                        event["member"],
+                        event.get("mode", ""),
+                        event.get("way", ""),
+                        float(event.get("delay") or 0.0),
+                        begin["t"],
+                        event["t"],
+                        event["outcome"],
+                        event.get("id", ""),
+                        index,
+                    )
+                )
+        return calls
+
+    # --- questions -------------------------------------------------------------------------
+
+    def wiped_between(self, start: float, end: float) -> bool:
+        return any(start <= t <= end for t in self.wipes)
+
+    def entries(self, member: str, task_id: str | None = None) -> list[Entry]:
+        entries = self.server_history.get(member, [])
+        return [e for e in entries if task_id is None or e.task_id == task_id]
+
+    def lock_loss(self, body: Body) -> str | None:
+        """How the library reported that ``body`` lost its lock, or None."""
+        if body.lock_lost or (body.pid, body.task_id) in self.lock_lost_seen:
+            return "the body saw self.dedup_lock_lost"
+        for event in self.decisions.get(body.task_id, []):
+            if event["decision"] == "lock_lost" and event["t"] >= body.start:
+                return f"lock_lost decision at {self.rel(event['t'])}"
+        for event in self.renewer_losses:
+            if event["pid"] == body.pid and event["t"] >= body.start and repr(body.member) in event["message"]:
+                return f"renewer reported the loss at {self.rel(event['t'])}"
+        for entry in self.entries(body.member, body.task_id):
+            if entry.t >= body.start - MS and ("lock lost" in entry.note or "forced" in entry.note):
+                return f"history: {entry.state} {entry.note!r} at {self.rel(entry.t)}"
+        return None
+
+    def loss_cause(self, body: Body, until: float) -> str | None:
+        """A fault that can have kept ``body`` from renewing its lock between its start and ``until``."""
+        slot = body.role.rsplit(".", 1)[0]
+        for event in self.events:
+            if event["ev"] != "fault" or not body.start - LOCK_TTL <= event["t"] <= until:
+                continue
+            kind = event["kind"]
+            if kind == "stop-worker" and body.pid in event.get("pids", []):
+                return f"its worker was SIGSTOPped at {self.rel(event['t'])}"
+            if kind == "proxy" and event.get("target") in (slot, "all"):
+                return f"proxy {event.get('action')} on its connections at {self.rel(event['t'])}"
+            if kind == "restart":
+                return f"server restart at {self.rel(event['t'])}"
+            if kind == "revoke" and event.get("task_id") == body.task_id:
+                return f"revoked at {self.rel(event['t'])}"
+            if kind == "operator" and event.get("action") == "release" and event.get("member") == body.member:
+                return f"released by an operator at {self.rel(event['t'])}"
+        return None
+
+    def fate(self, task_id: str, member: str) -> str | None:
+        """How run ``task_id`` ended up: it executed, or an ending was recorded; None if neither."""
+        if self.bodies_by_task.get(task_id):
+            return "executed"
+        for entry in self.entries(member, task_id):
+            if entry.state in FATES:
+                return f"recorded {entry.state}"
+        for event in self.decisions.get(task_id, []):
+            if event["decision"] in SETTLING_DECISIONS:
+                return f"{event['decision']}: {event['message']}"
+        return None
+
+    def rel(self, t: float) -> str:
+        return f"+{t - self.t0:.3f}s"
+
+    # --- excerpts --------------------------------------------------------------------------
+
+    def excerpt(self, member: str, task_ids: Iterable[str], start: float, end: float, limit: int = 16) -> list[str]:
+        """The events and server history entries about ``member`` or ``task_ids`` around [start, end]."""
+        ids = set(task_ids)
+        lines: list[tuple[float, str]] = []
+        for event in self.events:
+            if not start - 1.0 <= event["t"] <= end + 1.0:
+                continue
+            related = event.get("member") == member or event.get("task_id") in ids or event.get("id") in ids
+            if related or event["ev"] in ("fault", "kill"):
+                lines.append((event["t"], _describe(event)))
+        for entry in self.entries(member):
+            if start - 1.0 <= entry.t <= end + 1.0 or entry.task_id in ids:
+                lines.append((entry.t, f"server       {entry.state} {entry.task_id} {entry.note}".rstrip()))
+        lines.sort(key=lambda item: item[0])
+        if len(lines) > limit:
+            lines = lines[: limit // 2] + [(0.0, "...")] + lines[-limit // 2 :]
+        return [text if text == "..." else f"{self.rel(t):>10} {text}" for t, text in lines]
+
+
+def _is_sigkill(signum: Any) -> bool:
+    return str(signum) in ("9", "SIGKILL", "Signals.SIGKILL")
+
+
+def _entry(raw: str) -> Entry:
+    parts = raw.split(" ", 3)
+    return Entry(int(parts[0]) / 1000, parts[1], parts[2] if len(parts) > 2 else "", parts[3] if len(parts) > 3 else "")
+
+
+def _describe(event: Event) -> str:
+    keys = ("kind", "action", "decision", "task_id", "call", "outcome", "id", "member", "pids", "pid", "message")
+    shown = []
+    for key in keys:
+        value = event.get(key)
+        if value in (None, "") or (key == "pid"):
+            continue
+        if key == "message":
+            value = str(value)[:120]
+        shown.append(f"{key}={value}")
+    return f"{event['role']:<13} {event['ev']:<14} " + " ".join(shown) + f" (pid {event['pid']})"
+
+
+# --- the invariants ------------------------------------------------------------------------
+
+
+class Checker:
+    """Runs every invariant over one :class:`History`."""
+
+    def __init__(self, history: History) -> None:
+        self.h = history
+        self.violations: list[Violation] = []
+        self.explained: list[Explained] = []
+        self.checked: Counter[str] = Counter()
+
+    def violation(self, invariant: str, member: str, message: str, t: float, *task_ids: str, until: float = 0) -> None:
+        excerpt = self.h.excerpt(member, task_ids, t, max(until, t))
+        self.violations.append(Violation(invariant, member, message, t, task_ids, excerpt))
+
+    def run(self) -> None:
+        self.overlap()
+        self.again_after_end()
+        self.unresolved()
+        self.stuck_keys()
+        self.double_accept()
+        self.windows()
+        self.debounce_args()
+
+    def overlap(self) -> None:
+        by_member: dict[str, list[Body]] = defaultdict(list)
+        for body in self.h.bodies:
+            by_member[body.member].append(body)
+        for member, bodies in by_member.items():
+            bodies.sort(key=lambda body: body.start)
+            for i, first in enumerate(bodies):
+                for second in bodies[i + 1 :]:
+                    if second.start >= first.end:
+                        break
+                    self.checked["overlap"] += 1
+                    self._judge_overlap(member, first, second)
+            self.checked["overlap"] += len(bodies)
+
+    def _judge_overlap(self, member: str, first: Body, second: Body) -> None:
+        what = (
+            f"{first.task_id} (pid {first.pid}, {self.h.rel(first.start)}..{self.h.rel(first.end)}, {first.outcome}) "
+            f"and {second.task_id} (pid {second.pid}, from {self.h.rel(second.start)}) ran at once"
+        )
+        loss = self.h.lock_loss(first)
+        if loss is None:
+            self.violation(
+                "overlap", member, f"{what}; the first never reported losing its lock", second.start,
+                first.task_id, second.task_id, until=min(first.end, self.h.end),
+            )
+            return
+        cause = self.h.loss_cause(first, second.start)
+        if cause is None:
+            self.violation(
+                "overlap", member, f"{what}; the first lost its lock ({loss}) but no fault can account for it: "
+                "a live lock was taken", second.start, first.task_id, second.task_id, until=min(first.end, self.h.end),
+            )
+            return
+        self.explained.append(Explained(member, f"{what}: {loss}; {cause}"))
+
+    def again_after_end(self) -> None:
+        for task_id, bodies in self.h.bodies_by_task.items():
+            bodies = sorted(bodies, key=lambda body: body.start)
+            for i, ended in enumerate(bodies):
+                if ended.outcome not in FINAL_OUTCOMES:
+                    continue
+                self.checked["again-after-end"] += 1
+                for later in bodies[i + 1 :]:
+                    if later.start < ended.end or self.h.wiped_between(ended.end, later.start):
+                        continue
+                    self.violation(
+                        "again-after-end", ended.member,
+                        f"run {task_id} {ended.outcome} at {self.h.rel(ended.end)} (pid {ended.pid}) and executed "
+                        f"again at {self.h.rel(later.start)} (pid {later.pid})", later.start, task_id,
+                    )
+                    break
+
+    def unresolved(self) -> None:
+        accepted: dict[str, tuple[str, float]] = {}
+        handed: dict[str, tuple[str, float]] = {}
+        for call in self.h.calls:
+            if not call.task_id:
+                continue
+            target = accepted if call.outcome == "accepted" else handed
+            target.setdefault(call.task_id, (call.member, call.t))
+        for member, entries in self.h.server_history.items():
+            for entry in entries:
+                if entry.state in ("queued", "pending") and entry.task_id not in accepted:
+                    accepted.setdefault(entry.task_id, (member, entry.t))
+        for invariant, runs in (("unresolved-run", accepted), ("unresolved-duplicate", handed)):
+            for task_id, (member, t) in runs.items():
+                self.checked[invariant] += 1
+                if self.h.fate(task_id, member) is not None:
+                    continue
+                if self.h.wiped_between(t - 1.0, self.h.end):
+                    self.explained.append(Explained(member, f"run {task_id} vanished with the server's data"))
+                    continue
+                record = self.h.final.get("members", {}).get(member, {}).get("record") or {}
+                now = f"the record is {record.get('state')} for {record.get('task_id')}" if record else "no record"
+                what = "accepted" if invariant == "unresolved-run" else "handed to a duplicate caller"
+                self.violation(
+                    invariant, member,
+                    f"run {task_id} ({what} at {self.h.rel(t)}) never executed and no ending was recorded ({now})",
+                    t, task_id,
+                )
+
+    def stuck_keys(self) -> None:
+        final = self.h.final
+        if not final:
+            return
+        server_now = final["server_ms"] / 1000
+        stopped = self.h.phases.get("producers_stopped", self.h.end)
+        longest = max(spec.hold for spec in MODE_BY_TASK.values()) + 3.0 + LOCK_TTL
+        live = set(final.get("queued_ids", [])) | set(final.get("due_members", []))
+        for member, info in final.get("members", {}).items():
+            if not info.get("held"):
+                continue
+            self.checked["stuck-key"] += 1
+            record = info.get("record") or {}
+            held_until = int(record.get("held_until") or 0) / 1000
+            if not record or held_until <= server_now:
+                continue  # a stale member: the gate takes it over, the reaper removes it
+            if info.get("lock") or record.get("task_id") in live or member in live:
+                continue
+            if held_until > stopped + longest:
+                self.violation(
+                    "stuck-key", member,
+                    f"held until {self.h.rel(held_until)} by {record.get('task_id')} ({record.get('state')}) "
+                    f"with no live run, past the longest hold ({longest:.0f}s after the producers stopped)",
+                    server_now, record.get("task_id", ""),
+                )
+
+    def _freed(self, first: Call, spec: ModeSpec, before: float) -> str | None:
+        """Why run ``first`` no longer held its key at ``before``, or None."""
+        h = self.h
+        if first.t0 + spec.hold + first.delay < before:
+            return "its hold ran out"
+        if h.wiped_between(first.t0, before):
+            return "the server's data was wiped"
+        for entry in h.entries(first.member, first.task_id):
+            if entry.t <= before + MS and entry.state in FATES:
+                return f"it ended {entry.state}"
+            if spec.mode in ("until_executing", "debounce") and entry.state == "started" and entry.t <= before + MS:
+                return "it started"
+        for body in h.bodies_by_task.get(first.task_id, []):
+            if body.end <= before and body.outcome in FINAL_OUTCOMES | {"killed"}:
+                return f"its body ended {body.outcome}"
+            if spec.mode in ("until_executing", "debounce") and body.start <= before:
+                return "it started"
+            if h.lock_loss(body) is not None:
+                return "its body lost its lock"
+        for event in h.decisions.get(first.task_id, []):
+            if event["t"] <= before and event["decision"] in SETTLING_DECISIONS:
+                return f"{event['decision']}"
+        for event in h.faults:
+            if event["kind"] == "operator" and event.get("member") == first.member and first.t0 <= event["t"] <= before:
+                return "an operator acted on it"
+        return None
+
+    def _accepted_pairs(self, modes: set[str]) -> Iterable[tuple[Call, Call, ModeSpec]]:
+        by_member: dict[str, list[Call]] = defaultdict(list)
+        for call in self.h.calls:
+            if call.outcome == "accepted" and call.mode in modes and call.task_id:
+                by_member[call.member].append(call)
+        for calls in by_member.values():
+            calls.sort(key=lambda call: call.t0)
+            runs: list[Call] = []
+            for call in calls:
+                if not runs or runs[-1].task_id != call.task_id:
+                    runs.append(call)
+            for first, second in zip(runs, runs[1:], strict=False):
+                spec = MODE_BY_TASK[f"chaos.{first.mode}"]
+                if second.t0 >= first.t:  # else they raced: either could have been first at the server
+                    yield first, second, spec
+
+    def double_accept(self) -> None:
+        for first, second, spec in self._accepted_pairs({"until_executed", "until_executing"}):
+            self.checked["double-accept"] += 1
+            if self._freed(first, spec, second.t) is None:
+                self.violation(
+                    "double-accept", first.member,
+                    f"run {second.task_id} accepted at {self.h.rel(second.t)} while run {first.task_id} "
+                    f"(accepted at {self.h.rel(first.t)}) still held the key",
+                    second.t, first.task_id, second.task_id,
+                )
+
+    def windows(self) -> None:
+        for first, second, spec in self._accepted_pairs({"throttle", "until_expired"}):
+            self.checked["window"] += 1
+            window_end = first.t0 + spec.hold + first.delay
+            if second.t >= window_end:
+                continue
+            if self._freed(first, spec, second.t) is None:
+                self.violation(
+                    "window", first.member,
+                    f"run {second.task_id} accepted at {self.h.rel(second.t)} inside the window of run "
+                    f"{first.task_id} (accepted at {self.h.rel(first.t0)}, window {spec.hold + first.delay:.1f}s)",
+                    second.t, first.task_id, second.task_id,
+                )
+
+    def debounce_args(self) -> None:
+        bursts: dict[str, list[Call]] = defaultdict(list)
+        for call in self.h.calls:
+            if call.mode == "debounce" and call.task_id and call.outcome in ("accepted", "collapsed"):
+                bursts[call.task_id].append(call)
+        for task_id, bodies in self.h.bodies_by_task.items():
+            burst = bursts.get(task_id)
+            if not burst:
+                continue
+            for body in bodies:
+                self.checked["debounce-args"] += 1
+                ran = next((call for call in burst if call.call == body.call), None)
+                if ran is None:
+                    if body.call.startswith("requeue") or any(c.call == body.call for c in self.h.calls):
+                        continue  # a re-enqueued run carries the arguments its record kept
+                    self.violation(
+                        "debounce-args", body.member,
+                        f"run {task_id} executed with call {body.call}, which is not in its burst", body.start, task_id,
+                    )
+                    continue
+                later = [call for call in burst if call.t0 > ran.t or (call.t0 == ran.t0 and call.seq > ran.seq)]
+                later = [call for call in later if call.t0 < body.start]
+                if later:
+                    self.violation(
+                        "debounce-args", body.member,
+                        f"run {task_id} executed with call {ran.call} (returned {self.h.rel(ran.t)}), but call "
+                        f"{later[-1].call} of its burst was sent after that, at {self.h.rel(later[-1].t0)}",
+                        body.start, task_id,
+                    )
+
+
+def check(run_dir: Path | str, seed: int | None = None) -> Report:
+    """Check the run kept in ``run_dir``."""
+    run_dir = Path(run_dir)
+    events = read_events(run_dir)
+    final_path = run_dir / "final.json"
+    final = json.loads(final_path.read_text()) if final_path.exists() else {}
+    history = History(events, final)
+    checker = Checker(history)
+    checker.run()
+    if seed is None:
+        seed = next((e.get("seed") for e in events if e["ev"] == "phase" and e["name"] == "started"), None)
+    ops = sum(1 for e in events if e["ev"] == "call")
+    kinds = Counter(e["kind"] for e in history.faults)
+    checker.violations.sort(key=lambda v: v.t)
+    return Report(
+        ops=ops,
+        faults=len(history.faults),
+        violations=checker.violations,
+        explained=checker.explained,
+        checked=checker.checked,
+        fault_kinds=kinds,
+        bodies=len(history.bodies),
+        seed=seed,
+    )

@@ -1,0 +1,291 @@
+"""The processes of a chaos run: the server, the fault proxies, the workers and the producers.
+
+Every client process talks to the server through a fault proxy of its own
+(one per worker slot, one per producer slot, kept across restarts), so the
+nemesis can break one process's connections without touching the others.
+Workers and producers run in their own sessions (process groups), with the
+``PYTHONPATH`` the run was given: that is how a run tests a patched copy of
+the library.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import IO, Any
+
+import redis
+
+from celery_dedup.testing import RedisServer
+
+from .history import History
+from .proxy import FaultProxy
+
+
+def group_pids(pgid: int) -> list[int]:
+    """The live processes of process group ``pgid`` (a worker and its pool children), sorted."""
+    found = []
+    for entry in Path("/proc").iterdir():
+        if not entry.name.isdigit():
+            continue
+        try:
+            fields = (entry / "stat").read_text().rpartition(")")[2].split()
+        except OSError:
+            continue
+        if fields[0] != "Z" and int(fields[2]) == pgid:
+            found.append(int(entry.name))
+    return sorted(found)
+
+
+def signal_group(pgid: int, sig: int) -> None:
+    with contextlib.suppress(ProcessLookupError):
+        os.killpg(pgid, sig)
+
+
+@dataclass
+class Server:
+    """The embedded Valkey, optionally with an append-only file (``fsync always``) to survive restarts."""
+
+    data_dir: Path
+    persistent: bool
+    process: RedisServer = field(init=False)
+
+    def __post_init__(self) -> None:
+        self.data_dir.mkdir(parents=True, exist_ok=True)
+        extra: tuple[str, ...] = ("--dir", str(self.data_dir))
+        if self.persistent:
+            extra += ("--appendonly", "yes", "--appendfsync", "always")
+        self.process = RedisServer(extra=extra)
+
+    @property
+    def port(self) -> int:
+        return self.process.port
+
+    @property
+    def url(self) -> str:
+        return self.process.url
+
+    def start(self) -> None:
+        self.process.start()
+
+    def crash(self, *, wipe: bool) -> None:
+        """SIGKILL the server; ``wipe`` also deletes its data, as a restart without persistence would."""
+        popen = self.process.process
+        if popen is not None and popen.poll() is None:
+            popen.kill()
+            popen.wait()
+        if popen is not None and popen.stderr:
+            popen.stderr.close()
+        if wipe:
+            for path in sorted(self.data_dir.rglob("*"), reverse=True):
+                if path.is_file():
+                    path.unlink()
+
+    def stop(self) -> None:
+        self.process.stop()
+
+    def client(self) -> redis.Redis:
+        return redis.Redis(port=self.port, socket_timeout=10)
+
+
+@dataclass
+class Slot:
+    """A place for one worker or producer process: its proxy, its current process and generation."""
+
+    role: str
+    index: int
+    proxy: FaultProxy
+    process: subprocess.Popen[bytes] | None = None
+    generation: int = 0
+    log: IO[bytes] | None = None
+
+    @property
+    def name(self) -> str:
+        return f"{self.role}-{self.index}"
+
+    @property
+    def alive(self) -> bool:
+        return self.process is not None and self.process.poll() is None
+
+    @property
+    def pid(self) -> int:
+        return self.process.pid if self.process is not None else 0
+
+    def pids(self) -> list[int]:
+        return group_pids(self.pid) if self.alive else []
+
+    def children(self) -> list[int]:
+        return [pid for pid in self.pids() if pid != self.pid]
+
+
+@dataclass
+class Cluster:
+    """Starts, kills and restarts the run's processes; see the module docstring."""
+
+    run_dir: Path
+    pythonpath: str
+    history: History
+    workers: int = 2
+    concurrency: int = 2
+    producers: int = 3
+    seed: int = 0
+    persistent: bool = False
+    worker_slots: list[Slot] = field(default_factory=list)
+    producer_slots: list[Slot] = field(default_factory=list)
+    server: Server = field(init=False)
+
+    def __post_init__(self) -> None:
+        self.server = Server(self.run_dir / "server", self.persistent)
+
+    # --- the whole --------------------------------------------------------------------------
+
+    def start(self) -> None:
+        self.server.start()
+        self.worker_slots = [Slot("worker", i, FaultProxy(self.server.port).start()) for i in range(self.workers)]
+        self.producer_slots = [Slot("producer", i, FaultProxy(self.server.port).start()) for i in range(self.producers)]
+        for slot in self.worker_slots:
+            self.start_worker(slot)
+        for slot in self.worker_slots:
+            self.wait_ready(slot)
+        for slot in self.producer_slots:
+            self.start_producer(slot)
+
+    def stop(self) -> None:
+        """Stop everything still running (idempotent)."""
+        for slot in self.producer_slots + self.worker_slots:
+            self.stop_process(slot, grace=0)
+        for slot in self.producer_slots + self.worker_slots:
+            slot.proxy.close()
+        self.server.stop()
+
+    @property
+    def slots(self) -> list[Slot]:
+        return self.worker_slots + self.producer_slots
+
+    # --- processes --------------------------------------------------------------------------
+
+    def _env(self, slot: Slot, conf: dict[str, Any] | None = None) -> dict[str, str]:
+        env = dict(
+            os.environ,
+            PYTHONPATH=self.pythonpath,
+            CHAOS_BROKER=slot.proxy.url,
+            CHAOS_RUN_DIR=str(self.run_dir),
+            CHAOS_ROLE=f"{slot.name}.{slot.generation}",
+            CHAOS_CONF=json.dumps(conf or {}),
+        )
+        env.pop("PYTHONSTARTUP", None)
+        return env
+
+    def _spawn(self, slot: Slot, command: list[str], env: dict[str, str]) -> None:
+        if slot.log is not None:
+            slot.log.close()
+        slot.log = (self.run_dir / f"{slot.name}.log").open("ab")
+        slot.log.write(f"=== generation {slot.generation}: {' '.join(command)}\n".encode())
+        slot.log.flush()
+        slot.process = subprocess.Popen(
+            command,
+            cwd=self.run_dir,  # not the repository: PYTHONPATH alone decides which library is imported
+            env=env,
+            stdout=slot.log,
+            stderr=subprocess.STDOUT,
+            stdin=subprocess.DEVNULL,
+            start_new_session=True,
+        )
+
+    def worker_conf(self, slot: Slot) -> dict[str, Any]:
+        """Even slots acknowledge late (and requeue on a lost child), odd slots early."""
+        late = slot.index % 2 == 0
+        return {"task_acks_late": late, "task_reject_on_worker_lost": late}
+
+    def start_worker(self, slot: Slot) -> None:
+        slot.generation += 1
+        command = [
+            sys.executable,
+            "-m",
+            "celery",
+            "-A",
+            "chaos.app",
+            "worker",
+            "--pool",
+            "prefork",
+            "--concurrency",
+            str(self.concurrency),
+            "--loglevel",
+            "INFO",
+            "--without-gossip",
+            "--without-mingle",
+            "--without-heartbeat",
+            "--hostname",
+            f"{slot.name}.{slot.generation}@%h",
+        ]
+        self._spawn(slot, command, self._env(slot, self.worker_conf(slot)))
+        self.history.emit("spawn", slot=slot.name, generation=slot.generation, process=slot.pid)
+
+    def wait_ready(self, slot: Slot, timeout: float = 90.0) -> bool:
+        """Until the worker logged ``ready.`` (False if it died or the time ran out)."""
+        deadline = time.monotonic() + timeout
+        marker = f"{slot.name}.{slot.generation}@"
+        path = self.run_dir / f"{slot.name}.log"
+        while time.monotonic() < deadline:
+            text = path.read_text(errors="replace")
+            tail = text[text.rfind(f"=== generation {slot.generation}:") :]
+            if marker in tail and " ready." in tail:
+                return True
+            if not slot.alive:
+                return False
+            time.sleep(0.2)
+        return False
+
+    def start_producer(self, slot: Slot, *, skew: float = 0.0) -> None:
+        slot.generation += 1
+        command = [
+            sys.executable,
+            "-m",
+            "chaos.workload",
+            "--index",
+            str(slot.index),
+            "--seed",
+            str(self.seed + 1 + slot.index + 1000 * (slot.generation - 1)),
+            "--generation",
+            str(slot.generation),
+            "--skew",
+            str(skew),
+        ]
+        self._spawn(slot, command, self._env(slot))
+        self.history.emit("spawn", slot=slot.name, generation=slot.generation, process=slot.pid, skew=skew)
+
+    def kill(self, slot: Slot, why: str) -> list[int]:
+        """SIGKILL the slot's whole process group; returns the pids, recorded (``kill``) just before."""
+        pids = slot.pids()
+        if slot.process is None:
+            return pids
+        self.history.emit("kill", slot=slot.name, pids=pids, why=why)
+        signal_group(slot.pid, signal.SIGKILL)
+        slot.process.wait()
+        return pids
+
+    def kill_pid(self, slot: Slot, pid: int, why: str) -> None:
+        """SIGKILL one process of the slot (a pool child), recorded (``kill``) just before."""
+        self.history.emit("kill", slot=slot.name, pids=[pid], why=why)
+        with contextlib.suppress(ProcessLookupError):
+            os.kill(pid, signal.SIGKILL)
+
+    def stop_process(self, slot: Slot, *, grace: float) -> None:
+        """SIGTERM (a graceful stop), then SIGKILL whatever is left after ``grace`` seconds."""
+        if slot.process is None:
+            return
+        if slot.process.poll() is None and grace > 0:
+            signal_group(slot.pid, signal.SIGCONT)
+            signal_group(slot.pid, signal.SIGTERM)
+            with contextlib.suppress(subprocess.TimeoutExpired):
+                slot.process.wait(grace)
+        if slot.process.poll() is None or group_pids(slot.pid):
+            self.kill(slot, "did not stop in time")
+        slot.process.wait()
