@@ -73,6 +73,11 @@ FATES = ENDED | {"lost"}
 FINAL_OUTCOMES = frozenset({"succeeded", "failed", "SoftTimeLimitExceeded", "ChaosFailure"})
 #: Decisions that settle a run that never executed.
 SETTLING_DECISIONS = frozenset({"skipped", "reaped", "released"})
+#: Kinds of explained cases, as the report titles them.
+EXPLAINED = {
+    "overlap": "explained overlaps (a body lost its lock to a fault, and the library reported it)",
+    "wiped": "runs lost with the server's data (a restart without persistence)",
+}
 #: Slack for comparing host times with the server's millisecond timestamps.
 MS = 0.002
 
@@ -132,6 +137,10 @@ class Violation:
 
 @dataclass
 class Explained:
+    """A case that looked like a violation but is allowed, and why."""
+
+    #: ``overlap`` (a body lost its lock to a fault) or ``wiped`` (a run lost with the server's data).
+    kind: str
     member: str
     message: str
 
@@ -159,11 +168,14 @@ class Report:
         for violation in self.violations:
             lines.append(f"VIOLATION {violation.invariant} on {violation.member}: {violation.message}")
             lines += [f"    {line}" for line in violation.excerpt]
-        if self.explained:
-            lines.append(f"{len(self.explained)} explained overlaps (a body lost its lock to a fault, and said so):")
-            lines += [f"    {item.member}: {item.message}" for item in self.explained[:explained_limit]]
-            if len(self.explained) > explained_limit:
-                lines.append(f"    ... and {len(self.explained) - explained_limit} more")
+        for kind, title in EXPLAINED.items():
+            items = [item for item in self.explained if item.kind == kind]
+            if not items:
+                continue
+            lines.append(f"{len(items)} {title}:")
+            lines += [f"    {item.member}: {item.message}" for item in items[:explained_limit]]
+            if len(items) > explained_limit:
+                lines.append(f"    ... and {len(items) - explained_limit} more")
         checked = ", ".join(f"{name} {self.checked[name]}" for name in INVARIANTS)
         lines.append(f"checked: {self.bodies} bodies; cases per invariant: {checked}")
         if self.fault_kinds:
@@ -204,6 +216,10 @@ class History:
             if event["ev"] == "decision" and event.get("task_id"):
                 self.decisions[event["task_id"]].append(event)
         self.lock_lost_seen = {(e["pid"], e["task_id"]) for e in events if e["ev"] == "lock_lost_seen"}
+        self.revoked: dict[str, float] = {}
+        for event in events:
+            if event["ev"] == "revoked":
+                self.revoked.setdefault(event["task_id"], event["t"])
         self.renewer_losses = [e for e in events if e["ev"] == "lock_lost_log"]
 
     # --- building --------------------------------------------------------------------------
@@ -284,6 +300,10 @@ class History:
         for entry in self.entries(body.member, body.task_id):
             if entry.t >= body.start - MS and ("lock lost" in entry.note or "forced" in entry.note):
                 return f"history: {entry.state} {entry.note!r} at {self.rel(entry.t)}"
+        record = self.final.get("members", {}).get(body.member, {}).get("record") or {}
+        lost_at = int(record.get("lock_lost_at") or 0) / 1000
+        if record.get("task_id") == body.task_id and lost_at >= body.start - MS:
+            return f"the record's lock_lost_at {self.rel(lost_at)}"
         return None
 
     def loss_cause(self, body: Body, until: float) -> str | None:
@@ -301,8 +321,8 @@ class History:
                 return f"server restart at {self.rel(event['t'])}"
             if kind == "revoke" and event.get("task_id") == body.task_id:
                 return f"revoked at {self.rel(event['t'])}"
-            if kind == "operator" and event.get("action") == "release" and event.get("member") == body.member:
-                return f"released by an operator at {self.rel(event['t'])}"
+            if kind == "operator" and event.get("forced") and event.get("member") == body.member:
+                return f"an operator forced a release at {self.rel(event['t'])}"
         return None
 
     def fate(self, task_id: str, member: str) -> str | None:
@@ -315,6 +335,8 @@ class History:
         for event in self.decisions.get(task_id, []):
             if event["decision"] in SETTLING_DECISIONS:
                 return f"{event['decision']}: {event['message']}"
+        if task_id in self.revoked:
+            return "revoked by a worker"
         return None
 
     def rel(self, t: float) -> str:
@@ -421,7 +443,7 @@ class Checker:
                 "a live lock was taken", second.start, first.task_id, second.task_id, until=min(first.end, self.h.end),
             )
             return
-        self.explained.append(Explained(member, f"{what}: {loss}; {cause}"))
+        self.explained.append(Explained("overlap", member, f"{what}: {loss}; {cause}"))
 
     def again_after_end(self) -> None:
         for task_id, bodies in self.h.bodies_by_task.items():
@@ -458,7 +480,7 @@ class Checker:
                 if self.h.fate(task_id, member) is not None:
                     continue
                 if self.h.wiped_between(t - 1.0, self.h.end):
-                    self.explained.append(Explained(member, f"run {task_id} vanished with the server's data"))
+                    self.explained.append(Explained("wiped", member, f"run {task_id} vanished with the server's data"))
                     continue
                 record = self.h.final.get("members", {}).get(member, {}).get("record") or {}
                 now = f"the record is {record.get('state')} for {record.get('task_id')}" if record else "no record"
@@ -496,30 +518,50 @@ class Checker:
                 )
 
     def _freed(self, first: Call, spec: ModeSpec, before: float) -> str | None:
-        """Why run ``first`` no longer held its key at ``before``, or None."""
+        """Why run ``first`` no longer held its key at ``before``, or None.
+
+        throttle and until_expired keep the key after success (to the end of
+        the window); the other gated modes drop it at the run's ending, and
+        until_executing and debounce already when the body starts.
+        """
         h = self.h
+        windowed = spec.mode in ("throttle", "until_expired")
+        released_at_start = spec.mode in ("until_executing", "debounce")
         if first.t0 + spec.hold + first.delay < before:
             return "its hold ran out"
         if h.wiped_between(first.t0, before):
             return "the server's data was wiped"
         for entry in h.entries(first.member, first.task_id):
-            if entry.t <= before + MS and entry.state in FATES:
+            if entry.t > before + MS:
+                continue
+            if entry.state in FATES and not (windowed and entry.state == "succeeded"):
                 return f"it ended {entry.state}"
-            if spec.mode in ("until_executing", "debounce") and entry.state == "started" and entry.t <= before + MS:
+            if released_at_start and entry.state == "started":
                 return "it started"
         for body in h.bodies_by_task.get(first.task_id, []):
-            if body.end <= before and body.outcome in FINAL_OUTCOMES | {"killed"}:
-                return f"its body ended {body.outcome}"
-            if spec.mode in ("until_executing", "debounce") and body.start <= before:
+            if released_at_start and body.start <= before:
                 return "it started"
-            if h.lock_loss(body) is not None:
+            if body.end > before:
+                continue
+            if body.outcome in FINAL_OUTCOMES - {"succeeded"} or (not windowed and body.outcome in FINAL_OUTCOMES):
+                return f"its body ended {body.outcome}"
+            if body.outcome == "killed":
+                return "its body was killed (its worker reports it lost, or its lock expires)"
+            if not windowed and h.lock_loss(body) is not None:
                 return "its body lost its lock"
         for event in h.decisions.get(first.task_id, []):
             if event["t"] <= before and event["decision"] in SETTLING_DECISIONS:
                 return f"{event['decision']}"
+        if h.revoked.get(first.task_id, before + 1) <= before:
+            return "a worker revoked it"
         for event in h.faults:
-            if event["kind"] == "operator" and event.get("member") == first.member and first.t0 <= event["t"] <= before:
-                return "an operator acted on it"
+            if (
+                event["kind"] == "operator"
+                and event.get("action") == "release"
+                and event.get("member") == first.member
+                and first.t0 <= event["t"] <= before
+            ):
+                return "an operator released it"
         return None
 
     def _accepted_pairs(self, modes: set[str]) -> Iterable[tuple[Call, Call, ModeSpec]]:

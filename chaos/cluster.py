@@ -136,6 +136,8 @@ class Cluster:
     concurrency: int = 2
     producers: int = 3
     seed: int = 0
+    keys: int = 35
+    modes: str = ""
     persistent: bool = False
     worker_slots: list[Slot] = field(default_factory=list)
     producer_slots: list[Slot] = field(default_factory=list)
@@ -257,6 +259,9 @@ class Cluster:
             str(slot.generation),
             "--skew",
             str(skew),
+            "--keys",
+            str(self.keys),
+            *(("--modes", self.modes) if self.modes else ()),
         ]
         self._spawn(slot, command, self._env(slot))
         self.history.emit("spawn", slot=slot.name, generation=slot.generation, process=slot.pid, skew=skew)

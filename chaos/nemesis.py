@@ -97,16 +97,39 @@ class Nemesis:
     def _slot(self, slots: list[Slot]) -> Slot:
         return slots[self.rng.randrange(len(slots))]
 
+    def _busy_pids(self) -> set[int]:
+        """Pids of the processes holding an execution lock now (a lock's token names its pid)."""
+        pids = set()
+        for key in self.client.scan_iter("dedup:lock:*", count=1000):
+            token = (self.client.get(key) or b"").decode()
+            pid = token.split(":")[1] if token.count(":") >= 2 else ""
+            if pid.isdigit():
+                pids.add(int(pid))
+        return pids
+
+    def _target_worker(self) -> Slot:
+        """Mostly a worker whose pool runs a body right now (a fault there hits a live lock), else any."""
+        slots = self.cluster.worker_slots
+        prefer_busy = self.rng.random() < 0.8
+        fallback = self._slot(slots)
+        if prefer_busy:
+            busy = self._busy_pids()
+            candidates = [slot for slot in slots if busy.intersection(slot.children())]
+            if candidates:
+                return candidates[self.rng.randrange(len(candidates))] if len(candidates) > 1 else candidates[0]
+        return fallback
+
     # --- processes --------------------------------------------------------------------------
 
     def kill_child(self) -> None:
         """SIGKILL one prefork pool child (the task it runs dies mid-body)."""
-        slot = self._slot(self.cluster.worker_slots)
+        slot = self._target_worker()
         index = self.rng.randrange(self.cluster.concurrency)
         children = slot.children()
         if not children:
             return
-        pid = children[index % len(children)]
+        busy = sorted(self._busy_pids().intersection(children))
+        pid = busy[index % len(busy)] if busy else children[index % len(children)]
         self.fault("kill-child", slot=slot.name, pid=pid)
         self.cluster.kill_pid(slot, pid, "kill-child")
 
@@ -136,10 +159,10 @@ class Nemesis:
 
     def stop_worker(self) -> None:
         """SIGSTOP a whole worker for longer than the lock TTL (a GC pause), then SIGCONT it."""
-        slot = self._slot(self.cluster.worker_slots)
+        slot = self._target_worker()
         if not slot.alive:
             return
-        seconds = self.rng.uniform(LOCK_TTL + 1.0, LOCK_TTL + 3.0)
+        seconds = self.rng.uniform(LOCK_TTL + 1.0, LOCK_TTL + 5.0)
         self.fault("stop-worker", slot=slot.name, seconds=round(seconds, 2), pids=slot.pids())
         signal_group(slot.pid, signal.SIGSTOP)
         try:
@@ -247,8 +270,11 @@ class Nemesis:
             if not members:
                 return
             member = members[self.rng.randrange(len(members))]
-            self.fault("operator", action=action, member=member, task_id=self._task_id(member))
-            released = operations.release(self.app, member, by="chaos")
+            # An operator who forces it was shown the lock's owner and deletes only that lock.
+            force = self.rng.random() < 0.2
+            token = (operations.detail(self.app, member).lock_token or "") if force else ""
+            self.fault("operator", action=action, member=member, task_id=self._task_id(member), forced=bool(token))
+            released = operations.release(self.app, member, force_token=token, by="chaos")
             self.history.emit("op", action=action, member=member, result=str(released))
         else:
             members = self._members(*operations.REQUEUE_STATES)

@@ -34,6 +34,7 @@ from .checker import Report, check
 from .cluster import Cluster
 from .history import History, Tail
 from .nemesis import FAULTS, MAX_SKEW, Nemesis
+from .workload import KEYS_PER_MODE, MODE_WEIGHTS
 
 ROOT = Path(__file__).resolve().parent.parent
 #: Seconds between progress lines.
@@ -55,6 +56,12 @@ def parse(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument("--workers", type=int, default=2)
     parser.add_argument("--concurrency", type=int, default=2)
     parser.add_argument("--producers", type=int, default=3)
+    parser.add_argument(
+        "--keys", type=int, default=KEYS_PER_MODE, help=f"keys per mode (default {KEYS_PER_MODE}; fewer: more collisions)"
+    )
+    parser.add_argument(
+        "--modes", default=",".join(MODE_WEIGHTS), help="comma-separated modes the producers call (default: all)"
+    )
     parser.add_argument("--quiet", type=float, default=None, help="longest quiet period, seconds (default 45, +skew)")
     parser.add_argument("--keep", type=Path, default=None, help="write the run's history to DIR and keep it")
     parser.add_argument("--check", type=Path, default=None, metavar="DIR", help="only check the run kept in DIR")
@@ -94,6 +101,8 @@ class Run:
             concurrency=options.concurrency,
             producers=options.producers,
             seed=seed,
+            keys=options.keys,
+            modes=options.modes,
             persistent="restart" in self.faults,
         )
         self.tail = Tail(run_dir, frozenset({"call", "body_start", "fault"}))

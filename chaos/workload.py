@@ -75,6 +75,8 @@ class Schedule:
 
     seed: int
     prefix: str
+    keys: int = KEYS_PER_MODE
+    modes: tuple[str, ...] = tuple(MODE_WEIGHTS)
     rng: random.Random = field(init=False)
     count: int = 0
 
@@ -82,8 +84,8 @@ class Schedule:
         self.rng = random.Random(self.seed)
 
     def _key(self) -> str:
-        weights = [1 / (i + 1) for i in range(KEYS_PER_MODE)]
-        return f"k{self.rng.choices(range(KEYS_PER_MODE), weights)[0]}"
+        weights = [1 / (i + 1) for i in range(self.keys)]
+        return f"k{self.rng.choices(range(self.keys), weights)[0]}"
 
     def _sleep(self) -> float:
         roll = self.rng.random()
@@ -111,7 +113,7 @@ class Schedule:
     def __iter__(self) -> Iterator[tuple[list[Call], float]]:
         """Batches of calls (one, or several for ``many``) and the pause after each."""
         modes = {spec.mode: spec for spec in MODES}
-        names = list(MODE_WEIGHTS)
+        names = [name for name in MODE_WEIGHTS if name in self.modes]
         ways = list(WAYS)
         while True:
             mode = modes[self.rng.choices(names, [MODE_WEIGHTS[name] for name in names])[0]]
@@ -232,6 +234,8 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--seed", type=int, required=True)
     parser.add_argument("--generation", type=int, default=0)
     parser.add_argument("--skew", type=float, default=0.0)
+    parser.add_argument("--keys", type=int, default=KEYS_PER_MODE)
+    parser.add_argument("--modes", default=",".join(MODE_WEIGHTS))
     options = parser.parse_args(argv)
     history = chaos_app.history_from_env()
     if history is None:
@@ -240,7 +244,7 @@ def main(argv: list[str] | None = None) -> None:
     if options.skew:
         skew_clock(app, options.skew)
     prefix = f"p{options.index}.{options.generation}"
-    producer = Producer(app, history, Schedule(options.seed, prefix))
+    producer = Producer(app, history, Schedule(options.seed, prefix, options.keys, tuple(options.modes.split(","))))
 
     def stop(*_: Any) -> None:
         producer.stopping = True
