@@ -19,9 +19,10 @@ import os
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, cast
 
 from celery import Celery, signals
+from celery.exceptions import Retry
 
 import celery_dedup
 from celery_dedup import DedupTask
@@ -77,6 +78,16 @@ class ModeSpec:
         return self.mode == "debounce"
 
     @property
+    def holds_after_success(self) -> bool:
+        """Whether success keeps the key to the end of its window."""
+        return self.mode in ("until_expired", "throttle")
+
+    @property
+    def releases_at_start(self) -> bool:
+        """Whether the key is free again once the body starts."""
+        return self.mode in ("until_executing", "debounce")
+
+    @property
     def hold(self) -> float:
         """The longest a call holds its key without ending (countdown not included), seconds."""
         if self.mode == "throttle":
@@ -106,6 +117,28 @@ def history_from_env() -> History | None:
     return History(run_dir, os.environ.get("CHAOS_ROLE", "process")) if run_dir else None
 
 
+def work(task: DedupTask, seconds: float, on_lock_lost: Callable[[], object]) -> None:
+    """Sleep ``seconds`` in small steps, calling ``on_lock_lost`` once if the run loses its lock meanwhile."""
+    deadline = time.monotonic() + seconds
+    seen = False
+    while True:
+        if not seen and task.dedup_lock_lost:
+            seen = True
+            on_lock_lost()
+        left = deadline - time.monotonic()
+        if left <= 0:
+            return
+        time.sleep(min(left, 0.05))
+
+
+def conclude(task: DedupTask, outcome: str, member: str) -> None:
+    """End the body as told: retry once, fail for good, or (returning) succeed."""
+    if outcome == "retry":
+        raise task.retry(countdown=RETRY_COUNTDOWN, max_retries=1)
+    if outcome == "failed":
+        raise ChaosFailure(f"{member} told to fail")
+
+
 def make_body(history: History | None) -> Callable[..., str]:
     """The body every chaos task runs: record its start, sleep (watching the lock), fail or retry, record its end."""
 
@@ -115,34 +148,23 @@ def make_body(history: History | None) -> Callable[..., str]:
         fields = {"task_id": request.id, "member": member, "call": call}
         if history is not None:
             history.emit("body_start", retries=request.retries or 0, worker=request.hostname, **fields)
-        outcome = "exception"
+        outcome = "succeeded"
         try:
-            deadline = time.monotonic() + sleep
-            seen = False
-            while True:
-                if not seen and self.dedup_lock_lost:
-                    seen = True
-                    if history is not None:
-                        history.emit("lock_lost_seen", **fields)
-                left = deadline - time.monotonic()
-                if left <= 0:
-                    break
-                time.sleep(min(left, 0.05))
+            work(self, sleep, lambda: history.emit("lock_lost_seen", **fields) if history else None)
             if retry and not request.retries:
                 outcome = "retry"
-                raise self.retry(countdown=RETRY_COUNTDOWN, max_retries=1)
-            if fail:
+            elif fail:
                 outcome = "failed"
-                raise ChaosFailure(f"{member} told to fail")
-            outcome = "succeeded"
-            return call
+            conclude(self, outcome, member)
         except BaseException as exc:
-            if outcome == "exception":
+            expected = {"retry": Retry, "failed": ChaosFailure}.get(outcome)
+            if expected is None or not isinstance(exc, expected):  # a terminate, a soft time limit, a failed retry
                 outcome = type(exc).__name__
             raise
         finally:
             if history is not None:
                 history.emit("body_end", outcome=outcome, lock_lost=bool(self.dedup_lock_lost), **fields)
+        return call
 
     return body
 
@@ -151,7 +173,7 @@ def register(app: Celery, history: History | None) -> dict[str, DedupTask]:
     """Register one chaos task per mode on ``app``."""
     tasks: dict[str, DedupTask] = {}
     for spec in MODES:
-        task = app.task(
+        decorate: Callable[[Callable[..., str]], Any] = app.task(
             name=spec.task_name,
             base=DedupTask,
             bind=True,
@@ -159,8 +181,8 @@ def register(app: Celery, history: History | None) -> dict[str, DedupTask]:
             dedup_key="{k}",
             dedup_mode=spec.mode,
             **spec.options,
-        )(make_body(history))
-        tasks[spec.mode] = task
+        )
+        tasks[spec.mode] = cast(DedupTask, decorate(make_body(history)))
     return tasks
 
 
@@ -172,7 +194,9 @@ def record_revokes(history: History) -> None:
     its lock can be released.
     """
 
-    def on_revoked(sender: Any = None, request: Any = None, terminated: bool = False, signum: Any = None, **_: Any) -> None:
+    def on_revoked(
+        sender: Any = None, request: Any = None, terminated: bool = False, signum: Any = None, **_: Any
+    ) -> None:
         if request is not None:
             history.emit(
                 "revoked",

@@ -50,6 +50,7 @@ import json
 from collections import Counter, defaultdict
 from collections.abc import Iterable
 from dataclasses import dataclass, field
+from itertools import pairwise
 from pathlib import Path
 from typing import Any
 
@@ -69,8 +70,8 @@ INVARIANTS = (
 #: States after which a run has ended (lib.lua's ENDED), and those that count as its fate.
 ENDED = frozenset({"succeeded", "failed", "revoked", "rejected", "ignored", "skipped", "released"})
 FATES = ENDED | {"lost"}
-#: Body outcomes that end a run for good (``retry`` does not; an exit mid-body is a death).
-FINAL_OUTCOMES = frozenset({"succeeded", "failed", "SoftTimeLimitExceeded", "ChaosFailure"})
+#: Body outcomes that do not end a run: a retry, a process exiting mid-body (a terminate), no outcome.
+NOT_FINAL = frozenset({"retry", "Retry", "Reject", "Ignore", "SystemExit", "KeyboardInterrupt", "killed", "unknown"})
 #: Decisions that settle a run that never executed.
 SETTLING_DECISIONS = frozenset({"skipped", "reaped", "released"})
 #: Kinds of explained cases, as the report titles them.
@@ -78,6 +79,8 @@ EXPLAINED = {
     "overlap": "explained overlaps (a body lost its lock to a fault, and the library reported it)",
     "wiped": "runs lost with the server's data (a restart without persistence)",
 }
+#: The longest countdown or ETA a producer asks for, seconds (see chaos.workload).
+MAX_DELAY = 3.0
 #: Slack for comparing host times with the server's millisecond timestamps.
 MS = 0.002
 
@@ -159,9 +162,7 @@ class Report:
 
     def summary(self) -> str:
         seed = "?" if self.seed is None else str(self.seed)
-        return (
-            f"chaos: {self.ops} operations, {self.faults} faults, {len(self.violations)} violations, seed {seed}"
-        )
+        return f"chaos: {self.ops} operations, {self.faults} faults, {len(self.violations)} violations, seed {seed}"
 
     def render(self, *, explained_limit: int = 20) -> str:
         lines = []
@@ -189,9 +190,9 @@ class History:
     def __init__(self, events: list[Event], final: dict[str, Any]) -> None:
         self.events = events
         self.final = final
-        self.t0 = events[0]["t"] if events else 0.0
-        self.phases = {e["name"]: e["t"] for e in events if e["ev"] == "phase"}
-        self.end = self.phases.get("stopped", events[-1]["t"] if events else 0.0)
+        self.t0: float = events[0]["t"] if events else 0.0
+        self.phases: dict[str, float] = {e["name"]: e["t"] for e in events if e["ev"] == "phase"}
+        self.end: float = self.phases.get("stopped", events[-1]["t"] if events else 0.0)
         self.faults = [e for e in events if e["ev"] == "fault"]
         self.wipes = [e["t"] for e in self.faults if e["kind"] == "restart" and e.get("wipe")]
         self.deaths: dict[int, list[float]] = defaultdict(list)
@@ -199,9 +200,8 @@ class History:
             if event["ev"] == "kill":
                 for pid in event["pids"]:
                     self.deaths[int(pid)].append(event["t"])
-            elif event["ev"] == "revoked" and event.get("terminated") and _is_sigkill(event.get("signum")):
-                if event.get("worker_pid"):
-                    self.deaths[int(event["worker_pid"])].append(event["t"])
+            elif event["ev"] == "revoked" and event.get("worker_pid") and _is_sigkill(event.get("signum")):
+                self.deaths[int(event["worker_pid"])].append(event["t"])
         self.bodies = self._bodies()
         self.bodies_by_task: dict[str, list[Body]] = defaultdict(list)
         for body in self.bodies:
@@ -234,17 +234,15 @@ class History:
                 if previous is not None:  # the process moved on: the previous body ended unrecorded
                     previous.end = min(self._death(pid, previous.start), event["t"])
                     previous.outcome = "unknown"
-                body = Body(
-                    event["task_id"], event["member"], event["call"], pid, event["role"], event["t"]
-                )
+                body = Body(event["task_id"], event["member"], event["call"], pid, event["role"], event["t"])
                 open_bodies[pid] = body
                 bodies.append(body)
             elif event["ev"] == "body_end":
-                body = open_bodies.pop(event["pid"], None)
-                if body is not None and body.task_id == event["task_id"]:
-                    body.end = event["t"]
-                    body.outcome = event["outcome"]
-                    body.lock_lost = bool(event.get("lock_lost"))
+                ending = open_bodies.pop(event["pid"], None)
+                if ending is not None and ending.task_id == event["task_id"]:
+                    ending.end = event["t"]
+                    ending.outcome = event["outcome"]
+                    ending.lock_lost = bool(event.get("lock_lost"))
         for pid, body in open_bodies.items():
             death = self._death(pid, body.start)
             body.end = death
@@ -325,6 +323,11 @@ class History:
                 return f"an operator forced a release at {self.rel(event['t'])}"
         return None
 
+    def started_at(self, body: Body) -> float:
+        """When the server let ``body`` start (its ``started`` history entry), else a little before its event."""
+        entries = [e.t for e in self.entries(body.member, body.task_id) if e.state == "started" and e.t <= body.start]
+        return max(entries, default=body.start - 0.05)
+
     def fate(self, task_id: str, member: str) -> str | None:
         """How run ``task_id`` ended up: it executed, or an ending was recorded; None if neither."""
         if self.bodies_by_task.get(task_id):
@@ -359,7 +362,7 @@ class History:
                 lines.append((entry.t, f"server       {entry.state} {entry.task_id} {entry.note}".rstrip()))
         lines.sort(key=lambda item: item[0])
         if len(lines) > limit:
-            lines = lines[: limit // 2] + [(0.0, "...")] + lines[-limit // 2 :]
+            lines = [*lines[: limit // 2], (0.0, "..."), *lines[-limit // 2 :]]
         return [text if text == "..." else f"{self.rel(t):>10} {text}" for t, text in lines]
 
 
@@ -397,9 +400,11 @@ class Checker:
         self.explained: list[Explained] = []
         self.checked: Counter[str] = Counter()
 
-    def violation(self, invariant: str, member: str, message: str, t: float, *task_ids: str, until: float = 0) -> None:
-        excerpt = self.h.excerpt(member, task_ids, t, max(until, t))
-        self.violations.append(Violation(invariant, member, message, t, task_ids, excerpt))
+    def violation(
+        self, invariant: str, member: str, message: str, *, t: float, ids: tuple[str, ...], until: float = 0.0
+    ) -> None:
+        excerpt = self.h.excerpt(member, ids, t, max(until, t))
+        self.violations.append(Violation(invariant, member, message, t, ids, excerpt))
 
     def run(self) -> None:
         self.overlap()
@@ -410,71 +415,78 @@ class Checker:
         self.windows()
         self.debounce_args()
 
+    # --- bodies ----------------------------------------------------------------------------
+
     def overlap(self) -> None:
         by_member: dict[str, list[Body]] = defaultdict(list)
         for body in self.h.bodies:
             by_member[body.member].append(body)
         for member, bodies in by_member.items():
             bodies.sort(key=lambda body: body.start)
+            self.checked["overlap"] += len(bodies)
             for i, first in enumerate(bodies):
                 for second in bodies[i + 1 :]:
                     if second.start >= first.end:
                         break
-                    self.checked["overlap"] += 1
                     self._judge_overlap(member, first, second)
-            self.checked["overlap"] += len(bodies)
 
     def _judge_overlap(self, member: str, first: Body, second: Body) -> None:
+        h = self.h
         what = (
-            f"{first.task_id} (pid {first.pid}, {self.h.rel(first.start)}..{self.h.rel(first.end)}, {first.outcome}) "
-            f"and {second.task_id} (pid {second.pid}, from {self.h.rel(second.start)}) ran at once"
+            f"{first.task_id} (pid {first.pid}, {h.rel(first.start)}..{h.rel(first.end)}, {first.outcome}) "
+            f"and {second.task_id} (pid {second.pid}, from {h.rel(second.start)}) ran at once"
         )
-        loss = self.h.lock_loss(first)
+        ids, until = (first.task_id, second.task_id), min(first.end, h.end)
+        loss = h.lock_loss(first)
         if loss is None:
-            self.violation(
-                "overlap", member, f"{what}; the first never reported losing its lock", second.start,
-                first.task_id, second.task_id, until=min(first.end, self.h.end),
-            )
+            message = f"{what}; the first never reported losing its lock"
+            self.violation("overlap", member, message, t=second.start, ids=ids, until=until)
             return
-        cause = self.h.loss_cause(first, second.start)
+        cause = h.loss_cause(first, second.start)
         if cause is None:
-            self.violation(
-                "overlap", member, f"{what}; the first lost its lock ({loss}) but no fault can account for it: "
-                "a live lock was taken", second.start, first.task_id, second.task_id, until=min(first.end, self.h.end),
-            )
+            message = f"{what}; the first lost its lock ({loss}) but no fault can account for it: a live lock was taken"
+            self.violation("overlap", member, message, t=second.start, ids=ids, until=until)
             return
         self.explained.append(Explained("overlap", member, f"{what}: {loss}; {cause}"))
 
     def again_after_end(self) -> None:
-        for task_id, bodies in self.h.bodies_by_task.items():
-            bodies = sorted(bodies, key=lambda body: body.start)
+        for task_id, unordered in self.h.bodies_by_task.items():
+            bodies = sorted(unordered, key=lambda body: body.start)
             for i, ended in enumerate(bodies):
-                if ended.outcome not in FINAL_OUTCOMES:
+                if ended.outcome in NOT_FINAL:
                     continue
                 self.checked["again-after-end"] += 1
-                for later in bodies[i + 1 :]:
-                    if later.start < ended.end or self.h.wiped_between(ended.end, later.start):
-                        continue
-                    self.violation(
-                        "again-after-end", ended.member,
+                later = next(
+                    (
+                        b
+                        for b in bodies[i + 1 :]
+                        if b.start >= ended.end and not self.h.wiped_between(ended.end, b.start)
+                    ),
+                    None,
+                )
+                if later is not None:
+                    message = (
                         f"run {task_id} {ended.outcome} at {self.h.rel(ended.end)} (pid {ended.pid}) and executed "
-                        f"again at {self.h.rel(later.start)} (pid {later.pid})", later.start, task_id,
+                        f"again at {self.h.rel(later.start)} (pid {later.pid})"
                     )
+                    self.violation("again-after-end", ended.member, message, t=later.start, ids=(task_id,))
                     break
+
+    # --- runs ------------------------------------------------------------------------------
 
     def unresolved(self) -> None:
         accepted: dict[str, tuple[str, float]] = {}
         handed: dict[str, tuple[str, float]] = {}
         for call in self.h.calls:
-            if not call.task_id:
-                continue
-            target = accepted if call.outcome == "accepted" else handed
-            target.setdefault(call.task_id, (call.member, call.t))
+            if call.task_id:
+                target = accepted if call.outcome == "accepted" else handed
+                target.setdefault(call.task_id, (call.member, call.t))
         for member, entries in self.h.server_history.items():
             for entry in entries:
-                if entry.state in ("queued", "pending") and entry.task_id not in accepted:
+                if entry.state in ("queued", "pending"):
                     accepted.setdefault(entry.task_id, (member, entry.t))
         for invariant, runs in (("unresolved-run", accepted), ("unresolved-duplicate", handed)):
+            what = "accepted" if invariant == "unresolved-run" else "handed to a duplicate caller"
             for task_id, (member, t) in runs.items():
                 self.checked[invariant] += 1
                 if self.h.fate(task_id, member) is not None:
@@ -484,12 +496,8 @@ class Checker:
                     continue
                 record = self.h.final.get("members", {}).get(member, {}).get("record") or {}
                 now = f"the record is {record.get('state')} for {record.get('task_id')}" if record else "no record"
-                what = "accepted" if invariant == "unresolved-run" else "handed to a duplicate caller"
-                self.violation(
-                    invariant, member,
-                    f"run {task_id} ({what} at {self.h.rel(t)}) never executed and no ending was recorded ({now})",
-                    t, task_id,
-                )
+                message = f"run {task_id} ({what} at {self.h.rel(t)}) never executed and no ending was recorded ({now})"
+                self.violation(invariant, member, message, t=t, ids=(task_id,))
 
     def stuck_keys(self) -> None:
         final = self.h.final
@@ -497,7 +505,7 @@ class Checker:
             return
         server_now = final["server_ms"] / 1000
         stopped = self.h.phases.get("producers_stopped", self.h.end)
-        longest = max(spec.hold for spec in MODE_BY_TASK.values()) + 3.0 + LOCK_TTL
+        longest = max(spec.hold for spec in MODE_BY_TASK.values()) + MAX_DELAY + LOCK_TTL
         live = set(final.get("queued_ids", [])) | set(final.get("due_members", []))
         for member, info in final.get("members", {}).items():
             if not info.get("held"):
@@ -510,61 +518,16 @@ class Checker:
             if info.get("lock") or record.get("task_id") in live or member in live:
                 continue
             if held_until > stopped + longest:
-                self.violation(
-                    "stuck-key", member,
+                message = (
                     f"held until {self.h.rel(held_until)} by {record.get('task_id')} ({record.get('state')}) "
-                    f"with no live run, past the longest hold ({longest:.0f}s after the producers stopped)",
-                    server_now, record.get("task_id", ""),
+                    f"with no live run, past the longest hold ({longest:.0f}s after the producers stopped)"
                 )
+                self.violation("stuck-key", member, message, t=server_now, ids=(record.get("task_id", ""),))
 
-    def _freed(self, first: Call, spec: ModeSpec, before: float) -> str | None:
-        """Why run ``first`` no longer held its key at ``before``, or None.
-
-        throttle and until_expired keep the key after success (to the end of
-        the window); the other gated modes drop it at the run's ending, and
-        until_executing and debounce already when the body starts.
-        """
-        h = self.h
-        windowed = spec.mode in ("throttle", "until_expired")
-        released_at_start = spec.mode in ("until_executing", "debounce")
-        if first.t0 + spec.hold + first.delay < before:
-            return "its hold ran out"
-        if h.wiped_between(first.t0, before):
-            return "the server's data was wiped"
-        for entry in h.entries(first.member, first.task_id):
-            if entry.t > before + MS:
-                continue
-            if entry.state in FATES and not (windowed and entry.state == "succeeded"):
-                return f"it ended {entry.state}"
-            if released_at_start and entry.state == "started":
-                return "it started"
-        for body in h.bodies_by_task.get(first.task_id, []):
-            if released_at_start and body.start <= before:
-                return "it started"
-            if body.end > before:
-                continue
-            if body.outcome in FINAL_OUTCOMES - {"succeeded"} or (not windowed and body.outcome in FINAL_OUTCOMES):
-                return f"its body ended {body.outcome}"
-            if body.outcome == "killed":
-                return "its body was killed (its worker reports it lost, or its lock expires)"
-            if not windowed and h.lock_loss(body) is not None:
-                return "its body lost its lock"
-        for event in h.decisions.get(first.task_id, []):
-            if event["t"] <= before and event["decision"] in SETTLING_DECISIONS:
-                return f"{event['decision']}"
-        if h.revoked.get(first.task_id, before + 1) <= before:
-            return "a worker revoked it"
-        for event in h.faults:
-            if (
-                event["kind"] == "operator"
-                and event.get("action") == "release"
-                and event.get("member") == first.member
-                and first.t0 <= event["t"] <= before
-            ):
-                return "an operator released it"
-        return None
+    # --- keys: one run at a time, one per window --------------------------------------------
 
     def _accepted_pairs(self, modes: set[str]) -> Iterable[tuple[Call, Call, ModeSpec]]:
+        """Consecutive accepted runs of each key of these modes, where the second surely came second."""
         by_member: dict[str, list[Call]] = defaultdict(list)
         for call in self.h.calls:
             if call.outcome == "accepted" and call.mode in modes and call.task_id:
@@ -575,65 +538,120 @@ class Checker:
             for call in calls:
                 if not runs or runs[-1].task_id != call.task_id:
                     runs.append(call)
-            for first, second in zip(runs, runs[1:], strict=False):
-                spec = MODE_BY_TASK[f"chaos.{first.mode}"]
-                if second.t0 >= first.t:  # else they raced: either could have been first at the server
-                    yield first, second, spec
+            for first, second in pairwise(runs):
+                if second.t0 >= first.t:  # else they raced: either could have reached the server first
+                    yield first, second, MODE_BY_TASK[f"chaos.{first.mode}"]
 
     def double_accept(self) -> None:
         for first, second, spec in self._accepted_pairs({"until_executed", "until_executing"}):
             self.checked["double-accept"] += 1
-            if self._freed(first, spec, second.t) is None:
-                self.violation(
-                    "double-accept", first.member,
+            if freed(self.h, first, spec, second.t) is None:
+                message = (
                     f"run {second.task_id} accepted at {self.h.rel(second.t)} while run {first.task_id} "
-                    f"(accepted at {self.h.rel(first.t)}) still held the key",
-                    second.t, first.task_id, second.task_id,
+                    f"(accepted at {self.h.rel(first.t)}) still held the key"
                 )
+                self.violation("double-accept", first.member, message, t=second.t, ids=(first.task_id, second.task_id))
 
     def windows(self) -> None:
         for first, second, spec in self._accepted_pairs({"throttle", "until_expired"}):
             self.checked["window"] += 1
-            window_end = first.t0 + spec.hold + first.delay
-            if second.t >= window_end:
+            if second.t >= first.t0 + spec.hold + first.delay or freed(self.h, first, spec, second.t) is not None:
                 continue
-            if self._freed(first, spec, second.t) is None:
-                self.violation(
-                    "window", first.member,
-                    f"run {second.task_id} accepted at {self.h.rel(second.t)} inside the window of run "
-                    f"{first.task_id} (accepted at {self.h.rel(first.t0)}, window {spec.hold + first.delay:.1f}s)",
-                    second.t, first.task_id, second.task_id,
-                )
+            message = (
+                f"run {second.task_id} accepted at {self.h.rel(second.t)} inside the window of run "
+                f"{first.task_id} (accepted at {self.h.rel(first.t0)}, window {spec.hold + first.delay:.1f}s)"
+            )
+            self.violation("window", first.member, message, t=second.t, ids=(first.task_id, second.task_id))
 
     def debounce_args(self) -> None:
         bursts: dict[str, list[Call]] = defaultdict(list)
         for call in self.h.calls:
             if call.mode == "debounce" and call.task_id and call.outcome in ("accepted", "collapsed"):
                 bursts[call.task_id].append(call)
+        known_calls = {call.call for call in self.h.calls}
         for task_id, bodies in self.h.bodies_by_task.items():
             burst = bursts.get(task_id)
-            if not burst:
-                continue
-            for body in bodies:
+            for body in bodies if burst else ():
                 self.checked["debounce-args"] += 1
-                ran = next((call for call in burst if call.call == body.call), None)
+                ran = next((call for call in burst or () if call.call == body.call), None)
                 if ran is None:
-                    if body.call.startswith("requeue") or any(c.call == body.call for c in self.h.calls):
-                        continue  # a re-enqueued run carries the arguments its record kept
-                    self.violation(
-                        "debounce-args", body.member,
-                        f"run {task_id} executed with call {body.call}, which is not in its burst", body.start, task_id,
-                    )
+                    requeued = any(call.way == "requeue" for call in burst or ())
+                    if requeued or body.call not in known_calls:
+                        continue  # a re-enqueued run's kept arguments; a call whose producer died mid-publish
+                    message = f"run {task_id} executed with call {body.call}, which is not in its burst"
+                    self.violation("debounce-args", body.member, message, t=body.start, ids=(task_id,))
                     continue
-                later = [call for call in burst if call.t0 > ran.t or (call.t0 == ran.t0 and call.seq > ran.seq)]
-                later = [call for call in later if call.t0 < body.start]
+                # Calls the server surely ran after the one that ran, and before this body's start.lua.
+                started = self.h.started_at(body)
+                later = [c for c in burst or () if c.t0 > ran.t or (c.t0 == ran.t0 and c.seq > ran.seq)]
+                later = [c for c in later if c.t < started - MS]
                 if later:
-                    self.violation(
-                        "debounce-args", body.member,
+                    message = (
                         f"run {task_id} executed with call {ran.call} (returned {self.h.rel(ran.t)}), but call "
-                        f"{later[-1].call} of its burst was sent after that, at {self.h.rel(later[-1].t0)}",
-                        body.start, task_id,
+                        f"{later[-1].call} of its burst was sent after that, at {self.h.rel(later[-1].t0)}"
                     )
+                    self.violation("debounce-args", body.member, message, t=body.start, ids=(task_id,))
+
+
+def freed(h: History, first: Call, spec: ModeSpec, before: float) -> str | None:
+    """Why run ``first`` no longer held its key at ``before``, or None.
+
+    throttle and until_expired keep the key after success (to the end of the
+    window); the other gated modes drop it at the run's ending, until_executing
+    and debounce already when the body starts; any mode drops it when the run
+    fails, dies or is released.
+    """
+    if first.t0 + spec.hold + first.delay < before:
+        return "its hold ran out"
+    if h.wiped_between(first.t0, before):
+        return "the server's data was wiped"
+    return (
+        _freed_by_server(h, first, spec, before)
+        or _freed_by_bodies(h, first, spec, before)
+        or _freed_by_events(h, first, before)
+    )
+
+
+def _freed_by_server(h: History, first: Call, spec: ModeSpec, before: float) -> str | None:
+    for entry in h.entries(first.member, first.task_id):
+        if entry.t > before + MS:
+            continue
+        if entry.state in FATES and not (spec.holds_after_success and entry.state == "succeeded"):
+            return f"it ended {entry.state}"
+        if spec.releases_at_start and entry.state == "started":
+            return "it started"
+    return None
+
+
+def _freed_by_bodies(h: History, first: Call, spec: ModeSpec, before: float) -> str | None:
+    for body in h.bodies_by_task.get(first.task_id, []):
+        if spec.releases_at_start and body.start <= before:
+            return "it started"
+        if body.end > before:
+            continue
+        ending = body.outcome not in NOT_FINAL and not (spec.holds_after_success and body.outcome == "succeeded")
+        if ending or body.outcome == "killed":
+            return f"its body ended {body.outcome}"
+        if not spec.holds_after_success and h.lock_loss(body) is not None:
+            return "its body lost its lock"
+    return None
+
+
+def _freed_by_events(h: History, first: Call, before: float) -> str | None:
+    for event in h.decisions.get(first.task_id, []):
+        if event["t"] <= before and event["decision"] in SETTLING_DECISIONS:
+            return str(event["decision"])
+    if h.revoked.get(first.task_id, before + 1) <= before:
+        return "a worker revoked it"
+    for event in h.faults:
+        if (
+            event["kind"] == "operator"
+            and event.get("action") == "release"
+            and event.get("member") == first.member
+            and first.t0 <= event["t"] <= before
+        ):
+            return "an operator released it"
+    return None
 
 
 def check(run_dir: Path | str, seed: int | None = None) -> Report:

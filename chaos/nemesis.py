@@ -30,7 +30,7 @@ from celery_dedup.keys import KeySchema, split_member
 from .app import LOCK_TTL, MODE_BY_TASK
 from .cluster import Cluster, Slot, signal_group
 from .history import History
-from .proxy import SCRIPT_COMMANDS
+from .proxy import SCRIPT_COMMANDS, Point
 
 SCHEMA = KeySchema("dedup")
 #: Producers given a skewed clock get one within this many seconds of the truth.
@@ -101,7 +101,7 @@ class Nemesis:
         """Pids of the processes holding an execution lock now (a lock's token names its pid)."""
         pids = set()
         for key in self.client.scan_iter("dedup:lock:*", count=1000):
-            token = (self.client.get(key) or b"").decode()
+            token = _text(self.client.get(key) or b"")
             pid = token.split(":")[1] if token.count(":") >= 2 else ""
             if pid.isdigit():
                 pids.add(int(pid))
@@ -203,8 +203,8 @@ class Nemesis:
             times = self.rng.randint(1, 3)
             scripts_only = self.rng.random() < 0.7
             self.fault("proxy", action=action, target=target, times=times, scripts_only=scripts_only)
+            point: Point = "after" if action == "drop-reply" else "before"
             for slot in slots:
-                point = "after" if action == "drop-reply" else "before"
                 if scripts_only:
                     slot.proxy.arm(point, times=times)
                 else:
@@ -232,12 +232,12 @@ class Nemesis:
     def _members(self, *states: str) -> list[str]:
         members: list[str] = []
         for state in states:
-            members += [m.decode() for m in self.client.zrange(SCHEMA.state_index(state), 0, 200)]
+            members += [_text(m) for m in self.client.zrange(SCHEMA.state_index(state), 0, 200)]
         return sorted(m for m in members if split_member(m)[0] in MODE_BY_TASK)
 
     def _task_id(self, member: str) -> str:
         raw = self.client.hget(SCHEMA.record(member), "task_id")
-        return raw.decode() if raw else ""
+        return _text(raw) if raw else ""
 
     def revoke(self) -> None:
         """``revoke`` a queued or running run, half the time with ``terminate=True`` and a drawn signal."""
@@ -305,7 +305,7 @@ class Nemesis:
 
     def redeliver(self) -> None:
         """Push a copy of a delivered, unacknowledged message back onto its queue (a manual re-push)."""
-        tags = sorted(tag.decode() for tag in self.client.hkeys("unacked"))
+        tags = sorted(_text(tag) for tag in self.client.hkeys("unacked"))
         if not tags:
             return
         tag = tags[self.rng.randrange(len(tags))]
@@ -332,6 +332,10 @@ class Nemesis:
             if not slot.alive:
                 self.cluster.start_worker(slot)
                 self.cluster.wait_ready(slot)
+
+
+def _text(value: Any) -> str:
+    return value.decode() if isinstance(value, bytes) else str(value)
 
 
 _ALL_COMMANDS = frozenset(

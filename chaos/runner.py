@@ -45,7 +45,9 @@ QUEUES = ("celery", "celery\x06\x163", "celery\x06\x166", "celery\x06\x169")
 
 
 def parse(argv: list[str] | None) -> argparse.Namespace:
-    parser = argparse.ArgumentParser(prog="run-chaos", description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
+    parser = argparse.ArgumentParser(
+        prog="run-chaos", description=__doc__, formatter_class=argparse.RawTextHelpFormatter
+    )
     parser.add_argument("--minutes", type=float, default=1.0, help="how long the nemesis runs (default 1)")
     parser.add_argument("--seed", type=int, default=None, help="seed of every schedule (default: drawn, and printed)")
     parser.add_argument(
@@ -57,7 +59,10 @@ def parse(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument("--concurrency", type=int, default=2)
     parser.add_argument("--producers", type=int, default=3)
     parser.add_argument(
-        "--keys", type=int, default=KEYS_PER_MODE, help=f"keys per mode (default {KEYS_PER_MODE}; fewer: more collisions)"
+        "--keys",
+        type=int,
+        default=KEYS_PER_MODE,
+        help=f"keys per mode (default {KEYS_PER_MODE}; fewer: more collisions)",
     )
     parser.add_argument(
         "--modes", default=",".join(MODE_WEIGHTS), help="comma-separated modes the producers call (default: all)"
@@ -197,7 +202,11 @@ def snapshot(client: redis.Redis) -> dict[str, Any]:
     """Everything the checker reads from the server at the end: records, histories, holds, locks, messages."""
     seconds, micros = client.time()
     members: set[str] = set()
-    for pattern, prefix in (("dedup:rec:*", "dedup:rec:"), ("dedup:hist:*", "dedup:hist:"), ("dedup:lock:*", "dedup:lock:")):
+    for pattern, prefix in (
+        ("dedup:rec:*", "dedup:rec:"),
+        ("dedup:hist:*", "dedup:hist:"),
+        ("dedup:lock:*", "dedup:lock:"),
+    ):
         members |= {_text(key)[len(prefix) :] for key in client.scan_iter(pattern, count=1000)}
     held = {_text(member) for member in client.smembers("dedup:held")}
     members |= held

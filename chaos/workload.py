@@ -24,7 +24,7 @@ import time
 import types
 from collections.abc import Iterator
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, cast
 
 from celery import Celery
 
@@ -143,9 +143,9 @@ def skew_clock(app: Celery, seconds: float) -> None:
     says so instead of silently testing nothing.
     """
     SkewedDatetime.skew = seconds
-    celery_dedup.task.datetime = types.SimpleNamespace(  # type: ignore[attr-defined]
-        datetime=SkewedDatetime, timezone=datetime.timezone, timedelta=datetime.timedelta
-    )
+    skewed = types.ModuleType("datetime")
+    skewed.__dict__.update(vars(datetime), datetime=SkewedDatetime)
+    vars(celery_dedup.task)["datetime"] = skewed  # the module the library reads the client clock from
     real_now = app.now
     app.now = lambda: real_now() + datetime.timedelta(seconds=seconds)  # type: ignore[method-assign]
     eta = app.now() + datetime.timedelta(seconds=5)
@@ -161,9 +161,7 @@ class Producer:
         self.app = app
         self.history = history
         self.schedule = schedule
-        self.tasks: dict[str, DedupTask] = {
-            spec.mode: app.tasks[spec.task_name] for spec in MODES  # type: ignore[misc]
-        }
+        self.tasks = {spec.mode: cast(DedupTask, app.tasks[spec.task_name]) for spec in MODES}
         self.stopping = False
 
     def run(self) -> None:

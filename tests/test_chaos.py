@@ -45,7 +45,7 @@ class Story:
         return self
 
     def call(self, t: float, task_id: str, outcome: str = "accepted", member: str = MEMBER, **fields: Any) -> Story:
-        mode = member.split(":")[0].removeprefix("chaos.")
+        mode = member.split(":", maxsplit=1)[0].removeprefix("chaos.")
         call_id = fields.pop("call", f"c{len(self.events)}")
         common = {"call": call_id, "member": member, "mode": mode, "way": "delay", "delay": 0.0}
         self.add(t, "call_start", role="producer-0.1", pid=50, **common)
@@ -176,6 +176,12 @@ def test_debounce_runs_with_the_last_call_of_its_burst(story: Story) -> None:
     story.call(0.2, "r", outcome="collapsed", member=debounced, call="last")
     report = story.body(1, 1.1, "r", member=debounced, call="first").check()
     assert invariants(report) == ["debounce-args"]
+
+
+def test_debounce_calls_after_the_body_started_are_not_its_burst(story: Story) -> None:
+    debounced = "chaos.debounce:k1"
+    story.call(0, "r", member=debounced, call="first").body(1, 1.1, "r", member=debounced, call="first")
+    assert invariants(story.call(1.05, "r", outcome="collapsed", member=debounced, call="late").check()) == []
 
 
 def test_debounce_with_the_last_call_passes(story: Story) -> None:
