@@ -54,7 +54,7 @@ from itertools import pairwise
 from pathlib import Path
 from typing import Any
 
-from .app import LOCK_TTL, MODE_BY_TASK, ModeSpec
+from .app import LOCK_TTL, MODE_BY_TASK, MODES, ModeSpec
 from .history import Event, read_events
 
 INVARIANTS = (
@@ -78,6 +78,7 @@ SETTLING_DECISIONS = frozenset({"skipped", "reaped", "released"})
 EXPLAINED = {
     "overlap": "explained overlaps (a body lost its lock to a fault, and the library reported it)",
     "wiped": "runs lost with the server's data (a restart without persistence)",
+    "transit": "ungated runs whose message a fault can have lost before any record existed",
 }
 #: The longest countdown or ETA a producer asks for, seconds (see chaos.workload).
 MAX_DELAY = 3.0
@@ -196,12 +197,14 @@ class History:
         self.faults = [e for e in events if e["ev"] == "fault"]
         self.wipes = [e["t"] for e in self.faults if e["kind"] == "restart" and e.get("wipe")]
         self.deaths: dict[int, list[float]] = defaultdict(list)
+        #: Task ids a revoke terminated with SIGKILL: when (the pool kills the body then, or on its ack).
+        self.sigkilled: dict[str, float] = {}
         for event in events:
-            if event["ev"] == "kill":
+            if event["ev"] in ("kill", "exit"):
                 for pid in event["pids"]:
                     self.deaths[int(pid)].append(event["t"])
-            elif event["ev"] == "revoked" and event.get("worker_pid") and _is_sigkill(event.get("signum")):
-                self.deaths[int(event["worker_pid"])].append(event["t"])
+            elif event["ev"] == "revoked" and event.get("terminated") and _is_sigkill(event.get("signum")):
+                self.sigkilled.setdefault(event["task_id"], event["t"])
         self.bodies = self._bodies()
         self.bodies_by_task: dict[str, list[Body]] = defaultdict(list)
         for body in self.bodies:
@@ -245,8 +248,9 @@ class History:
                     ending.lock_lost = bool(event.get("lock_lost"))
         for pid, body in open_bodies.items():
             death = self._death(pid, body.start)
-            body.end = death
-            body.outcome = "killed" if death < self.end else "unknown"
+            revoked = self.sigkilled.get(body.task_id, death)
+            body.end = min(death, revoked) if revoked >= body.start else death
+            body.outcome = "killed" if body.end < self.end else "unknown"
         return bodies
 
     def _death(self, pid: int, after: float) -> float:
@@ -321,6 +325,25 @@ class History:
                 return f"revoked at {self.rel(event['t'])}"
             if kind == "operator" and event.get("forced") and event.get("member") == body.member:
                 return f"an operator forced a release at {self.rel(event['t'])}"
+        return None
+
+    def transit_loss(self, member: str, since: float) -> str | None:
+        """Why an ungated (while_executing) run may have vanished unrecorded after ``since``, or None.
+
+        Such a run has no status record before its body starts, so a message
+        the transport loses (a worker's fetch whose reply was cut, a worker
+        killed holding it) leaves no trace the library could keep.
+        """
+        if MODE_BY_TASK.get(member.split(":", 1)[0], MODES[0]).gated:
+            return None
+        for event in self.faults:
+            if event["t"] < since:
+                continue
+            kind, target = event["kind"], str(event.get("target") or event.get("slot") or "")
+            if kind in ("kill-worker", "kill-child", "restart") or (
+                kind == "proxy" and (target == "all" or target.startswith("worker"))
+            ):
+                return f"its message can have been lost in transit ({kind} at {self.rel(event['t'])})"
         return None
 
     def started_at(self, body: Body) -> float:
@@ -493,6 +516,10 @@ class Checker:
                     continue
                 if self.h.wiped_between(t - 1.0, self.h.end):
                     self.explained.append(Explained("wiped", member, f"run {task_id} vanished with the server's data"))
+                    continue
+                cause = self.h.transit_loss(member, t)
+                if cause is not None:
+                    self.explained.append(Explained("transit", member, f"run {task_id}: {cause}"))
                     continue
                 record = self.h.final.get("members", {}).get(member, {}).get("record") or {}
                 now = f"the record is {record.get('state')} for {record.get('task_id')}" if record else "no record"

@@ -13,10 +13,13 @@ from __future__ import annotations
 import contextlib
 import json
 import os
+import select
 import signal
 import subprocess
 import sys
+import threading
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import IO, Any
@@ -47,6 +50,61 @@ def group_pids(pgid: int) -> list[int]:
 def signal_group(pgid: int, sig: int) -> None:
     with contextlib.suppress(ProcessLookupError):
         os.killpg(pgid, sig)
+
+
+class DeathWatch:
+    """Records the moment each worker process exits (``exit`` events), however it died.
+
+    The nemesis records the kills it sends, but a pool child also dies when a
+    revoke terminates it, and billiard's own kills come unannounced: a pidfd
+    per process (Linux 5.3+) wakes this thread as soon as the process is gone.
+    New pool children are picked up every ``interval`` seconds.
+    """
+
+    def __init__(self, history: History, slots: Callable[[], list[Slot]], interval: float = 0.2) -> None:
+        self.history = history
+        self.slots = slots
+        self.interval = interval
+        self.stopped = threading.Event()
+        self._fds: dict[int, int] = {}
+        self._thread = threading.Thread(target=self._run, name="death-watch", daemon=True)
+
+    def start(self) -> DeathWatch:
+        if hasattr(os, "pidfd_open"):
+            self._thread.start()
+        return self
+
+    def stop(self) -> None:
+        self.stopped.set()
+        if self._thread.is_alive():
+            self._thread.join(5)
+        for fd in self._fds.values():
+            os.close(fd)
+        self._fds.clear()
+
+    def _watch_new(self, poller: select.poll) -> None:
+        for slot in self.slots():
+            for pid in slot.pids():
+                if pid in self._fds:
+                    continue
+                try:
+                    fd = os.pidfd_open(pid)
+                except OSError:
+                    continue
+                self._fds[pid] = fd
+                poller.register(fd, select.POLLIN)
+
+    def _run(self) -> None:
+        poller = select.poll()
+        while not self.stopped.is_set():
+            self._watch_new(poller)
+            by_fd = {fd: pid for pid, fd in self._fds.items()}
+            for fd, _ in poller.poll(self.interval * 1000):
+                pid = by_fd[fd]
+                self.history.emit("exit", pids=[pid])
+                poller.unregister(fd)
+                os.close(fd)
+                del self._fds[pid]
 
 
 @dataclass

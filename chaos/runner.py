@@ -31,7 +31,7 @@ import redis
 
 from . import app as chaos_app
 from .checker import Report, check
-from .cluster import Cluster
+from .cluster import Cluster, DeathWatch
 from .history import History, Tail
 from .nemesis import FAULTS, MAX_SKEW, Nemesis
 from .workload import KEYS_PER_MODE, MODE_WEIGHTS
@@ -118,6 +118,7 @@ class Run:
             "phase", name="started", seed=self.seed, faults=list(self.faults), minutes=self.options.minutes
         )
         cluster.start()
+        deaths = DeathWatch(self.history, lambda: cluster.worker_slots).start()
         client = cluster.server.client()
         app = chaos_app.build(cluster.server.url, history=self.history, conf={})
         nemesis = Nemesis(cluster, app, self.history, self.seed, self.faults)
@@ -141,6 +142,7 @@ class Run:
         (self.run_dir / "final.json").write_text(json.dumps(snapshot(client)))
         for slot in cluster.worker_slots:
             cluster.stop_process(slot, grace=15.0)
+        deaths.stop()
         self.history.emit("phase", name="stopped")
         app.close()
         client.close()
