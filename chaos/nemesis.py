@@ -70,13 +70,21 @@ class Nemesis:
         self.ops = 0
         self.client = cluster.server.client()
         self.skews: dict[int, float] = {}
+        self._deck: list[str] = []
 
     # --- the loop ---------------------------------------------------------------------------
+
+    def draw(self) -> str:
+        """The next fault: dealt from a shuffled deck of the chosen ones, so a short run still meets each."""
+        if not self._deck:
+            self._deck = list(self.faults)
+            self.rng.shuffle(self._deck)
+        return self._deck.pop()
 
     def run(self) -> None:
         """Fault after fault, with pauses between, until :meth:`stop`."""
         while self.faults and not self.stopped.wait(self.rng.uniform(0.5, 3.0)):
-            fault = self.rng.choice(self.faults)
+            fault = self.draw()
             method: Callable[[], None] = getattr(self, fault.replace("-", "_"))
             try:
                 method()
@@ -219,7 +227,7 @@ class Nemesis:
 
     def restart(self) -> None:
         """Crash the server and start it again: from its append-only file, or (without persistence) empty."""
-        wipe = not self.cluster.persistent or self.rng.random() < 0.5
+        wipe = not self.cluster.persistent or self.rng.random() < 1 / 3
         down = self.rng.uniform(0.3, 2.0)
         self.fault("restart", wipe=wipe, seconds=round(down, 2))
         self.cluster.server.crash(wipe=wipe)

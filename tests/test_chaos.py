@@ -36,6 +36,7 @@ class Story:
     """Builds a run directory event by event, as the processes of a run would write it."""
 
     def __init__(self, run_dir: Path) -> None:
+        run_dir.mkdir(parents=True, exist_ok=True)
         self.run_dir = run_dir
         self.events: list[dict[str, Any]] = []
         self.members: dict[str, dict[str, Any]] = {}
@@ -116,6 +117,12 @@ def test_a_killed_body_ends_when_it_was_killed(story: Story) -> None:
     assert invariants(report) == []
 
 
+def test_a_body_ends_when_its_process_exited_however_it_died(story: Story) -> None:
+    story.call(0, "a").body(1, None, "a", pid=100)
+    story.add(2, "exit", role="runner", pids=[100])
+    assert invariants(story.body(5.5, 6, "a", pid=200).check()) == []
+
+
 def test_a_run_executing_again_after_success(story: Story) -> None:
     report = story.call(0, "a").body(1, 2, "a", pid=100).body(5, 6, "a", pid=200).check()
     assert invariants(report) == ["again-after-end"]
@@ -143,6 +150,15 @@ def test_a_recorded_ending_resolves_a_run_that_never_ran(story: Story) -> None:
 def test_a_run_queued_by_a_producer_killed_mid_publish_must_resolve(story: Story) -> None:
     report = story.server(MEMBER, (0.0, "queued", "orphan", "")).check()
     assert invariants(report) == ["unresolved-run"]
+
+
+def test_an_ungated_run_lost_in_transit_is_explained_only_by_a_fault(tmp_path: Path) -> None:
+    ungated = "chaos.while_executing:k1"
+    assert invariants(Story(tmp_path / "calm").call(0, "a", member=ungated).check()) == ["unresolved-run"]
+    story = Story(tmp_path / "cut").call(0, "a", member=ungated)
+    report = story.add(0.5, "fault", role="runner", kind="proxy", action="reset", target="worker-0").check()
+    assert invariants(report) == []
+    assert [item.kind for item in report.explained] == ["transit"]
 
 
 def test_a_second_run_accepted_while_the_first_is_queued(story: Story) -> None:
