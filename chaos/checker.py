@@ -6,6 +6,10 @@ transition with the server's time), the held set and the locks as they were
 after the quiet period. Each invariant below is checked over all of it; a
 violation is printed with an excerpt of the history around it.
 
+``crash``
+    No worker process exits unless the run stopped or killed it, because of
+    celery-dedup (its code in the traceback, or one of its exceptions). A
+    crash inside Celery or kombu alone is reported as explained.
 ``overlap``
     No two bodies of one key run at the same time. Every mode takes the
     key's execution lock, so this holds for all of them, across runs and
@@ -58,6 +62,7 @@ from .app import LOCK_TTL, MODE_BY_TASK, MODES, ModeSpec
 from .history import Event, read_events
 
 INVARIANTS = (
+    "crash",
     "overlap",
     "again-after-end",
     "unresolved-run",
@@ -79,6 +84,7 @@ EXPLAINED = {
     "overlap": "explained overlaps (a body lost its lock to a fault, and the library reported it)",
     "wiped": "runs lost with the server's data (a restart without persistence)",
     "transit": "ungated runs whose message a fault can have lost before any record existed",
+    "crash": "worker crashes outside celery-dedup (Celery or kombu; the worker was replaced)",
 }
 #: The longest countdown or ETA a producer asks for, seconds (see chaos.workload).
 MAX_DELAY = 3.0
@@ -200,7 +206,7 @@ class History:
         #: Task ids a revoke terminated with SIGKILL: when (the pool kills the body then, or on its ack).
         self.sigkilled: dict[str, float] = {}
         for event in events:
-            if event["ev"] in ("kill", "exit"):
+            if event["ev"] in ("kill", "exit", "crash"):
                 for pid in event["pids"]:
                     self.deaths[int(pid)].append(event["t"])
             elif event["ev"] == "revoked" and event.get("terminated") and _is_sigkill(event.get("signum")):
@@ -389,6 +395,12 @@ class History:
         return [text if text == "..." else f"{self.rel(t):>10} {text}" for t, text in lines]
 
 
+def library_involved(crash: Event) -> bool:
+    """Whether a worker's crash involves celery-dedup: its code in the traceback, or one of its exceptions."""
+    text = f"{crash.get('log', '')}\n{crash.get('trace', '')}"
+    return "celery_dedup" in text or "Dedup" in text
+
+
 def _is_sigkill(signum: Any) -> bool:
     return str(signum) in ("9", "SIGKILL", "Signals.SIGKILL")
 
@@ -430,6 +442,7 @@ class Checker:
         self.violations.append(Violation(invariant, member, message, t, ids, excerpt))
 
     def run(self) -> None:
+        self.crashes()
         self.overlap()
         self.again_after_end()
         self.unresolved()
@@ -437,6 +450,20 @@ class Checker:
         self.double_accept()
         self.windows()
         self.debounce_args()
+
+    def crashes(self) -> None:
+        workers = {e["slot"] for e in self.h.events if e["ev"] == "spawn" and e["slot"].startswith("worker")}
+        self.checked["crash"] += len(workers)
+        for event in self.h.events:
+            if event["ev"] != "crash":
+                continue
+            message = f"{event['slot']} exited on its own (status {event.get('status')}): {event.get('log') or '?'}"
+            if library_involved(event):
+                self.violation("crash", event["slot"], message, t=event["t"], ids=())
+            else:
+                self.explained.append(
+                    Explained("crash", event["slot"], f"{message} (no celery_dedup in its traceback)")
+                )
 
     # --- bodies ----------------------------------------------------------------------------
 

@@ -52,6 +52,18 @@ def signal_group(pgid: int, sig: int) -> None:
         os.killpg(pgid, sig)
 
 
+def last_error(log_path: Path, generation: int) -> tuple[str, str]:
+    """The last ``Unrecoverable error`` line a worker generation logged, and the traceback after it."""
+    text = log_path.read_text(errors="replace")
+    lines = text[text.rfind(f"=== generation {generation}:") :].splitlines()
+    starts = [i for i, line in enumerate(lines) if "Unrecoverable error" in line or "CRITICAL" in line]
+    if not starts:
+        return "", ""
+    first = starts[-1]
+    end = next((i for i in range(first + 1, len(lines)) if lines[i].startswith("[")), len(lines))
+    return lines[first], "\n".join(lines[first + 1 : end])
+
+
 class DeathWatch:
     """Records the moment each worker process exits (``exit`` events), however it died.
 
@@ -163,6 +175,8 @@ class Slot:
     process: subprocess.Popen[bytes] | None = None
     generation: int = 0
     log: IO[bytes] | None = None
+    #: Set while the run itself stops or kills the process: an exit then is no crash.
+    expected_exit: bool = False
 
     @property
     def name(self) -> str:
@@ -286,6 +300,7 @@ class Cluster:
             f"{slot.name}.{slot.generation}@%h",
         ]
         self._spawn(slot, command, self._env(slot, self.worker_conf(slot)))
+        slot.expected_exit = False
         self.history.emit("spawn", slot=slot.name, generation=slot.generation, process=slot.pid)
 
     def wait_ready(self, slot: Slot, timeout: float = 90.0) -> bool:
@@ -322,6 +337,7 @@ class Cluster:
             *(("--modes", self.modes) if self.modes else ()),
         ]
         self._spawn(slot, command, self._env(slot))
+        slot.expected_exit = False
         self.history.emit("spawn", slot=slot.name, generation=slot.generation, process=slot.pid, skew=skew)
 
     def kill(self, slot: Slot, why: str) -> list[int]:
@@ -329,10 +345,24 @@ class Cluster:
         pids = slot.pids()
         if slot.process is None:
             return pids
+        slot.expected_exit = True
         self.history.emit("kill", slot=slot.name, pids=pids, why=why)
         signal_group(slot.pid, signal.SIGKILL)
         slot.process.wait()
         return pids
+
+    def crashed(self) -> list[Slot]:
+        """Worker slots whose process exited although nothing here stopped it (each reported once)."""
+        found = []
+        for slot in self.worker_slots:
+            if slot.process is not None and not slot.alive and not slot.expected_exit:
+                slot.expected_exit = True
+                error, trace = last_error(self.run_dir / f"{slot.name}.log", slot.generation)
+                self.history.emit(
+                    "crash", slot=slot.name, pids=[slot.pid], status=slot.process.returncode, log=error, trace=trace
+                )
+                found.append(slot)
+        return found
 
     def kill_pid(self, slot: Slot, pid: int, why: str) -> None:
         """SIGKILL one process of the slot (a pool child), recorded (``kill``) just before."""
@@ -344,6 +374,7 @@ class Cluster:
         """SIGTERM (a graceful stop), then SIGKILL whatever is left after ``grace`` seconds."""
         if slot.process is None:
             return
+        slot.expected_exit = True
         if slot.process.poll() is None and grace > 0:
             signal_group(slot.pid, signal.SIGCONT)
             signal_group(slot.pid, signal.SIGTERM)

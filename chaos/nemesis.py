@@ -336,6 +336,7 @@ class Nemesis:
                 signal_group(slot.pid, signal.SIGCONT)
         if self.cluster.server.process.process is None or self.cluster.server.process.process.poll() is not None:
             self.cluster.server.start()
+        self.cluster.crashed()  # recorded before a new worker takes the slot
         for slot in self.cluster.worker_slots:
             if not slot.alive:
                 self.cluster.start_worker(slot)

@@ -147,7 +147,14 @@ class Run:
         app.close()
         client.close()
 
+    def revive(self) -> None:
+        """Start a new worker in place of one that died on its own (a crash is recorded, and checked)."""
+        for slot in self.cluster.crashed():
+            print(f"chaos: {slot.name} exited on its own (status {slot.process and slot.process.returncode})")
+            self.cluster.start_worker(slot)
+
     def progress(self, when: str) -> None:
+        self.revive()
         counts = self.tail.update()
         alive = sum(slot.alive for slot in self.cluster.worker_slots)
         print(

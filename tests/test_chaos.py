@@ -87,6 +87,17 @@ def story(tmp_path: Path) -> Story:
     return Story(tmp_path)
 
 
+def test_a_worker_exiting_on_its_own_because_of_the_library_is_a_crash(story: Story) -> None:
+    story.add(0, "spawn", role="runner", slot="worker-0", generation=1, process=99)
+    error = 'Unrecoverable error: TypeError("DedupUnavailableError.__init__() missing 2 required arguments")'
+    story.add(5, "crash", role="runner", slot="worker-0", pids=[99], status=1, log=error, trace="")
+    story.add(9, "crash", role="runner", slot="worker-1", pids=[98], status=1, log="AttributeError", trace="kombu")
+    report = story.check()
+    assert invariants(report) == ["crash"]
+    assert "DedupUnavailableError" in report.violations[0].message
+    assert [item.kind for item in report.explained] == ["crash"], "a crash in kombu alone is explained"
+
+
 def test_two_bodies_of_one_key_at_once_is_an_overlap(story: Story) -> None:
     report = story.call(0, "a").body(1, 3, "a", pid=100).body(2, 4, "a", pid=200).check()  # a redelivered copy
     assert invariants(report) == ["overlap"]
