@@ -53,10 +53,11 @@ def signal_group(pgid: int, sig: int) -> None:
 
 
 def last_error(log_path: Path, generation: int) -> tuple[str, str]:
-    """The last ``Unrecoverable error`` line a worker generation logged, and the traceback after it."""
+    """The last ``Unrecoverable error`` (else CRITICAL) line a worker generation logged, and the traceback after it."""
     text = log_path.read_text(errors="replace")
     lines = text[text.rfind(f"=== generation {generation}:") :].splitlines()
-    starts = [i for i, line in enumerate(lines) if "Unrecoverable error" in line or "CRITICAL" in line]
+    starts = [i for i, line in enumerate(lines) if "Unrecoverable error" in line]
+    starts = starts or [i for i, line in enumerate(lines) if "CRITICAL" in line]
     if not starts:
         return "", ""
     first = starts[-1]
@@ -352,16 +353,26 @@ class Cluster:
         return pids
 
     def crashed(self) -> list[Slot]:
-        """Worker slots whose process exited although nothing here stopped it (each reported once)."""
+        """Worker slots whose worker died on its own (each reported once, as a ``crash`` event).
+
+        Dead: its process exited although nothing here stopped it, or it
+        logged ``Unrecoverable error`` (Celery then shuts the worker down, but
+        a warm shutdown can wait on its pool for long). A worker still
+        running after such an error is killed, so the slot can be refilled.
+        """
         found = []
         for slot in self.worker_slots:
-            if slot.process is not None and not slot.alive and not slot.expected_exit:
-                slot.expected_exit = True
-                error, trace = last_error(self.run_dir / f"{slot.name}.log", slot.generation)
-                self.history.emit(
-                    "crash", slot=slot.name, pids=[slot.pid], status=slot.process.returncode, log=error, trace=trace
-                )
-                found.append(slot)
+            if slot.process is None or slot.expected_exit:
+                continue
+            error, trace = last_error(self.run_dir / f"{slot.name}.log", slot.generation)
+            if slot.alive and "Unrecoverable error" not in error:
+                continue
+            pids = slot.pids() or [slot.pid]
+            self.history.emit("crash", slot=slot.name, pids=pids, status=slot.process.poll(), log=error, trace=trace)
+            if slot.alive:
+                self.kill(slot, "crashed: it logged an unrecoverable error")
+            slot.expected_exit = True
+            found.append(slot)
         return found
 
     def kill_pid(self, slot: Slot, pid: int, why: str) -> None:
