@@ -186,13 +186,18 @@ def register(app: Celery, history: History | None) -> dict[str, DedupTask]:
     return tasks
 
 
-def record_revokes(history: History) -> None:
-    """Record every revoke a worker acts on (a terminated body ends there).
+def record_worker_signals(history: History) -> None:
+    """Record every revoke a worker acts on, and every run the guard settled.
 
-    Connected before ``celery_dedup.install``, so this receiver runs before the
-    library's: the event is written after the pool killed the body and before
-    its lock can be released.
+    ``revoked``: a terminated body ends there. Connected before
+    ``celery_dedup.install``, so this receiver runs before the library's: the
+    event is written after the pool killed the body and before its lock can
+    be released. ``settled``: ``task_postrun`` runs after ``DedupTask.__call__``
+    returned, so the guard has recorded how the run ended by then.
     """
+
+    def on_postrun(task_id: str | None = None, state: str | None = None, **_: Any) -> None:
+        history.emit("settled", task_id=task_id, state=state)
 
     def on_revoked(
         sender: Any = None, request: Any = None, terminated: bool = False, signum: Any = None, **_: Any
@@ -207,6 +212,7 @@ def record_revokes(history: History) -> None:
             )
 
     signals.task_revoked.connect(on_revoked, weak=False, dispatch_uid="chaos.on_revoked")
+    signals.task_postrun.connect(on_postrun, weak=False, dispatch_uid="chaos.on_postrun")
 
 
 def build(broker: str | None = None, *, history: History | None = None, conf: dict[str, Any] | None = None) -> Celery:
@@ -229,7 +235,7 @@ def build(broker: str | None = None, *, history: History | None = None, conf: di
     if history is None:
         history = history_from_env()
     if history is not None:
-        record_revokes(history)
+        record_worker_signals(history)
         record_decisions(history)
     celery_dedup.install(chaos_app)
     register(chaos_app, history)

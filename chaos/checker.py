@@ -226,9 +226,15 @@ class History:
                 self.decisions[event["task_id"]].append(event)
         self.lock_lost_seen = {(e["pid"], e["task_id"]) for e in events if e["ev"] == "lock_lost_seen"}
         self.revoked: dict[str, float] = {}
+        self.settled: dict[str, list[float]] = defaultdict(list)
+        self.finish_failed: set[str] = set()
         for event in events:
             if event["ev"] == "revoked":
                 self.revoked.setdefault(event["task_id"], event["t"])
+            elif event["ev"] == "settled":
+                self.settled[event["task_id"]].append(event["t"])
+            elif event["ev"] == "finish_failed":
+                self.finish_failed.add(str(event.get("task_id")))
         self.renewer_losses = [e for e in events if e["ev"] == "lock_lost_log"]
 
     # --- building --------------------------------------------------------------------------
@@ -332,6 +338,28 @@ class History:
             if kind == "operator" and event.get("forced") and event.get("member") == body.member:
                 return f"an operator forced a release at {self.rel(event['t'])}"
         return None
+
+    def recorded_end(self, body: Body) -> float | None:
+        """When the library recorded how ``body``'s run ended, or None if it never did.
+
+        A body can return and its process die before the guard records the
+        ending: the run has not ended then, and runs again (acks_late). The
+        evidence, in order: the key's server history; the worker's
+        ``task_postrun``; else the body's own end, unless its process died
+        within a second of it or the library said it could not record it.
+        """
+        entries = self.entries(body.member)
+        for entry in entries:
+            if entry.task_id == body.task_id and entry.state in ENDED and entry.t >= body.start - MS:
+                return entry.t
+        settled = [t for t in self.settled.get(body.task_id, []) if t >= body.end]
+        if settled:
+            return min(settled)
+        if entries and entries[0].t <= body.start:
+            return None  # the history covers this body and records no ending
+        if body.task_id in self.finish_failed or self._death(body.pid, body.end) <= body.end + 1.0:
+            return None
+        return body.end
 
     def transit_loss(self, member: str, since: float) -> str | None:
         """Why an ungated (while_executing) run may have vanished unrecorded after ``since``, or None.
@@ -506,18 +534,16 @@ class Checker:
                 if ended.outcome in NOT_FINAL:
                     continue
                 self.checked["again-after-end"] += 1
+                at = self.h.recorded_end(ended)
+                if at is None:
+                    continue  # the ending was never recorded: the run had not ended
                 later = next(
-                    (
-                        b
-                        for b in bodies[i + 1 :]
-                        if b.start >= ended.end and not self.h.wiped_between(ended.end, b.start)
-                    ),
-                    None,
+                    (b for b in bodies[i + 1 :] if b.start >= at and not self.h.wiped_between(at, b.start)), None
                 )
                 if later is not None:
                     message = (
-                        f"run {task_id} {ended.outcome} at {self.h.rel(ended.end)} (pid {ended.pid}) and executed "
-                        f"again at {self.h.rel(later.start)} (pid {later.pid})"
+                        f"run {task_id} {ended.outcome} at {self.h.rel(ended.end)} (pid {ended.pid}, recorded "
+                        f"{self.h.rel(at)}) and executed again at {self.h.rel(later.start)} (pid {later.pid})"
                     )
                     self.violation("again-after-end", ended.member, message, t=later.start, ids=(task_id,))
                     break
@@ -681,13 +707,13 @@ def _freed_by_bodies(h: History, first: Call, spec: ModeSpec, before: float) -> 
     for body in h.bodies_by_task.get(first.task_id, []):
         if spec.releases_at_start and body.start <= before:
             return "it started"
+        if body.start <= before and not spec.holds_after_success and h.lock_loss(body) and h.loss_cause(body, before):
+            return "its body lost its lock to a fault"
         if body.end > before:
             continue
         ending = body.outcome not in NOT_FINAL and not (spec.holds_after_success and body.outcome == "succeeded")
         if ending or body.outcome == "killed":
             return f"its body ended {body.outcome}"
-        if not spec.holds_after_success and h.lock_loss(body) is not None:
-            return "its body lost its lock"
     return None
 
 

@@ -20,8 +20,11 @@ Event kinds (field ``ev``) and who writes them:
   was handed;
 - ``body_start`` / ``lock_lost_seen`` / ``body_end``: a task body, with its task
   id, member, the ``call`` whose arguments it runs, and pid;
-- ``decision`` / ``lock_lost_log``: the library's log lines on ``celery_dedup``;
-- ``revoked``: a worker's ``task_revoked`` signal (a terminated body ends here);
+- ``decision`` / ``lock_lost_log`` / ``finish_failed``: the library's log lines
+  on ``celery_dedup`` (decisions, the renewer's lost locks, endings it could
+  not record);
+- ``revoked`` / ``settled``: a worker's ``task_revoked`` signal (a terminated
+  body ends here) and ``task_postrun`` (the guard has recorded the ending);
 - ``fault`` / ``op`` / ``phase``: the nemesis's faults, operator actions, and the
   run's phases (written by the runner).
 """
@@ -90,6 +93,9 @@ class DecisionRecorder(logging.Handler):
                 )
             elif record.levelno >= logging.ERROR and "execution lock lost" in record.msg:
                 self.history.emit("lock_lost_log", message=record.getMessage())
+            elif record.levelno >= logging.ERROR and str(record.msg).startswith("could not record"):
+                task_id = record.args[2] if isinstance(record.args, tuple) and len(record.args) > 2 else None
+                self.history.emit("finish_failed", task_id=task_id, message=record.getMessage())
         except OSError:
             self.handleError(record)
 
