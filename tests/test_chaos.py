@@ -262,7 +262,7 @@ def overlaps(report: Report) -> list[str]:
 @pytest.mark.slow
 @pytest.mark.timeout(300)
 def test_every_fault_mixed_a_short_run_keeps_every_promise(tmp_path: Path) -> None:
-    status, output, report = run_chaos(tmp_path, "--minutes", "0.75", "--seed", "20260101")
+    status, output, report = run_chaos(tmp_path, "--minutes", "0.6", "--seed", "20260101")
     assert report.faults > 5 and report.ops > 100, output[-3000:]
     assert report.violations == [], output[-6000:]
     assert status == 0
