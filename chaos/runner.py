@@ -150,7 +150,7 @@ class Run:
     def revive(self) -> None:
         """Start a new worker in place of one that died on its own (a crash is recorded, and checked)."""
         for slot in self.cluster.crashed():
-            print(f"chaos: {slot.name} exited on its own (status {slot.process and slot.process.returncode})")
+            print(f"chaos: {slot.name} died on its own (a crash, checked at the end); a new worker takes its place")
             self.cluster.start_worker(slot)
 
     def progress(self, when: str) -> None:
