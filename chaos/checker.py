@@ -545,7 +545,9 @@ class Checker:
                         f"run {task_id} {ended.outcome} at {self.h.rel(ended.end)} (pid {ended.pid}, recorded "
                         f"{self.h.rel(at)}) and executed again at {self.h.rel(later.start)} (pid {later.pid})"
                     )
-                    self.violation("again-after-end", ended.member, message, t=later.start, ids=(task_id,))
+                    self.violation(
+                        "again-after-end", ended.member, message, t=ended.start, ids=(task_id,), until=later.start
+                    )
                     break
 
     # --- runs ------------------------------------------------------------------------------
