@@ -26,8 +26,8 @@ from celery_dedup import DedupTask, DedupUnavailableError
 from celery_dedup.gate import GateHeader
 from celery_dedup.keys import KeySchema
 from celery_dedup.store import load_script
+from chaos.proxy import FaultProxy, Point
 
-from ._proxy import FaultProxy, Point
 from .conftest import AppFactory, Server, queued_messages
 
 SCHEMA = KeySchema("dedup")

@@ -13,7 +13,7 @@ import redis
 from celery import Celery
 
 from celery_dedup import DedupKeyError, DedupTask, DedupUnavailableError
-from tests._proxy import FaultProxy
+from chaos.proxy import FaultProxy
 from tests.conftest import AppFactory, Server, in_process_worker, new_app, queued_messages, wait_for
 
 

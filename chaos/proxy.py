@@ -7,13 +7,18 @@ EVALSHA": either *before* the command reaches the server (nothing ran) or
 the client cannot know). With ``hold=True`` the proxy keeps the connection
 frozen at that point until :meth:`FaultProxy.release`, so a test can kill the
 publisher process in that exact state.
+
+For the chaos checker it also delays every reply (:meth:`FaultProxy.delay`)
+and resets every open connection at once (:meth:`FaultProxy.reset`).
 """
 
 from __future__ import annotations
 
 import contextlib
 import socket
+import struct
 import threading
+import time
 from dataclasses import dataclass, field
 from typing import Literal
 
@@ -83,14 +88,19 @@ class _Pair:
     closed: bool = False
     lock: threading.Lock = field(default_factory=threading.Lock)
 
-    def close(self) -> None:
+    def close(self, *, reset: bool = False) -> None:
+        """Close both sides; ``reset`` sends an RST instead of a FIN (SO_LINGER 0)."""
         with self.lock:
             if self.closed:
                 return
             self.closed = True
         for sock in (self.client, self.upstream):
-            with contextlib.suppress(OSError):
-                sock.shutdown(socket.SHUT_RDWR)
+            if reset:
+                with contextlib.suppress(OSError):
+                    sock.setsockopt(socket.SOL_SOCKET, socket.SO_LINGER, struct.pack("ii", 1, 0))
+            else:
+                with contextlib.suppress(OSError):
+                    sock.shutdown(socket.SHUT_RDWR)
             sock.close()
 
 
@@ -114,6 +124,7 @@ class FaultProxy:
         self._stopped = threading.Event()
         self._released = threading.Event()
         self._thread = threading.Thread(target=self._accept, name="fault-proxy", daemon=True)
+        self._delay = 0.0
         #: Set when a fault fires (for ``hold``: once the connection is frozen at its point).
         self.fired = threading.Event()
         self.incidents: list[Incident] = []
@@ -139,6 +150,24 @@ class FaultProxy:
     def armed(self) -> int:
         with self._lock:
             return len(self._faults)
+
+    def delay(self, seconds: float) -> None:
+        """Hold every reply from the server this long before passing it on (0: no delay)."""
+        self._delay = max(seconds, 0.0)
+
+    def reset(self) -> int:
+        """Reset every open connection now (the clients see ECONNRESET); returns how many."""
+        with self._lock:
+            pairs, self._pairs = [pair for pair in self._pairs if not pair.closed], []
+        for pair in pairs:
+            pair.close(reset=True)
+        return len(pairs)
+
+    def disarm(self) -> None:
+        """Drop every armed fault that has not fired yet, and let a held one finish."""
+        with self._lock:
+            self._faults.clear()
+        self._released.set()
 
     def release(self) -> None:
         """Let a held fault finish: the frozen connection is cut now."""
@@ -176,6 +205,7 @@ class FaultProxy:
                 continue
             pair = _Pair(client, upstream)
             with self._lock:
+                self._pairs = [known for known in self._pairs if not known.closed]
                 self._pairs.append(pair)
             threading.Thread(target=self._client_to_server, args=(pair,), daemon=True).start()
             threading.Thread(target=self._server_to_client, args=(pair,), daemon=True).start()
@@ -239,6 +269,8 @@ class FaultProxy:
             if fault is not None:
                 self._fire(pair, fault, Incident("after", pair.command, swallowed=data))
                 return
+            if self._delay:
+                time.sleep(self._delay)
             try:
                 pair.client.sendall(data)
             except OSError:

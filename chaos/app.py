@@ -1,0 +1,246 @@
+"""The Celery app every chaos process builds: one keyed task per mode, short TTLs, a recorded body.
+
+Configured from the environment, so ``celery -A chaos.app worker`` and the
+producers build the same app:
+
+- ``CHAOS_BROKER``: broker and dedup store URL (the process's fault proxy);
+- ``CHAOS_RUN_DIR`` and ``CHAOS_ROLE``: where this process writes its history;
+- ``CHAOS_CONF``: JSON object of further Celery settings (``task_acks_late``, ...).
+
+Timings are short so that what the nemesis provokes happens inside a run:
+locks expire within ``LOCK_TTL``, the broker re-delivers unacknowledged
+messages after ``VISIBILITY_TIMEOUT``, the reaper passes every second.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any, cast
+
+from celery import Celery, signals
+from celery.exceptions import Retry
+
+import celery_dedup
+from celery_dedup import DedupTask
+from celery_dedup.keys import member_for
+
+from .history import History, record_decisions
+
+#: Execution lock TTL, seconds: a SIGSTOP longer than this makes a live body lose its lock.
+LOCK_TTL = 3.0
+#: How long until_executed, until_executing and while_executing keys are held at most, seconds.
+TTL = 20.0
+#: until_expired: the idempotency window after a call, seconds.
+EXPIRED_TTL = 4.0
+#: throttle: one run per window, seconds.
+THROTTLE_WINDOW = 2.0
+#: debounce: quiet time before the run, and the longest a burst postpones it, seconds.
+DEBOUNCE_WINDOW = 0.4
+DEBOUNCE_MAX_WAIT = 2.0
+#: kombu re-delivers a message still unacknowledged this long after delivery, seconds.
+VISIBILITY_TIMEOUT = 6
+#: A task retrying itself comes back after this long, seconds.
+RETRY_COUNTDOWN = 0.5
+REAP_INTERVAL = 1.0
+REAP_GRACE = 3.0
+#: kombu's restore sweep every second, and a short mutex (see tests/test_crash.py).
+TRANSPORT_OPTIONS = {
+    "visibility_timeout": VISIBILITY_TIMEOUT,
+    "unacked_restore_interval": 1,
+    "unacked_restore_throttle": 1,
+    "unacked_mutex_expire": 5,
+}
+
+
+@dataclass(frozen=True)
+class ModeSpec:
+    """One keyed task of the workload: its mode and the options it is declared with."""
+
+    mode: str
+    options: dict[str, Any]
+
+    @property
+    def task_name(self) -> str:
+        return f"chaos.{self.mode}"
+
+    @property
+    def gated(self) -> bool:
+        """Whether calls pass the enqueue gate (while_executing's do not)."""
+        return self.mode != "while_executing"
+
+    @property
+    def parks(self) -> bool:
+        """Whether a later call joins the pending run (debounce) rather than being a duplicate."""
+        return self.mode == "debounce"
+
+    @property
+    def holds_after_success(self) -> bool:
+        """Whether success keeps the key to the end of its window."""
+        return self.mode in ("until_expired", "throttle")
+
+    @property
+    def releases_at_start(self) -> bool:
+        """Whether the key is free again once the body starts."""
+        return self.mode in ("until_executing", "debounce")
+
+    @property
+    def hold(self) -> float:
+        """The longest a call holds its key without ending (countdown not included), seconds."""
+        if self.mode == "throttle":
+            return THROTTLE_WINDOW
+        if self.mode == "debounce":
+            return TTL + DEBOUNCE_MAX_WAIT
+        return float(self.options.get("dedup_ttl", TTL))
+
+
+MODES: tuple[ModeSpec, ...] = (
+    ModeSpec("until_executed", {"dedup_ttl": TTL}),
+    ModeSpec("until_executing", {"dedup_ttl": TTL}),
+    ModeSpec("until_expired", {"dedup_ttl": EXPIRED_TTL}),
+    ModeSpec("while_executing", {"dedup_ttl": TTL}),
+    ModeSpec("debounce", {"dedup_ttl": TTL, "dedup_window": DEBOUNCE_WINDOW, "dedup_max_wait": DEBOUNCE_MAX_WAIT}),
+    ModeSpec("throttle", {"dedup_window": THROTTLE_WINDOW}),
+)
+MODE_BY_TASK = {spec.task_name: spec for spec in MODES}
+
+
+class ChaosFailure(Exception):
+    """Raised by a body told to fail: a final failure of its run."""
+
+
+def history_from_env() -> History | None:
+    run_dir = os.environ.get("CHAOS_RUN_DIR")
+    return History(run_dir, os.environ.get("CHAOS_ROLE", "process")) if run_dir else None
+
+
+def work(task: DedupTask, seconds: float, on_lock_lost: Callable[[], object]) -> None:
+    """Sleep ``seconds`` in small steps, calling ``on_lock_lost`` once if the run loses its lock meanwhile."""
+    deadline = time.monotonic() + seconds
+    seen = False
+    while True:
+        if not seen and task.dedup_lock_lost:
+            seen = True
+            on_lock_lost()
+        left = deadline - time.monotonic()
+        if left <= 0:
+            return
+        time.sleep(min(left, 0.05))
+
+
+def conclude(task: DedupTask, outcome: str, member: str) -> None:
+    """End the body as told: retry once, fail for good, or (returning) succeed."""
+    if outcome == "retry":
+        raise task.retry(countdown=RETRY_COUNTDOWN, max_retries=1)
+    if outcome == "failed":
+        raise ChaosFailure(f"{member} told to fail")
+
+
+def make_body(history: History | None) -> Callable[..., str]:
+    """The body every chaos task runs: record its start, sleep (watching the lock), fail or retry, record its end."""
+
+    def body(self: DedupTask, k: str, call: str, sleep: float = 0.0, fail: bool = False, retry: bool = False) -> str:
+        request = self.request
+        member = member_for(self.name, self.dedup_business_key(k, call, sleep, fail, retry))
+        fields = {"task_id": request.id, "member": member, "call": call}
+        if history is not None:
+            history.emit("body_start", retries=request.retries or 0, worker=request.hostname, **fields)
+        outcome = "succeeded"
+        try:
+            work(self, sleep, lambda: history.emit("lock_lost_seen", **fields) if history else None)
+            if retry and not request.retries:
+                outcome = "retry"
+            elif fail:
+                outcome = "failed"
+            conclude(self, outcome, member)
+        except BaseException as exc:
+            expected = {"retry": Retry, "failed": ChaosFailure}.get(outcome)
+            if expected is None or not isinstance(exc, expected):  # a terminate, a soft time limit, a failed retry
+                outcome = type(exc).__name__
+            raise
+        finally:
+            if history is not None:
+                history.emit("body_end", outcome=outcome, lock_lost=bool(self.dedup_lock_lost), **fields)
+        return call
+
+    return body
+
+
+def register(app: Celery, history: History | None) -> dict[str, DedupTask]:
+    """Register one chaos task per mode on ``app``."""
+    tasks: dict[str, DedupTask] = {}
+    for spec in MODES:
+        decorate: Callable[[Callable[..., str]], Any] = app.task(
+            name=spec.task_name,
+            base=DedupTask,
+            bind=True,
+            shared=False,
+            dedup_key="{k}",
+            dedup_mode=spec.mode,
+            **spec.options,
+        )
+        tasks[spec.mode] = cast(DedupTask, decorate(make_body(history)))
+    return tasks
+
+
+def record_worker_signals(history: History) -> None:
+    """Record every revoke a worker acts on, and every run the guard settled.
+
+    ``revoked``: a terminated body ends there. Connected before
+    ``celery_dedup.install``, so this receiver runs before the library's: the
+    event is written after the pool killed the body and before its lock can
+    be released. ``settled``: ``task_postrun`` runs after ``DedupTask.__call__``
+    returned, so the guard has recorded how the run ended by then.
+    """
+
+    def on_postrun(task_id: str | None = None, state: str | None = None, **_: Any) -> None:
+        history.emit("settled", task_id=task_id, state=state)
+
+    def on_revoked(
+        sender: Any = None, request: Any = None, terminated: bool = False, signum: Any = None, **_: Any
+    ) -> None:
+        if request is not None:
+            history.emit(
+                "revoked",
+                task_id=request.id,
+                terminated=bool(terminated),
+                signum=str(signum),
+                worker_pid=getattr(request, "worker_pid", None),
+            )
+
+    signals.task_revoked.connect(on_revoked, weak=False, dispatch_uid="chaos.on_revoked")
+    signals.task_postrun.connect(on_postrun, weak=False, dispatch_uid="chaos.on_postrun")
+
+
+def build(broker: str | None = None, *, history: History | None = None, conf: dict[str, Any] | None = None) -> Celery:
+    """The chaos app; each argument defaults to the environment (see the module docstring)."""
+    broker = broker or os.environ.get("CHAOS_BROKER", "redis://127.0.0.1:6379/0")
+    chaos_app = Celery("chaos", broker=broker, set_as_current=False)
+    chaos_app.conf.update(
+        broker_transport_options=TRANSPORT_OPTIONS,
+        broker_connection_retry_on_startup=True,
+        worker_hijack_root_logger=False,
+        task_ignore_result=True,
+        task_publish_retry_policy={"max_retries": 3, "interval_start": 0, "interval_step": 0.2},
+        dedup_lock_ttl=LOCK_TTL,
+        dedup_reap_interval=REAP_INTERVAL,
+        dedup_reap_grace=REAP_GRACE,
+        dedup_history_length=1000,
+        dedup_default_ttl=TTL,
+    )
+    chaos_app.conf.update(conf if conf is not None else json.loads(os.environ.get("CHAOS_CONF", "{}")))
+    if history is None:
+        history = history_from_env()
+    if history is not None:
+        record_worker_signals(history)
+        record_decisions(history)
+    celery_dedup.install(chaos_app)
+    register(chaos_app, history)
+    return chaos_app
+
+
+#: The app of a worker or producer process (``celery -A chaos.app worker``).
+app = build()

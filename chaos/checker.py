@@ -1,0 +1,762 @@
+"""The checker: does a run's merged history keep celery-dedup's promises?
+
+It reads every process's events (see :mod:`chaos.history`) and ``final.json``,
+the status records, their histories (``dedup:hist:<member>``, every
+transition with the server's time), the held set and the locks as they were
+after the quiet period. Each invariant below is checked over all of it; a
+violation is printed with an excerpt of the history around it.
+
+``crash``
+    No worker process exits unless the run stopped or killed it, because of
+    celery-dedup (its code in the traceback, or one of its exceptions). A
+    crash inside Celery or kombu alone is reported as explained.
+``overlap``
+    No two bodies of one key run at the same time. Every mode takes the
+    key's execution lock, so this holds for all of them, across runs and
+    across copies of one run. The one allowed exception is a body that lost
+    its lock because a fault stopped it from renewing (its worker was
+    SIGSTOPped, its connections were cut or delayed, the server restarted, it
+    was revoked): that overlap is *explained* if the library recorded the
+    loss (``self.dedup_lock_lost``, the ``lock_lost`` decision, the
+    record's history) and a fault can account for it; it is counted and
+    printed, not a violation.
+``again-after-end``
+    A run whose body succeeded, or failed for good, never executes again
+    (Celery's retry is not an ending; a body killed mid-run may run again).
+    A restart that wiped the server's data in between explains it.
+``unresolved-run``
+    Every run a call was accepted into (and every run the server's history
+    shows queued, e.g. from a producer killed mid-publish) executed, or has
+    an ending recorded with a reason (status history, or a ``skipped`` or
+    ``reaped`` decision), by the end of the quiet period.
+``unresolved-duplicate``
+    Every id handed to a duplicate caller resolves the same way.
+``stuck-key``
+    After the quiet period, no key is held without a live run (a lock, or
+    its message queued, unacknowledged or parked) past the longest hold any
+    call could have asked for.
+``double-accept``
+    until_executed and until_executing: a key never accepts a second run
+    while its first is alive (not ended, not dead, not past its hold; for
+    until_executing, not yet started).
+``window``
+    throttle and until_expired: at most one run per window, unless the
+    first run failed, was released or lost (which frees the window).
+``debounce-args``
+    A debounced run executes with the arguments of its burst's last call as
+    the server ordered them: no call of the burst was sent after the one
+    whose arguments ran had returned.
+"""
+
+from __future__ import annotations
+
+import json
+from collections import Counter, defaultdict
+from collections.abc import Iterable
+from dataclasses import dataclass, field
+from itertools import pairwise
+from pathlib import Path
+from typing import Any
+
+from .app import LOCK_TTL, MODE_BY_TASK, MODES, ModeSpec
+from .history import Event, read_events
+
+INVARIANTS = (
+    "crash",
+    "overlap",
+    "again-after-end",
+    "unresolved-run",
+    "unresolved-duplicate",
+    "stuck-key",
+    "double-accept",
+    "window",
+    "debounce-args",
+)
+#: States after which a run has ended (lib.lua's ENDED), and those that count as its fate.
+ENDED = frozenset({"succeeded", "failed", "revoked", "rejected", "ignored", "skipped", "released"})
+FATES = ENDED | {"lost"}
+#: Body outcomes that do not end a run: a retry, a process exiting mid-body (a terminate), no outcome.
+NOT_FINAL = frozenset({"retry", "Retry", "Reject", "Ignore", "SystemExit", "KeyboardInterrupt", "killed", "unknown"})
+#: Decisions that settle a run that never executed.
+SETTLING_DECISIONS = frozenset({"skipped", "reaped", "released"})
+#: Kinds of explained cases, as the report titles them.
+EXPLAINED = {
+    "overlap": "explained overlaps (a body lost its lock to a fault, and the library reported it)",
+    "wiped": "runs lost with the server's data (a restart without persistence)",
+    "transit": "ungated runs whose message a fault can have lost before any record existed",
+    "crash": "worker crashes outside celery-dedup (Celery or kombu; the worker was replaced)",
+}
+#: The longest countdown or ETA a producer asks for, seconds (see chaos.workload).
+MAX_DELAY = 3.0
+#: Slack for comparing host times with the server's millisecond timestamps.
+MS = 0.002
+
+
+@dataclass
+class Body:
+    """One execution of a task body, from its start to its end or its process's death."""
+
+    task_id: str
+    member: str
+    call: str
+    pid: int
+    role: str
+    start: float
+    end: float = float("inf")
+    #: The body's own outcome, or ``killed`` / ``unknown`` when it did not record one.
+    outcome: str = "unknown"
+    lock_lost: bool = False
+
+
+@dataclass
+class Call:
+    """One producer call and what it returned."""
+
+    call: str
+    member: str
+    mode: str
+    way: str
+    delay: float
+    t0: float
+    t: float
+    outcome: str
+    task_id: str
+    #: Position in its producer's publish order (calls of one ``many`` batch share t0 and t).
+    seq: int
+
+
+@dataclass
+class Entry:
+    """One transition in a key's server-side history."""
+
+    t: float
+    state: str
+    task_id: str
+    note: str
+
+
+@dataclass
+class Violation:
+    invariant: str
+    member: str
+    message: str
+    t: float
+    task_ids: tuple[str, ...] = ()
+    excerpt: list[str] = field(default_factory=list)
+
+
+@dataclass
+class Explained:
+    """A case that looked like a violation but is allowed, and why."""
+
+    #: ``overlap`` (a body lost its lock to a fault) or ``wiped`` (a run lost with the server's data).
+    kind: str
+    member: str
+    message: str
+
+
+@dataclass
+class Report:
+    ops: int
+    faults: int
+    violations: list[Violation]
+    explained: list[Explained]
+    #: Invariant -> how many cases it examined.
+    checked: Counter[str]
+    fault_kinds: Counter[str]
+    bodies: int
+    seed: int | None
+
+    def summary(self) -> str:
+        seed = "?" if self.seed is None else str(self.seed)
+        return f"chaos: {self.ops} operations, {self.faults} faults, {len(self.violations)} violations, seed {seed}"
+
+    def render(self, *, explained_limit: int = 20) -> str:
+        lines = []
+        for violation in self.violations:
+            lines.append(f"VIOLATION {violation.invariant} on {violation.member}: {violation.message}")
+            lines += [f"    {line}" for line in violation.excerpt]
+        for kind, title in EXPLAINED.items():
+            items = [item for item in self.explained if item.kind == kind]
+            if not items:
+                continue
+            lines.append(f"{len(items)} {title}:")
+            lines += [f"    {item.member}: {item.message}" for item in items[:explained_limit]]
+            if len(items) > explained_limit:
+                lines.append(f"    ... and {len(items) - explained_limit} more")
+        checked = ", ".join(f"{name} {self.checked[name]}" for name in INVARIANTS)
+        lines.append(f"checked: {self.bodies} bodies; cases per invariant: {checked}")
+        if self.fault_kinds:
+            lines.append("faults: " + ", ".join(f"{kind} {n}" for kind, n in sorted(self.fault_kinds.items())))
+        return "\n".join(lines)
+
+
+class History:
+    """The merged history of one run, indexed for the invariants."""
+
+    def __init__(self, events: list[Event], final: dict[str, Any]) -> None:
+        self.events = events
+        self.final = final
+        self.t0: float = events[0]["t"] if events else 0.0
+        self.phases: dict[str, float] = {e["name"]: e["t"] for e in events if e["ev"] == "phase"}
+        self.end: float = self.phases.get("stopped", events[-1]["t"] if events else 0.0)
+        self.faults = [e for e in events if e["ev"] == "fault"]
+        self.wipes = [e["t"] for e in self.faults if e["kind"] == "restart" and e.get("wipe")]
+        self.deaths: dict[int, list[float]] = defaultdict(list)
+        #: Task ids a revoke terminated with SIGKILL: when (the pool kills the body then, or on its ack).
+        self.sigkilled: dict[str, float] = {}
+        for event in events:
+            if event["ev"] in ("kill", "exit", "crash"):
+                for pid in event["pids"]:
+                    self.deaths[int(pid)].append(event["t"])
+            elif event["ev"] == "revoked" and event.get("terminated") and _is_sigkill(event.get("signum")):
+                self.sigkilled.setdefault(event["task_id"], event["t"])
+        self.bodies = self._bodies()
+        self.bodies_by_task: dict[str, list[Body]] = defaultdict(list)
+        for body in self.bodies:
+            self.bodies_by_task[body.task_id].append(body)
+        self.calls = self._calls()
+        self.server_history = {
+            member: [_entry(raw) for raw in reversed(info.get("history", []))]
+            for member, info in final.get("members", {}).items()
+        }
+        self.decisions: dict[str, list[Event]] = defaultdict(list)
+        for event in events:
+            if event["ev"] == "decision" and event.get("task_id"):
+                self.decisions[event["task_id"]].append(event)
+        self.lock_lost_seen = {(e["pid"], e["task_id"]) for e in events if e["ev"] == "lock_lost_seen"}
+        self.revoked: dict[str, float] = {}
+        self.settled: dict[str, list[float]] = defaultdict(list)
+        self.finish_failed: set[str] = set()
+        for event in events:
+            if event["ev"] == "revoked":
+                self.revoked.setdefault(event["task_id"], event["t"])
+            elif event["ev"] == "settled":
+                self.settled[event["task_id"]].append(event["t"])
+            elif event["ev"] == "finish_failed":
+                self.finish_failed.add(str(event.get("task_id")))
+        self.renewer_losses = [e for e in events if e["ev"] == "lock_lost_log"]
+
+    # --- building --------------------------------------------------------------------------
+
+    def _bodies(self) -> list[Body]:
+        open_bodies: dict[int, Body] = {}
+        bodies: list[Body] = []
+        for event in self.events:
+            if event["ev"] == "body_start":
+                pid = event["pid"]
+                previous = open_bodies.pop(pid, None)
+                if previous is not None:  # the process moved on: the previous body ended unrecorded
+                    previous.end = min(self._death(pid, previous.start), event["t"])
+                    previous.outcome = "unknown"
+                body = Body(event["task_id"], event["member"], event["call"], pid, event["role"], event["t"])
+                open_bodies[pid] = body
+                bodies.append(body)
+            elif event["ev"] == "body_end":
+                ending = open_bodies.pop(event["pid"], None)
+                if ending is not None and ending.task_id == event["task_id"]:
+                    ending.end = event["t"]
+                    ending.outcome = event["outcome"]
+                    ending.lock_lost = bool(event.get("lock_lost"))
+        for pid, body in open_bodies.items():
+            death = self._death(pid, body.start)
+            revoked = self.sigkilled.get(body.task_id, death)
+            body.end = min(death, revoked) if revoked >= body.start else death
+            body.outcome = "killed" if body.end < self.end else "unknown"
+        return bodies
+
+    def _death(self, pid: int, after: float) -> float:
+        return min((t for t in self.deaths.get(pid, []) if t >= after), default=self.end)
+
+    def _calls(self) -> list[Call]:
+        started: dict[str, Event] = {}
+        calls: list[Call] = []
+        for index, event in enumerate(self.events):
+            if event["ev"] == "call_start":
+                started[event["call"]] = event
+            elif event["ev"] == "call":
+                begin = started.get(event["call"], event)
+                calls.append(
+                    Call(
+                        event["call"],
+                        event["member"],
+                        event.get("mode", ""),
+                        event.get("way", ""),
+                        float(event.get("delay") or 0.0),
+                        begin["t"],
+                        event["t"],
+                        event["outcome"],
+                        event.get("id", ""),
+                        index,
+                    )
+                )
+        return calls
+
+    # --- questions -------------------------------------------------------------------------
+
+    def wiped_between(self, start: float, end: float) -> bool:
+        return any(start <= t <= end for t in self.wipes)
+
+    def entries(self, member: str, task_id: str | None = None) -> list[Entry]:
+        entries = self.server_history.get(member, [])
+        return [e for e in entries if task_id is None or e.task_id == task_id]
+
+    def lock_loss(self, body: Body) -> str | None:
+        """How the library reported that ``body`` lost its lock, or None."""
+        if body.lock_lost or (body.pid, body.task_id) in self.lock_lost_seen:
+            return "the body saw self.dedup_lock_lost"
+        for event in self.decisions.get(body.task_id, []):
+            if event["decision"] == "lock_lost" and event["t"] >= body.start:
+                return f"lock_lost decision at {self.rel(event['t'])}"
+        for event in self.renewer_losses:
+            if event["pid"] == body.pid and event["t"] >= body.start and repr(body.member) in event["message"]:
+                return f"renewer reported the loss at {self.rel(event['t'])}"
+        for entry in self.entries(body.member, body.task_id):
+            if entry.t >= body.start - MS and ("lock lost" in entry.note or "forced" in entry.note):
+                return f"history: {entry.state} {entry.note!r} at {self.rel(entry.t)}"
+        record = self.final.get("members", {}).get(body.member, {}).get("record") or {}
+        lost_at = int(record.get("lock_lost_at") or 0) / 1000
+        if record.get("task_id") == body.task_id and lost_at >= body.start - MS:
+            return f"the record's lock_lost_at {self.rel(lost_at)}"
+        return None
+
+    def loss_cause(self, body: Body, until: float) -> str | None:
+        """A fault that can have kept ``body`` from renewing its lock between its start and ``until``."""
+        slot = body.role.rsplit(".", 1)[0]
+        for event in self.events:
+            if event["ev"] != "fault" or not body.start - LOCK_TTL <= event["t"] <= until:
+                continue
+            kind = event["kind"]
+            if kind == "stop-worker" and body.pid in event.get("pids", []):
+                return f"its worker was SIGSTOPped at {self.rel(event['t'])}"
+            if kind == "proxy" and event.get("target") in (slot, "all"):
+                return f"proxy {event.get('action')} on its connections at {self.rel(event['t'])}"
+            if kind == "restart":
+                return f"server restart at {self.rel(event['t'])}"
+            if kind == "revoke" and event.get("task_id") == body.task_id:
+                return f"revoked at {self.rel(event['t'])}"
+            if kind == "operator" and event.get("forced") and event.get("member") == body.member:
+                return f"an operator forced a release at {self.rel(event['t'])}"
+        return None
+
+    def recorded_end(self, body: Body) -> float | None:
+        """When the library recorded how ``body``'s run ended, or None if it never did.
+
+        A body can return and its process die before the guard records the
+        ending: the run has not ended then, and runs again (acks_late). The
+        evidence, in order: the key's server history; the worker's
+        ``task_postrun``; else the body's own end, unless its process died
+        within a second of it or the library said it could not record it.
+        """
+        entries = self.entries(body.member)
+        for entry in entries:
+            if entry.task_id == body.task_id and entry.state in ENDED and entry.t >= body.start - MS:
+                return entry.t
+        settled = [t for t in self.settled.get(body.task_id, []) if t >= body.end]
+        if settled:
+            return min(settled)
+        if entries and entries[0].t <= body.start:
+            return None  # the history covers this body and records no ending
+        if body.task_id in self.finish_failed or self._death(body.pid, body.end) <= body.end + 1.0:
+            return None
+        return body.end
+
+    def transit_loss(self, member: str, since: float) -> str | None:
+        """Why an ungated (while_executing) run may have vanished unrecorded after ``since``, or None.
+
+        Such a run has no status record before its body starts, so a message
+        the transport loses (a worker's fetch whose reply was cut, a worker
+        killed holding it) leaves no trace the library could keep.
+        """
+        if MODE_BY_TASK.get(member.split(":", 1)[0], MODES[0]).gated:
+            return None
+        for event in self.faults:
+            if event["t"] < since:
+                continue
+            kind, target = event["kind"], str(event.get("target") or event.get("slot") or "")
+            if kind in ("kill-worker", "kill-child", "restart") or (
+                kind == "proxy" and (target == "all" or target.startswith("worker"))
+            ):
+                return f"its message can have been lost in transit ({kind} at {self.rel(event['t'])})"
+        return None
+
+    def started_at(self, body: Body) -> float:
+        """When the server let ``body`` start (its ``started`` history entry), else a little before its event."""
+        entries = [e.t for e in self.entries(body.member, body.task_id) if e.state == "started" and e.t <= body.start]
+        return max(entries, default=body.start - 0.05)
+
+    def fate(self, task_id: str, member: str) -> str | None:
+        """How run ``task_id`` ended up: it executed, or an ending was recorded; None if neither."""
+        if self.bodies_by_task.get(task_id):
+            return "executed"
+        for entry in self.entries(member, task_id):
+            if entry.state in FATES:
+                return f"recorded {entry.state}"
+        for event in self.decisions.get(task_id, []):
+            if event["decision"] in SETTLING_DECISIONS:
+                return f"{event['decision']}: {event['message']}"
+        if task_id in self.revoked:
+            return "revoked by a worker"
+        return None
+
+    def rel(self, t: float) -> str:
+        return f"+{t - self.t0:.3f}s"
+
+    # --- excerpts --------------------------------------------------------------------------
+
+    def excerpt(self, member: str, task_ids: Iterable[str], start: float, end: float, limit: int = 16) -> list[str]:
+        """The events and server history entries about ``member`` or ``task_ids`` around [start, end]."""
+        ids = set(task_ids)
+        lines: list[tuple[float, str]] = []
+        for event in self.events:
+            if not start - 1.0 <= event["t"] <= end + 1.0:
+                continue
+            related = event.get("member") == member or event.get("task_id") in ids or event.get("id") in ids
+            if related or event["ev"] in ("fault", "kill"):
+                lines.append((event["t"], _describe(event)))
+        for entry in self.entries(member):
+            if start - 1.0 <= entry.t <= end + 1.0 or entry.task_id in ids:
+                lines.append((entry.t, f"server       {entry.state} {entry.task_id} {entry.note}".rstrip()))
+        lines.sort(key=lambda item: item[0])
+        if len(lines) > limit:
+            lines = [*lines[: limit // 2], (0.0, "..."), *lines[-limit // 2 :]]
+        return [text if text == "..." else f"{self.rel(t):>10} {text}" for t, text in lines]
+
+
+def library_involved(crash: Event) -> bool:
+    """Whether a worker's crash involves celery-dedup: its code in the traceback, or one of its exceptions."""
+    text = f"{crash.get('log', '')}\n{crash.get('trace', '')}"
+    return "celery_dedup" in text or "Dedup" in text
+
+
+def _is_sigkill(signum: Any) -> bool:
+    return str(signum) in ("9", "SIGKILL", "Signals.SIGKILL")
+
+
+def _entry(raw: str) -> Entry:
+    parts = raw.split(" ", 3)
+    return Entry(int(parts[0]) / 1000, parts[1], parts[2] if len(parts) > 2 else "", parts[3] if len(parts) > 3 else "")
+
+
+def _describe(event: Event) -> str:
+    keys = ("kind", "action", "decision", "task_id", "call", "outcome", "id", "member", "pids", "pid", "message")
+    shown = []
+    for key in keys:
+        value = event.get(key)
+        if value in (None, "") or (key == "pid"):
+            continue
+        if key == "message":
+            value = str(value)[:120]
+        shown.append(f"{key}={value}")
+    return f"{event['role']:<13} {event['ev']:<14} " + " ".join(shown) + f" (pid {event['pid']})"
+
+
+# --- the invariants ------------------------------------------------------------------------
+
+
+class Checker:
+    """Runs every invariant over one :class:`History`."""
+
+    def __init__(self, history: History) -> None:
+        self.h = history
+        self.violations: list[Violation] = []
+        self.explained: list[Explained] = []
+        self.checked: Counter[str] = Counter()
+
+    def violation(
+        self, invariant: str, member: str, message: str, *, t: float, ids: tuple[str, ...], until: float = 0.0
+    ) -> None:
+        excerpt = self.h.excerpt(member, ids, t, max(until, t))
+        self.violations.append(Violation(invariant, member, message, t, ids, excerpt))
+
+    def run(self) -> None:
+        self.crashes()
+        self.overlap()
+        self.again_after_end()
+        self.unresolved()
+        self.stuck_keys()
+        self.double_accept()
+        self.windows()
+        self.debounce_args()
+
+    def crashes(self) -> None:
+        workers = {e["slot"] for e in self.h.events if e["ev"] == "spawn" and e["slot"].startswith("worker")}
+        self.checked["crash"] += len(workers)
+        for event in self.h.events:
+            if event["ev"] != "crash":
+                continue
+            message = f"{event['slot']} exited on its own (status {event.get('status')}): {event.get('log') or '?'}"
+            if library_involved(event):
+                self.violation("crash", event["slot"], message, t=event["t"], ids=())
+            else:
+                self.explained.append(
+                    Explained("crash", event["slot"], f"{message} (no celery_dedup in its traceback)")
+                )
+
+    # --- bodies ----------------------------------------------------------------------------
+
+    def overlap(self) -> None:
+        by_member: dict[str, list[Body]] = defaultdict(list)
+        for body in self.h.bodies:
+            by_member[body.member].append(body)
+        for member, bodies in by_member.items():
+            bodies.sort(key=lambda body: body.start)
+            self.checked["overlap"] += len(bodies)
+            for i, first in enumerate(bodies):
+                for second in bodies[i + 1 :]:
+                    if second.start >= first.end:
+                        break
+                    self._judge_overlap(member, first, second)
+
+    def _judge_overlap(self, member: str, first: Body, second: Body) -> None:
+        h = self.h
+        what = (
+            f"{first.task_id} (pid {first.pid}, {h.rel(first.start)}..{h.rel(first.end)}, {first.outcome}) "
+            f"and {second.task_id} (pid {second.pid}, from {h.rel(second.start)}) ran at once"
+        )
+        ids, until = (first.task_id, second.task_id), min(first.end, h.end)
+        loss = h.lock_loss(first)
+        if loss is None:
+            message = f"{what}; the first never reported losing its lock"
+            self.violation("overlap", member, message, t=second.start, ids=ids, until=until)
+            return
+        cause = h.loss_cause(first, second.start)
+        if cause is None:
+            message = f"{what}; the first lost its lock ({loss}) but no fault can account for it: a live lock was taken"
+            self.violation("overlap", member, message, t=second.start, ids=ids, until=until)
+            return
+        self.explained.append(Explained("overlap", member, f"{what}: {loss}; {cause}"))
+
+    def again_after_end(self) -> None:
+        for task_id, unordered in self.h.bodies_by_task.items():
+            bodies = sorted(unordered, key=lambda body: body.start)
+            for i, ended in enumerate(bodies):
+                if ended.outcome in NOT_FINAL:
+                    continue
+                self.checked["again-after-end"] += 1
+                at = self.h.recorded_end(ended)
+                if at is None:
+                    continue  # the ending was never recorded: the run had not ended
+                later = next(
+                    (b for b in bodies[i + 1 :] if b.start >= at and not self.h.wiped_between(at, b.start)), None
+                )
+                if later is not None:
+                    message = (
+                        f"run {task_id} {ended.outcome} at {self.h.rel(ended.end)} (pid {ended.pid}, recorded "
+                        f"{self.h.rel(at)}) and executed again at {self.h.rel(later.start)} (pid {later.pid})"
+                    )
+                    self.violation(
+                        "again-after-end", ended.member, message, t=ended.start, ids=(task_id,), until=later.start
+                    )
+                    break
+
+    # --- runs ------------------------------------------------------------------------------
+
+    def unresolved(self) -> None:
+        accepted: dict[str, tuple[str, float]] = {}
+        handed: dict[str, tuple[str, float]] = {}
+        for call in self.h.calls:
+            if call.task_id:
+                target = accepted if call.outcome == "accepted" else handed
+                target.setdefault(call.task_id, (call.member, call.t))
+        for member, entries in self.h.server_history.items():
+            for entry in entries:
+                if entry.state in ("queued", "pending"):
+                    accepted.setdefault(entry.task_id, (member, entry.t))
+        for invariant, runs in (("unresolved-run", accepted), ("unresolved-duplicate", handed)):
+            what = "accepted" if invariant == "unresolved-run" else "handed to a duplicate caller"
+            for task_id, (member, t) in runs.items():
+                self.checked[invariant] += 1
+                if self.h.fate(task_id, member) is not None:
+                    continue
+                if self.h.wiped_between(t - 1.0, self.h.end):
+                    self.explained.append(Explained("wiped", member, f"run {task_id} vanished with the server's data"))
+                    continue
+                cause = self.h.transit_loss(member, t)
+                if cause is not None:
+                    self.explained.append(Explained("transit", member, f"run {task_id}: {cause}"))
+                    continue
+                record = self.h.final.get("members", {}).get(member, {}).get("record") or {}
+                now = f"the record is {record.get('state')} for {record.get('task_id')}" if record else "no record"
+                message = f"run {task_id} ({what} at {self.h.rel(t)}) never executed and no ending was recorded ({now})"
+                self.violation(invariant, member, message, t=t, ids=(task_id,))
+
+    def stuck_keys(self) -> None:
+        final = self.h.final
+        if not final:
+            return
+        server_now = final["server_ms"] / 1000
+        stopped = self.h.phases.get("producers_stopped", self.h.end)
+        longest = max(spec.hold for spec in MODE_BY_TASK.values()) + MAX_DELAY + LOCK_TTL
+        live = set(final.get("queued_ids", [])) | set(final.get("due_members", []))
+        for member, info in final.get("members", {}).items():
+            if not info.get("held"):
+                continue
+            self.checked["stuck-key"] += 1
+            record = info.get("record") or {}
+            held_until = int(record.get("held_until") or 0) / 1000
+            if not record or held_until <= server_now:
+                continue  # a stale member: the gate takes it over, the reaper removes it
+            if info.get("lock") or record.get("task_id") in live or member in live:
+                continue
+            if held_until > stopped + longest:
+                message = (
+                    f"held until {self.h.rel(held_until)} by {record.get('task_id')} ({record.get('state')}) "
+                    f"with no live run, past the longest hold ({longest:.0f}s after the producers stopped)"
+                )
+                self.violation("stuck-key", member, message, t=server_now, ids=(record.get("task_id", ""),))
+
+    # --- keys: one run at a time, one per window --------------------------------------------
+
+    def _accepted_pairs(self, modes: set[str]) -> Iterable[tuple[Call, Call, ModeSpec]]:
+        """Consecutive accepted runs of each key of these modes, where the second surely came second."""
+        by_member: dict[str, list[Call]] = defaultdict(list)
+        for call in self.h.calls:
+            if call.outcome == "accepted" and call.mode in modes and call.task_id:
+                by_member[call.member].append(call)
+        for calls in by_member.values():
+            calls.sort(key=lambda call: call.t0)
+            runs: list[Call] = []
+            for call in calls:
+                if not runs or runs[-1].task_id != call.task_id:
+                    runs.append(call)
+            for first, second in pairwise(runs):
+                if second.t0 >= first.t:  # else they raced: either could have reached the server first
+                    yield first, second, MODE_BY_TASK[f"chaos.{first.mode}"]
+
+    def double_accept(self) -> None:
+        for first, second, spec in self._accepted_pairs({"until_executed", "until_executing"}):
+            self.checked["double-accept"] += 1
+            if freed(self.h, first, spec, second.t) is None:
+                message = (
+                    f"run {second.task_id} accepted at {self.h.rel(second.t)} while run {first.task_id} "
+                    f"(accepted at {self.h.rel(first.t)}) still held the key"
+                )
+                self.violation("double-accept", first.member, message, t=second.t, ids=(first.task_id, second.task_id))
+
+    def windows(self) -> None:
+        for first, second, spec in self._accepted_pairs({"throttle", "until_expired"}):
+            self.checked["window"] += 1
+            if second.t >= first.t0 + spec.hold + first.delay or freed(self.h, first, spec, second.t) is not None:
+                continue
+            message = (
+                f"run {second.task_id} accepted at {self.h.rel(second.t)} inside the window of run "
+                f"{first.task_id} (accepted at {self.h.rel(first.t0)}, window {spec.hold + first.delay:.1f}s)"
+            )
+            self.violation("window", first.member, message, t=second.t, ids=(first.task_id, second.task_id))
+
+    def debounce_args(self) -> None:
+        bursts: dict[str, list[Call]] = defaultdict(list)
+        for call in self.h.calls:
+            if call.mode == "debounce" and call.task_id and call.outcome in ("accepted", "collapsed"):
+                bursts[call.task_id].append(call)
+        known_calls = {call.call for call in self.h.calls}
+        for task_id, bodies in self.h.bodies_by_task.items():
+            burst = bursts.get(task_id)
+            for body in bodies if burst else ():
+                self.checked["debounce-args"] += 1
+                ran = next((call for call in burst or () if call.call == body.call), None)
+                if ran is None:
+                    requeued = any(call.way == "requeue" for call in burst or ())
+                    if requeued or body.call not in known_calls:
+                        continue  # a re-enqueued run's kept arguments; a call whose producer died mid-publish
+                    message = f"run {task_id} executed with call {body.call}, which is not in its burst"
+                    self.violation("debounce-args", body.member, message, t=body.start, ids=(task_id,))
+                    continue
+                # Calls the server surely ran after the one that ran, and before this body's start.lua.
+                started = self.h.started_at(body)
+                later = [c for c in burst or () if c.t0 > ran.t or (c.t0 == ran.t0 and c.seq > ran.seq)]
+                later = [c for c in later if c.t < started - MS]
+                if later:
+                    message = (
+                        f"run {task_id} executed with call {ran.call} (returned {self.h.rel(ran.t)}), but call "
+                        f"{later[-1].call} of its burst was sent after that, at {self.h.rel(later[-1].t0)}"
+                    )
+                    self.violation("debounce-args", body.member, message, t=body.start, ids=(task_id,))
+
+
+def freed(h: History, first: Call, spec: ModeSpec, before: float) -> str | None:
+    """Why run ``first`` no longer held its key at ``before``, or None.
+
+    throttle and until_expired keep the key after success (to the end of the
+    window); the other gated modes drop it at the run's ending, until_executing
+    and debounce already when the body starts; any mode drops it when the run
+    fails, dies or is released.
+    """
+    if first.t0 + spec.hold + first.delay < before:
+        return "its hold ran out"
+    if h.wiped_between(first.t0, before):
+        return "the server's data was wiped"
+    return (
+        _freed_by_server(h, first, spec, before)
+        or _freed_by_bodies(h, first, spec, before)
+        or _freed_by_events(h, first, before)
+    )
+
+
+def _freed_by_server(h: History, first: Call, spec: ModeSpec, before: float) -> str | None:
+    for entry in h.entries(first.member, first.task_id):
+        if entry.t > before + MS:
+            continue
+        if entry.state in FATES and not (spec.holds_after_success and entry.state == "succeeded"):
+            return f"it ended {entry.state}"
+        if spec.releases_at_start and entry.state == "started":
+            return "it started"
+    return None
+
+
+def _freed_by_bodies(h: History, first: Call, spec: ModeSpec, before: float) -> str | None:
+    for body in h.bodies_by_task.get(first.task_id, []):
+        if spec.releases_at_start and body.start <= before:
+            return "it started"
+        if body.start <= before and not spec.holds_after_success and h.lock_loss(body) and h.loss_cause(body, before):
+            return "its body lost its lock to a fault"
+        if body.end > before:
+            continue
+        ending = body.outcome not in NOT_FINAL and not (spec.holds_after_success and body.outcome == "succeeded")
+        if ending or body.outcome == "killed":
+            return f"its body ended {body.outcome}"
+    return None
+
+
+def _freed_by_events(h: History, first: Call, before: float) -> str | None:
+    for event in h.decisions.get(first.task_id, []):
+        if event["t"] <= before and event["decision"] in SETTLING_DECISIONS:
+            return str(event["decision"])
+    if h.revoked.get(first.task_id, before + 1) <= before:
+        return "a worker revoked it"
+    for event in h.faults:
+        if (
+            event["kind"] == "operator"
+            and event.get("action") == "release"
+            and event.get("member") == first.member
+            and first.t0 <= event["t"] <= before
+        ):
+            return "an operator released it"
+    return None
+
+
+def check(run_dir: Path | str, seed: int | None = None) -> Report:
+    """Check the run kept in ``run_dir``."""
+    run_dir = Path(run_dir)
+    events = read_events(run_dir)
+    final_path = run_dir / "final.json"
+    final = json.loads(final_path.read_text()) if final_path.exists() else {}
+    history = History(events, final)
+    checker = Checker(history)
+    checker.run()
+    if seed is None:
+        seed = next((e.get("seed") for e in events if e["ev"] == "phase" and e["name"] == "started"), None)
+    ops = sum(1 for e in events if e["ev"] == "call")
+    kinds = Counter(e["kind"] for e in history.faults)
+    checker.violations.sort(key=lambda v: v.t)
+    return Report(
+        ops=ops,
+        faults=len(history.faults),
+        violations=checker.violations,
+        explained=checker.explained,
+        checked=checker.checked,
+        fault_kinds=kinds,
+        bodies=len(history.bodies),
+        seed=seed,
+    )

@@ -1,0 +1,369 @@
+"""The nemesis: faults injected one after another, at random, from ``random.Random(seed)``.
+
+Each fault is a method named after it; ``--faults`` picks which ones run.
+Targets are chosen by index among what exists at that moment (worker slot,
+pool child by pid order, a record from an index), so the same seed draws the
+same schedule of faults; what they hit depends on the run's timing.
+
+Every fault is recorded as a ``fault`` event when it begins (and, for faults
+that last, ``fault_end`` when it is over); every process it kills first gets
+a ``kill`` event naming its pids, so the checker knows when bodies died.
+"""
+
+from __future__ import annotations
+
+import json
+import random
+import signal
+import threading
+from collections.abc import Callable
+from typing import Any
+
+import redis
+from celery import Celery
+
+import celery_dedup
+from celery_dedup import operations
+from celery_dedup.exceptions import DedupError
+from celery_dedup.keys import KeySchema, split_member
+
+from .app import LOCK_TTL, MODE_BY_TASK
+from .cluster import Cluster, Slot, signal_group
+from .history import History
+from .proxy import SCRIPT_COMMANDS, Point
+
+SCHEMA = KeySchema("dedup")
+#: Producers given a skewed clock get one within this many seconds of the truth.
+MAX_SKEW = 30.0
+#: Signals ``revoke(terminate=True)`` is sent with.
+REVOKE_SIGNALS = ("SIGTERM", "SIGKILL", "SIGUSR1", "SIGINT")
+OPERATOR_ACTIONS = ("release", "purge", "reap", "requeue")
+
+FAULTS = (
+    "kill-child",
+    "kill-worker",
+    "kill-producer",
+    "stop-worker",
+    "proxy",
+    "restart",
+    "revoke",
+    "operator",
+    "redeliver",
+    "skew",
+)
+
+
+class Nemesis:
+    """Injects the chosen faults into a running :class:`Cluster` until stopped."""
+
+    def __init__(self, cluster: Cluster, app: Celery, history: History, seed: int, faults: tuple[str, ...]) -> None:
+        unknown = sorted(set(faults) - set(FAULTS))
+        if unknown:
+            raise ValueError(f"unknown faults {unknown}; choose from {', '.join(FAULTS)}")
+        self.cluster = cluster
+        self.app = app
+        self.history = history
+        self.rng = random.Random(seed)
+        self.faults = tuple(fault for fault in FAULTS if fault in faults)
+        self.stopped = threading.Event()
+        self.count = 0
+        self.ops = 0
+        self.client = cluster.server.client()
+        self.skews: dict[int, float] = {}
+        self._deck: list[str] = []
+
+    # --- the loop ---------------------------------------------------------------------------
+
+    def draw(self) -> str:
+        """The next fault: dealt from a shuffled deck of the chosen ones, so a short run still meets each."""
+        if not self._deck:
+            self._deck = list(self.faults)
+            self.rng.shuffle(self._deck)
+        return self._deck.pop()
+
+    def run(self) -> None:
+        """Fault after fault, with pauses between, until :meth:`stop`."""
+        while self.faults and not self.stopped.wait(self.rng.uniform(0.5, 3.0)):
+            fault = self.draw()
+            method: Callable[[], None] = getattr(self, fault.replace("-", "_"))
+            try:
+                method()
+            except (redis.RedisError, OSError, DedupError) as exc:
+                self.history.emit("fault_error", kind=fault, error=f"{type(exc).__name__}: {exc}")
+
+    def stop(self) -> None:
+        self.stopped.set()
+
+    def fault(self, kind: str, **fields: Any) -> None:
+        self.count += 1
+        self.history.emit("fault", kind=kind, **fields)
+
+    def pause(self, low: float, high: float) -> None:
+        """Sleep a drawn time (cut short by :meth:`stop`: a fault that lasts ends early then)."""
+        self.stopped.wait(self.rng.uniform(low, high))
+
+    def _slot(self, slots: list[Slot]) -> Slot:
+        return slots[self.rng.randrange(len(slots))]
+
+    def _busy_pids(self) -> set[int]:
+        """Pids of the processes holding an execution lock now (a lock's token names its pid)."""
+        pids = set()
+        for key in self.client.scan_iter("dedup:lock:*", count=1000):
+            token = _text(self.client.get(key) or b"")
+            pid = token.split(":")[1] if token.count(":") >= 2 else ""
+            if pid.isdigit():
+                pids.add(int(pid))
+        return pids
+
+    def _target_worker(self) -> Slot:
+        """Mostly a worker whose pool runs a body right now (a fault there hits a live lock), else any."""
+        slots = self.cluster.worker_slots
+        prefer_busy = self.rng.random() < 0.8
+        fallback = self._slot(slots)
+        if prefer_busy:
+            busy = self._busy_pids()
+            candidates = [slot for slot in slots if busy.intersection(slot.children())]
+            if candidates:
+                return candidates[self.rng.randrange(len(candidates))] if len(candidates) > 1 else candidates[0]
+        return fallback
+
+    # --- processes --------------------------------------------------------------------------
+
+    def kill_child(self) -> None:
+        """SIGKILL one prefork pool child (the task it runs dies mid-body)."""
+        slot = self._target_worker()
+        index = self.rng.randrange(self.cluster.concurrency)
+        children = slot.children()
+        if not children:
+            return
+        busy = sorted(self._busy_pids().intersection(children))
+        pid = busy[index % len(busy)] if busy else children[index % len(children)]
+        self.fault("kill-child", slot=slot.name, pid=pid)
+        self.cluster.kill_pid(slot, pid, "kill-child")
+
+    def kill_worker(self) -> None:
+        """SIGKILL a whole worker (main process and pool), then start a new one in its place."""
+        slot = self._slot(self.cluster.worker_slots)
+        down = self.rng.uniform(0.5, 2.0)
+        self.fault("kill-worker", slot=slot.name)
+        self.cluster.kill(slot, "kill-worker")
+        self.pause(down, down)
+        self.cluster.start_worker(slot)
+        self.cluster.wait_ready(slot)
+        self.history.emit("fault_end", kind="kill-worker", slot=slot.name)
+
+    def kill_producer(self) -> None:
+        """SIGKILL a producer; half the time frozen mid-publish, after the server ran its script."""
+        slot = self._slot(self.cluster.producer_slots)
+        mid_publish = self.rng.random() < 0.5
+        fired = False
+        if mid_publish:
+            slot.proxy.arm("after", hold=True, commands=SCRIPT_COMMANDS)
+            fired = slot.proxy.fired.wait(3.0)
+        self.fault("kill-producer", slot=slot.name, mid_publish=mid_publish, frozen=fired)
+        self.cluster.kill(slot, "kill-producer")
+        slot.proxy.disarm()
+        self.cluster.start_producer(slot, skew=self.skews.get(slot.index, 0.0))
+
+    def stop_worker(self) -> None:
+        """SIGSTOP a whole worker for longer than the lock TTL (a GC pause), then SIGCONT it."""
+        slot = self._target_worker()
+        if not slot.alive:
+            return
+        seconds = self.rng.uniform(LOCK_TTL + 1.0, LOCK_TTL + 5.0)
+        self.fault("stop-worker", slot=slot.name, seconds=round(seconds, 2), pids=slot.pids())
+        signal_group(slot.pid, signal.SIGSTOP)
+        try:
+            self.pause(seconds, seconds)
+        finally:
+            signal_group(slot.pid, signal.SIGCONT)
+            self.history.emit("fault_end", kind="stop-worker", slot=slot.name)
+
+    def skew(self) -> None:
+        """Restart a producer on a clock up to ``MAX_SKEW`` seconds off."""
+        slot = self._slot(self.cluster.producer_slots)
+        skew = round(self.rng.uniform(-MAX_SKEW, MAX_SKEW), 1)
+        self.skews[slot.index] = skew
+        self.fault("skew", slot=slot.name, skew=skew)
+        self.cluster.stop_process(slot, grace=5.0)
+        self.cluster.start_producer(slot, skew=skew)
+
+    # --- the network and the server ---------------------------------------------------------
+
+    def proxy(self) -> None:
+        """On one process's connections (or everyone's): delay replies, drop them, or reset connections."""
+        everyone = self.rng.random() < 0.25
+        slots = self.cluster.slots if everyone else [self._slot(self.cluster.slots)]
+        action = self.rng.choice(("delay", "drop-reply", "drop-request", "reset"))
+        target = "all" if everyone else slots[0].name
+        if action == "delay":
+            seconds, lasting = round(self.rng.uniform(0.05, 0.5), 3), self.rng.uniform(1.0, 4.0)
+            self.fault("proxy", action=action, target=target, seconds=seconds)
+            for slot in slots:
+                slot.proxy.delay(seconds)
+            try:
+                self.pause(lasting, lasting)
+            finally:
+                for slot in slots:
+                    slot.proxy.delay(0)
+                self.history.emit("fault_end", kind="proxy", action=action, target=target)
+        elif action in ("drop-reply", "drop-request"):
+            times = self.rng.randint(1, 3)
+            scripts_only = self.rng.random() < 0.7
+            self.fault("proxy", action=action, target=target, times=times, scripts_only=scripts_only)
+            point: Point = "after" if action == "drop-reply" else "before"
+            for slot in slots:
+                if scripts_only:
+                    slot.proxy.arm(point, times=times)
+                else:
+                    slot.proxy.arm(point, times=times, commands=_ALL_COMMANDS)
+            self.pause(1.0, 3.0)
+            for slot in slots:
+                slot.proxy.disarm()
+        else:
+            self.fault("proxy", action=action, target=target)
+            for slot in slots:
+                slot.proxy.reset()
+
+    def restart(self) -> None:
+        """Crash the server and start it again: from its append-only file, or (without persistence) empty."""
+        wipe = not self.cluster.persistent or self.rng.random() < 1 / 3
+        down = self.rng.uniform(0.3, 2.0)
+        self.fault("restart", wipe=wipe, seconds=round(down, 2))
+        self.cluster.server.crash(wipe=wipe)
+        self.pause(down, down)
+        self.cluster.server.start()
+        self.history.emit("fault_end", kind="restart", wipe=wipe)
+
+    # --- Celery and operators ---------------------------------------------------------------
+
+    def _members(self, *states: str) -> list[str]:
+        members: list[str] = []
+        for state in states:
+            members += [_text(m) for m in self.client.zrange(SCHEMA.state_index(state), 0, 200)]
+        return sorted(m for m in members if split_member(m)[0] in MODE_BY_TASK)
+
+    def _task_id(self, member: str) -> str:
+        raw = self.client.hget(SCHEMA.record(member), "task_id")
+        return _text(raw) if raw else ""
+
+    def revoke(self) -> None:
+        """``revoke`` a queued or running run, half the time with ``terminate=True`` and a drawn signal."""
+        members = self._members("queued", "started", "retry")
+        if not members:
+            return
+        member = members[self.rng.randrange(len(members))]
+        terminate = self.rng.random() < 0.5
+        sig = self.rng.choice(REVOKE_SIGNALS)
+        task_id = self._task_id(member)
+        if not task_id:
+            return
+        self.fault("revoke", member=member, task_id=task_id, terminate=terminate, signal=sig if terminate else None)
+        self.app.control.revoke(task_id, terminate=terminate, signal=sig)
+
+    def operator(self) -> None:
+        """An operator's action from celery_dedup.operations: release, purge, reap or re-enqueue."""
+        action = self.rng.choice(OPERATOR_ACTIONS)
+        self.ops += 1
+        if action == "purge":
+            self.fault("operator", action=action)
+            report = operations.purge(self.app, limit=50)
+            self.history.emit("op", action=action, result=str(report))
+        elif action == "reap":
+            self.fault("operator", action=action)
+            reaped = celery_dedup.reap(self.app)
+            self.history.emit("op", action=action, result=str(reaped))
+        elif action == "release":
+            members = self._members("queued", "started", "retry", "pending", "lost", "succeeded")
+            if not members:
+                return
+            member = members[self.rng.randrange(len(members))]
+            # An operator who forces it was shown the lock's owner and deletes only that lock.
+            force = self.rng.random() < 0.2
+            token = (operations.detail(self.app, member).lock_token or "") if force else ""
+            self.fault("operator", action=action, member=member, task_id=self._task_id(member), forced=bool(token))
+            released = operations.release(self.app, member, force_token=token, by="chaos")
+            self.history.emit("op", action=action, member=member, result=str(released))
+        else:
+            members = self._members(*operations.REQUEUE_STATES)
+            if not members:
+                return
+            member = members[self.rng.randrange(len(members))]
+            self.fault("operator", action=action, member=member)
+            self.history.emit("call_start", call=f"requeue-{self.ops}", member=member, way="requeue")
+            try:
+                requeued = operations.requeue(self.app, member)
+            except DedupError as exc:
+                self.history.emit("op", action=action, member=member, result=f"refused: {exc}")
+                return
+            task = split_member(member)[0]
+            spec = MODE_BY_TASK.get(task)
+            outcome = "accepted" if not requeued.deduplicated else ("collapsed" if spec and spec.parks else "duplicate")
+            self.history.emit(
+                "call",
+                call=f"requeue-{self.ops}",
+                task=task,
+                mode=spec.mode if spec else "",
+                member=member,
+                way="requeue",
+                delay=0.0,
+                outcome=outcome,
+                id=requeued.task_id,
+            )
+
+    def redeliver(self) -> None:
+        """Push a copy of a delivered, unacknowledged message back onto its queue (a manual re-push)."""
+        tags = sorted(_text(tag) for tag in self.client.hkeys("unacked"))
+        if not tags:
+            return
+        tag = tags[self.rng.randrange(len(tags))]
+        raw = self.client.hget("unacked", tag)
+        if raw is None:
+            return
+        message, _exchange, routing_key = json.loads(raw)
+        task_id = (message.get("headers") or {}).get("id")
+        self.fault("redeliver", task_id=task_id, queue=routing_key or "celery")
+        self.client.lpush(routing_key or "celery", json.dumps(message))
+
+    # --- the end ----------------------------------------------------------------------------
+
+    def heal(self) -> None:
+        """Undo what lasts: every process running, every proxy clean, the server up."""
+        for slot in self.cluster.slots:
+            slot.proxy.disarm()
+            slot.proxy.delay(0)
+            if slot.alive:
+                signal_group(slot.pid, signal.SIGCONT)
+        if self.cluster.server.process.process is None or self.cluster.server.process.process.poll() is not None:
+            self.cluster.server.start()
+        self.cluster.crashed()  # recorded before a new worker takes the slot
+        for slot in self.cluster.worker_slots:
+            if not slot.alive:
+                self.cluster.start_worker(slot)
+                self.cluster.wait_ready(slot)
+
+
+def _text(value: Any) -> str:
+    return value.decode() if isinstance(value, bytes) else str(value)
+
+
+_ALL_COMMANDS = frozenset(
+    {
+        b"EVALSHA",
+        b"EVAL",
+        b"LPUSH",
+        b"BRPOP",
+        b"HSET",
+        b"HDEL",
+        b"HGETALL",
+        b"HGET",
+        b"ZADD",
+        b"ZREM",
+        b"GET",
+        b"SET",
+        b"PUBLISH",
+        b"MULTI",
+        b"EXEC",
+        b"PING",
+    }
+)

@@ -1,0 +1,294 @@
+"""The chaos checker (run-chaos): its invariants on hand-written histories, and real runs.
+
+The first tests feed the checker small histories written by hand: each
+invariant must flag the violation it exists for and let the allowed cases
+pass. The slow tests run ``python -m chaos`` for real (server, prefork
+workers, producers, nemesis): on this build with fixed seeds, and on two
+deliberately broken copies of the library, where a short run must report
+violations. The copies are made here, in a temporary directory, by replacing
+one known line of a Lua script; the workers and producers import them
+through ``--library`` (``PYTHONPATH``), so the library has no test hooks.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from chaos.checker import Report, check
+
+ROOT = Path(__file__).resolve().parent.parent
+
+# --- the checker on hand-written histories ---------------------------------------------------
+
+T0 = 1_800_000_000.0
+MEMBER = "chaos.until_executed:k1"
+
+
+class Story:
+    """Builds a run directory event by event, as the processes of a run would write it."""
+
+    def __init__(self, run_dir: Path) -> None:
+        run_dir.mkdir(parents=True, exist_ok=True)
+        self.run_dir = run_dir
+        self.events: list[dict[str, Any]] = []
+        self.members: dict[str, dict[str, Any]] = {}
+
+    def add(self, t: float, ev: str, *, pid: int = 100, role: str = "worker-0.1", **fields: Any) -> Story:
+        self.events.append({"t": T0 + t, "ev": ev, "pid": pid, "role": role, **fields})
+        return self
+
+    def call(self, t: float, task_id: str, outcome: str = "accepted", member: str = MEMBER, **fields: Any) -> Story:
+        mode = member.split(":", maxsplit=1)[0].removeprefix("chaos.")
+        call_id = fields.pop("call", f"c{len(self.events)}")
+        common = {"call": call_id, "member": member, "mode": mode, "way": "delay", "delay": 0.0}
+        self.add(t, "call_start", role="producer-0.1", pid=50, **common)
+        return self.add(t + 0.01, "call", role="producer-0.1", pid=50, outcome=outcome, id=task_id, **common, **fields)
+
+    def body(
+        self, start: float, end: float | None, task_id: str, *, pid: int = 100, outcome: str = "succeeded", **extra: Any
+    ) -> Story:
+        common = {"task_id": task_id, "member": extra.pop("member", MEMBER), "call": extra.pop("call", "c")}
+        self.add(start, "body_start", pid=pid, **common)
+        if end is not None:
+            self.add(end, "body_end", pid=pid, outcome=outcome, lock_lost=extra.pop("lock_lost", False), **common)
+        return self
+
+    def server(self, member: str, *entries: tuple[float, str, str, str]) -> Story:
+        """Server history entries ``(t, state, task id, note)`` of ``member``."""
+        info = self.members.setdefault(member, {"record": {}, "history": [], "held": False, "lock": None})
+        for t, state, task_id, note in entries:
+            info["history"].insert(0, f"{int((T0 + t) * 1000)} {state} {task_id} {note}".rstrip())
+        return self
+
+    def check(self) -> Report:
+        self.add(100, "phase", role="runner", name="stopped")
+        with (self.run_dir / "story-1.jsonl").open("w") as out:
+            for event in self.events:
+                out.write(json.dumps(event) + "\n")
+        final = {"server_ms": int((T0 + 100) * 1000), "members": self.members, "queued_ids": [], "due_members": []}
+        (self.run_dir / "final.json").write_text(json.dumps(final))
+        return check(self.run_dir, seed=0)
+
+
+def invariants(report: Report) -> list[str]:
+    return [violation.invariant for violation in report.violations]
+
+
+@pytest.fixture
+def story(tmp_path: Path) -> Story:
+    return Story(tmp_path)
+
+
+def test_a_worker_exiting_on_its_own_because_of_the_library_is_a_crash(story: Story) -> None:
+    story.add(0, "spawn", role="runner", slot="worker-0", generation=1, process=99)
+    error = 'Unrecoverable error: TypeError("DedupUnavailableError.__init__() missing 2 required arguments")'
+    story.add(5, "crash", role="runner", slot="worker-0", pids=[99], status=1, log=error, trace="")
+    story.add(9, "crash", role="runner", slot="worker-1", pids=[98], status=1, log="AttributeError", trace="kombu")
+    report = story.check()
+    assert invariants(report) == ["crash"]
+    assert "DedupUnavailableError" in report.violations[0].message
+    assert [item.kind for item in report.explained] == ["crash"], "a crash in kombu alone is explained"
+
+
+def test_two_bodies_of_one_key_at_once_is_an_overlap(story: Story) -> None:
+    report = story.call(0, "a").body(1, 3, "a", pid=100).body(2, 4, "a", pid=200).check()  # a redelivered copy
+    assert invariants(report) == ["overlap"]
+    assert "never reported losing its lock" in report.violations[0].message
+    assert any("body_start" in line for line in report.violations[0].excerpt), "the excerpt shows the history"
+
+
+def test_a_body_that_lost_its_lock_to_a_sigstop_overlaps_explained(story: Story) -> None:
+    story.call(0, "a").body(1, 9, "a", pid=100, lock_lost=True)
+    story.add(1.5, "fault", role="nemesis", kind="stop-worker", pids=[99, 100])
+    report = story.body(6, 7, "a", pid=200).check()
+    assert invariants(report) == []
+    assert [item.kind for item in report.explained] == ["overlap"]
+    assert "SIGSTOPped" in report.explained[0].message
+
+
+def test_a_lock_lost_without_any_fault_is_a_lock_taken(story: Story) -> None:
+    story.call(0, "a").body(1, 9, "a", pid=100, lock_lost=True)
+    report = story.body(2, 3, "a", pid=200).check()
+    assert invariants(report) == ["overlap"]
+    assert "a live lock was taken" in report.violations[0].message
+
+
+def test_a_killed_body_ends_when_it_was_killed(story: Story) -> None:
+    story.call(0, "a").body(1, None, "a", pid=100)
+    story.add(2, "kill", role="runner", pids=[100], why="kill-child")
+    report = story.body(5.5, 6, "a", pid=200).check()  # the acks_late copy, after the lock expired
+    assert invariants(report) == []
+
+
+def test_a_body_ends_when_its_process_exited_however_it_died(story: Story) -> None:
+    story.call(0, "a").body(1, None, "a", pid=100)
+    story.add(2, "exit", role="runner", pids=[100])
+    assert invariants(story.body(5.5, 6, "a", pid=200).check()) == []
+
+
+def test_a_run_executing_again_after_success(story: Story) -> None:
+    report = story.call(0, "a").body(1, 2, "a", pid=100).body(5, 6, "a", pid=200).check()
+    assert invariants(report) == ["again-after-end"]
+
+
+def test_a_retry_or_a_wipe_of_the_server_allows_another_execution(story: Story) -> None:
+    story.call(0, "a").body(1, 2, "a", pid=100, outcome="retry").body(3, 4, "a", pid=200)
+    story.call(10, "b").body(11, 12, "b", pid=100)
+    story.add(13, "fault", role="nemesis", kind="restart", wipe=True)
+    report = story.body(15, 16, "b", pid=200).check()
+    assert invariants(report) == []
+
+
+def test_an_accepted_run_that_never_ran_and_left_no_ending_is_unresolved(story: Story) -> None:
+    report = story.call(0, "a").call(0.5, "a", outcome="duplicate").check()
+    assert sorted(invariants(report)) == ["unresolved-duplicate", "unresolved-run"]
+
+
+def test_a_recorded_ending_resolves_a_run_that_never_ran(story: Story) -> None:
+    story.call(0, "a").call(0.5, "a", outcome="duplicate")
+    report = story.server(MEMBER, (0.0, "queued", "a", ""), (8.0, "lost", "a", "message lost by the transport")).check()
+    assert invariants(report) == []
+
+
+def test_a_run_queued_by_a_producer_killed_mid_publish_must_resolve(story: Story) -> None:
+    report = story.server(MEMBER, (0.0, "queued", "orphan", "")).check()
+    assert invariants(report) == ["unresolved-run"]
+
+
+def test_an_ungated_run_lost_in_transit_is_explained_only_by_a_fault(tmp_path: Path) -> None:
+    ungated = "chaos.while_executing:k1"
+    assert invariants(Story(tmp_path / "calm").call(0, "a", member=ungated).check()) == ["unresolved-run"]
+    story = Story(tmp_path / "cut").call(0, "a", member=ungated)
+    report = story.add(0.5, "fault", role="runner", kind="proxy", action="reset", target="worker-0").check()
+    assert invariants(report) == []
+    assert [item.kind for item in report.explained] == ["transit"]
+
+
+def test_a_second_run_accepted_while_the_first_is_queued(story: Story) -> None:
+    report = story.call(0, "a").call(1, "b").body(2, 3, "a").body(4, 5, "b").check()
+    assert invariants(report) == ["double-accept"]
+
+
+def test_a_second_run_after_the_first_ended_is_fine(story: Story) -> None:
+    report = story.call(0, "a").body(1, 2, "a").call(3, "b").body(4, 5, "b").check()
+    assert invariants(report) == []
+
+
+def test_throttle_one_run_per_window_unless_the_first_failed(story: Story) -> None:
+    throttled = "chaos.throttle:k1"
+    story.call(0, "a", member=throttled).body(0.2, 0.3, "a", member=throttled)
+    story.call(1, "b", member=throttled).body(1.2, 1.3, "b", member=throttled)
+    assert invariants(story.check()) == ["window"]
+
+
+def test_throttle_a_failed_run_frees_its_window(tmp_path: Path) -> None:
+    throttled = "chaos.throttle:k1"
+    story = Story(tmp_path)
+    story.call(0, "a", member=throttled).body(0.2, 0.3, "a", member=throttled, outcome="failed")
+    story.call(1, "b", member=throttled).body(1.2, 1.3, "b", member=throttled)
+    assert invariants(story.check()) == []
+
+
+def test_debounce_runs_with_the_last_call_of_its_burst(story: Story) -> None:
+    debounced = "chaos.debounce:k1"
+    story.call(0, "r", member=debounced, call="first")
+    story.call(0.2, "r", outcome="collapsed", member=debounced, call="last")
+    report = story.body(1, 1.1, "r", member=debounced, call="first").check()
+    assert invariants(report) == ["debounce-args"]
+
+
+def test_debounce_calls_after_the_body_started_are_not_its_burst(story: Story) -> None:
+    debounced = "chaos.debounce:k1"
+    story.call(0, "r", member=debounced, call="first").body(1, 1.1, "r", member=debounced, call="first")
+    assert invariants(story.call(1.05, "r", outcome="collapsed", member=debounced, call="late").check()) == []
+
+
+def test_debounce_with_the_last_call_passes(story: Story) -> None:
+    debounced = "chaos.debounce:k1"
+    story.call(0, "r", member=debounced, call="first")
+    story.call(0.2, "r", outcome="collapsed", member=debounced, call="last")
+    assert invariants(story.body(1, 1.1, "r", member=debounced, call="last").check()) == []
+
+
+def test_a_key_held_after_the_quiet_period_with_no_live_run_is_stuck(story: Story) -> None:
+    story.call(0, "a").body(1, 2, "a")
+    story.add(3, "phase", role="runner", name="producers_stopped")
+    story.server(MEMBER, (0.0, "queued", "a", ""), (2.0, "succeeded", "a", ""))
+    held_until = int((T0 + 500) * 1000)
+    story.members[MEMBER].update(held=True, record={"task_id": "a", "state": "succeeded", "held_until": held_until})
+    assert invariants(story.check()) == ["stuck-key"]
+
+
+# --- real runs --------------------------------------------------------------------------------
+
+SUMMARY = re.compile(r"^chaos: (\d+) operations, (\d+) faults, (\d+) violations, seed (\d+)$", re.MULTILINE)
+
+
+def run_chaos(tmp_path: Path, *args: str, timeout: float = 240) -> tuple[int, str, Report]:
+    """``python -m chaos`` with ``args``, its history kept under ``tmp_path``; (status, output, report)."""
+    run_dir = tmp_path / "run"
+    command = [sys.executable, "-m", "chaos", "--keep", str(run_dir), *args]
+    done = subprocess.run(command, cwd=ROOT, capture_output=True, text=True, timeout=timeout, check=False)
+    output = done.stdout + done.stderr
+    summary = SUMMARY.findall(output)
+    assert summary, f"no summary line:\n{output[-3000:]}"
+    assert output.rstrip().splitlines()[-1].startswith("chaos: "), "the summary is the last line"
+    return done.returncode, output, check(run_dir)
+
+
+def broken_copy(tmp_path: Path, script: str, line: str, replacement: str) -> Path:
+    """A copy of the package with one line of ``scripts/<script>`` replaced (asserting the line is there)."""
+    copy = tmp_path / "broken"
+    shutil.copytree(ROOT / "celery_dedup", copy / "celery_dedup", ignore=shutil.ignore_patterns("__pycache__"))
+    path = copy / "celery_dedup" / "scripts" / script
+    source = path.read_text()
+    assert source.count(line) == 1, f"{script} no longer has the line {line!r}: update this mutation"
+    path.write_text(source.replace(line, replacement))
+    return copy
+
+
+def overlaps(report: Report) -> list[str]:
+    return [v.message for v in report.violations if v.invariant == "overlap"]
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(300)
+def test_every_fault_mixed_a_short_run_keeps_every_promise(tmp_path: Path) -> None:
+    status, output, report = run_chaos(tmp_path, "--minutes", "0.6", "--seed", "20260101")
+    assert report.faults > 5 and report.ops > 100, output[-3000:]
+    assert report.violations == [], output[-6000:]
+    assert status == 0
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(240)
+def test_a_guard_that_ignores_the_execution_lock_is_caught(tmp_path: Path) -> None:
+    """start.lua's "is the lock held?" answered "no": two runs of a while_executing key run side by side."""
+    library = broken_copy(tmp_path, "start.lua", "local holder = redis.call('GET', lock)", "local holder = false")
+    status, output, report = run_chaos(
+        tmp_path, "--library", str(library), "--minutes", "0.25", "--seed", "3",
+        "--faults", "none", "--keys", "2", "--modes", "while_executing,until_executed",
+    )  # fmt: skip
+    assert status == 1
+    assert overlaps(report), output[-4000:]
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(240)
+def test_a_release_that_ignores_the_owner_token_is_caught(tmp_path: Path) -> None:
+    """finish.lua deletes the lock whoever holds it: a body back from a pause frees its successor's lock."""
+    library = broken_copy(tmp_path, "finish.lua", "if redis.call('GET', lock) == token then", "if true then")
+    status, output, report = run_chaos(
+        tmp_path, "--library", str(library), "--minutes", "0.5", "--seed", "8",
+        "--faults", "stop-worker", "--keys", "2", "--modes", "while_executing,until_executed",
+    )  # fmt: skip
+    assert status == 1
+    assert overlaps(report), output[-4000:]
