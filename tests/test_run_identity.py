@@ -22,8 +22,8 @@ from kombu.utils.json import dumps, loads
 from celery_dedup import DedupTask, operations
 from celery_dedup.keys import KeySchema, member_for
 from celery_dedup.store import load_script
+from chaos.proxy import FaultProxy
 
-from ._proxy import FaultProxy
 from .conftest import AppFactory, Server, in_process_worker, queued_messages, wait_for
 
 SCHEMA = KeySchema("dedup")
