@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import pickle
 from typing import Any
 
 import redis
@@ -9,7 +10,31 @@ from kombu.exceptions import OperationalError
 
 
 class DedupError(Exception):
-    """Root of every error raised by celery-dedup."""
+    """Root of every error raised by celery-dedup.
+
+    Every one pickles with its message and attributes: a prefork pool child
+    sends the errors of a task to the worker's main process that way (an
+    attribute that cannot be pickled, such as an odd argument value, travels
+    as its repr).
+    """
+
+    def __reduce__(self) -> tuple[Any, ...]:
+        return (_rebuild, (type(self), self.args, {name: _picklable(v) for name, v in vars(self).items()}))
+
+
+def _rebuild(cls: type[DedupError], args: tuple[Any, ...], state: dict[str, Any]) -> DedupError:
+    error = cls.__new__(cls)
+    Exception.__init__(error, *args)
+    vars(error).update(state)
+    return error
+
+
+def _picklable(value: Any) -> Any:
+    try:
+        pickle.dumps(value)
+    except Exception:  # any failure to pickle: the repr still says what it was
+        return _short_repr(value)
+    return value
 
 
 class DedupConfigError(DedupError):
@@ -89,10 +114,6 @@ class DedupStoreError(DedupError):
         self.reply = error_reply(cause)
         outcome = "; part of the batch may have been published" if published is None else ""
         super().__init__(f"task {task!r} key {key!r}: the dedup store refused the command: {self.reply}{outcome}")
-
-    def __reduce__(self) -> tuple[Any, ...]:
-        """Picklable with its attributes (a prefork child sends it to the worker's main process)."""
-        return (type(self), (self.task, self.key, self.cause, self.published))
 
 
 #: Failures that mean the store could not be reached (or did not answer in

@@ -29,7 +29,7 @@ from celery import Celery, Task, signals
 from celery.exceptions import Reject, SoftTimeLimitExceeded
 
 import celery_dedup
-from celery_dedup import DedupTask
+from celery_dedup import DedupTask, DedupUnavailableError
 from celery_dedup.keys import member_for
 
 MODES = ("until_executed", "until_executing", "until_expired", "while_executing")
@@ -78,7 +78,7 @@ def _work_task(app: Celery, mode: str) -> Task[Any, Any]:
         base=GuardTask, name=f"guard.work.{mode}", dedup_key="job:{key}", dedup_mode=mode, bind=True, shared=False
     )
     def work(self: GuardTask, key: str, action: str = "ok", seconds: float = 0.0) -> str:
-        """One ending per ``action``: ok, fail, retry:N, reject, sleep, linger, die.
+        """One ending per ``action``: ok, fail, retry:N, reject, sleep, linger, die, dedup_error.
 
         ``linger`` sleeps ``seconds``, but on a soft time limit (or a terminate
         with SIGUSR1) logs a ``soft`` event and cleans up for LINGER seconds more.
@@ -105,6 +105,9 @@ def _work_task(app: Celery, mode: str) -> Task[Any, Any]:
                 raise self.retry(countdown=0, max_retries=wanted)
         if action == "reject":
             raise Reject("rejected by the test", requeue=False)
+        if action == "dedup_error":  # as Task.retry raises it when its publish fails; pickled to the main process
+            unavailable = DedupUnavailableError(self.name, key, redis.ConnectionError("gone"), published=False)
+            raise Reject(unavailable, requeue=False)
         return key
 
     return work
