@@ -29,7 +29,7 @@ from kombu import serialization
 from kombu.exceptions import OperationalError
 
 from . import runtime
-from .exceptions import DedupOperationError, DedupStoreError, DedupUnavailableError, DuplicateTaskError, server_reply
+from .exceptions import DedupArgumentError, DedupStoreError, DedupUnavailableError, DuplicateTaskError, server_reply
 from .gate import HEADER, GateHeader
 from .keyed import DedupResult, KeyedTask, delay_seconds
 from .keys import member_for, new_nonce, new_task_id, split_member
@@ -70,12 +70,12 @@ def apply_async_many(task: KeyedTask, calls: Iterable[Call], *, chunk: int = 100
 
     Raises:
         DedupKeyError: a call's key cannot be derived.
-        DedupOperationError: ``chunk`` is not a whole number of at least 1.
+        DedupArgumentError: ``chunk`` is not a whole number of at least 1.
         DedupUnavailableError: Redis failed mid-batch (``published=None``:
             earlier chunks went out; sending the batch again is safe).
     """
     if isinstance(chunk, bool) or not isinstance(chunk, int) or chunk < 1:
-        raise DedupOperationError("apply_async_many", f"chunk={chunk!r}", "must be a whole number of at least 1")
+        raise DedupArgumentError("chunk", chunk, "apply_async_many() sends at least 1 call per round trip")
     normalised = [(tuple(args or ()), dict(kwargs or {})) for args, kwargs in calls]
     policy = task.dedup_policy
     members = [member_for(task.name, policy.spec.business_key(args, kwargs)) for args, kwargs in normalised]

@@ -170,9 +170,7 @@ class DedupRoutingError(DedupError):
 
 
 class DedupOperationError(DedupError):
-    """An operation cannot be done as asked: an operator's action on a key
-    (release, purge, re-enqueue), or a call with an argument out of range
-    (``reap(budget=0)``, ``apply_async_many(chunk=0)``)."""
+    """An operator's action on a key (release, purge, re-enqueue) cannot be done."""
 
     def __init__(self, operation: str, target: str, reason: str) -> None:
         self.operation = operation
@@ -182,7 +180,9 @@ class DedupOperationError(DedupError):
 
 
 class DedupArgumentError(DedupError, ValueError):
-    """A function of celery-dedup was called with an argument it cannot take (``records(limit=0)``).
+    """A function of celery-dedup was called with an argument it cannot take.
+
+    ``records(limit=0)``, ``reap(budget=0)``, ``apply_async_many(chunk=0)``.
 
     A ``ValueError`` too, so code that catches bad values keeps working.
     """

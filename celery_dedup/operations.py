@@ -11,7 +11,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from . import decisions, runtime
-from .exceptions import DedupOperationError
+from .exceptions import DedupArgumentError, DedupOperationError
 from .gate import decode_payload
 from .keys import split_member, task_from_namespace
 from .store import ENDED_STATES, KeyDetail, PurgeReport, ReleaseResult
@@ -63,13 +63,14 @@ def purge(app: Any, *, states: Sequence[str] = ENDED_STATES, budget: int = 500, 
     when a call deletes nothing (only kept records were left in its budget).
 
     Raises:
-        DedupOperationError: a state is not an ended one, or budget/limit is below 1.
+        DedupOperationError: a state is not an ended one.
+        DedupArgumentError: budget or limit is below 1.
     """
     unended = [s for s in states if s not in ENDED_STATES]
     if unended or not states:
         raise DedupOperationError("purge", ",".join(states), f"only ended states can be purged: {ENDED_STATES}")
     if budget < 1 or limit < 1:
-        raise DedupOperationError("purge", f"budget={budget} limit={limit}", "both must be at least 1")
+        raise DedupArgumentError("budget" if budget < 1 else "limit", min(budget, limit), "must be at least 1")
     store = runtime.store_for(app)
     purged = 0
     while True:

@@ -22,7 +22,7 @@ from kombu.transport import TRANSPORT_ALIASES
 
 from . import decisions
 from .config import DedupConfig
-from .exceptions import DedupConfigError, DedupOperationError
+from .exceptions import DedupArgumentError, DedupConfigError
 from .keys import split_member, task_from_namespace
 from .store import DedupStore, ReapReport, broker_client, client_from_url
 
@@ -294,10 +294,10 @@ def reap(app: Any, *, budget: int = 500) -> ReapReport:
     beat where no worker runs. Each run it marks lost gets its ``reaped`` log line.
 
     Raises:
-        DedupOperationError: ``budget`` is below 1.
+        DedupArgumentError: ``budget`` is below 1.
     """
     if budget < 1:
-        raise DedupOperationError("reap", f"budget={budget}", "must be at least 1")
+        raise DedupArgumentError("budget", budget, "reap() examines at least 1 entry per step")
     config = config_for(app)
     report = store_for(app).reap(budget=budget, record_ms=config.record_ms, grace_ms=int(config.reap_grace * 1000))
     for member, task_id, why in report.runs:

@@ -20,7 +20,7 @@ from celery import Celery
 
 import celery_dedup
 from celery_dedup import DedupConfigError, DedupTask
-from celery_dedup.exceptions import DedupOperationError
+from celery_dedup.exceptions import DedupArgumentError
 from celery_dedup.runtime import config_for
 
 from .conftest import AppFactory, Server, queued_messages
@@ -199,9 +199,9 @@ def test_a_key_callable_taking_what_the_task_requires_is_accepted(offline_app: C
 @pytest.mark.parametrize("chunk", [0, -1, 2.5, True])
 def test_apply_async_many_refuses_a_chunk_below_one(make_app: AppFactory, chunk: Any) -> None:
     keyed = keyed_task(make_app())
-    with pytest.raises(DedupOperationError, match="chunk") as info:
+    with pytest.raises(DedupArgumentError, match="chunk") as info:
         keyed.apply_async_many([((1,), {})], chunk=chunk)
-    assert info.value.operation == "apply_async_many"
+    assert (info.value.parameter, info.value.value) == ("chunk", chunk)
 
 
 def test_checking_task_options_binds_no_app_to_the_dedup_task_base(offline_app: Celery) -> None:

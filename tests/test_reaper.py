@@ -21,7 +21,7 @@ from celery import Celery
 import celery_dedup
 from celery_dedup import DedupTask
 from celery_dedup import runtime as dedup_runtime
-from celery_dedup.exceptions import DedupOperationError
+from celery_dedup.exceptions import DedupArgumentError
 from celery_dedup.keys import KeySchema, member_for
 from celery_dedup.store import DedupStore
 
@@ -264,5 +264,5 @@ def test_a_budget_of_one_or_three_still_reaches_every_dead_run(
 
 
 def test_a_budget_below_one_is_refused(make_app: AppFactory, r: redis.Redis) -> None:
-    with pytest.raises(DedupOperationError, match="budget=0"):
+    with pytest.raises(DedupArgumentError, match="budget=0"):
         celery_dedup.reap(make_app(), budget=0)
