@@ -43,7 +43,7 @@ def test_duplicate_gets_accepted_id_and_no_second_message(make_app: AppFactory, 
     assert record is not None
     assert record.task_id == first.id
     assert record.state == "queued"
-    assert record.duplicates == "1"
+    assert record.duplicates == 1
 
 
 def test_new_run_after_finish_gets_its_own_id_and_result(make_app: AppFactory, r: redis.Redis) -> None:

@@ -21,7 +21,7 @@ from kombu.utils.json import dumps, loads
 
 from celery_dedup import DedupTask, operations
 from celery_dedup.keys import KeySchema, member_for
-from celery_dedup.store import load_script
+from celery_dedup.store import DedupStore, load_script
 from chaos.proxy import FaultProxy
 
 from .conftest import AppFactory, Server, in_process_worker, queued_messages, wait_for
@@ -166,3 +166,52 @@ def test_a_deferred_copy_of_a_finished_run_is_skipped_after_an_operator_purge(
         )
         time.sleep(0.5)
     assert executions(r, 4) == [run.id], "the deferred copy ran the finished run again"
+
+
+def test_a_copy_of_an_ended_ungated_run_is_skipped_after_another_run_took_the_record(
+    make_app: AppFactory, r: redis.Redis
+) -> None:
+    """while_executing has no gate, so its record passes to whichever run starts next. A copy
+    of a run that ended (a redelivery, a manual re-push) must still be skipped, not run again.
+    """
+    app = make_app()
+    client = redis.Redis.from_url(str(app.conf.broker_url))
+
+    @app.task(
+        base=DedupTask,
+        name="identity.exclusive",
+        dedup_key="x:{n}",
+        dedup_mode="while_executing",
+        bind=True,
+        shared=False,
+    )
+    def exclusive(self: DedupTask, n: int) -> str:
+        client.rpush(runs_key(f"x{n}"), str(self.request.id))
+        return str(self.request.id)
+
+    first = exclusive.delay(1)
+    copy = r.lindex("celery", 0)
+    assert copy is not None
+    with in_process_worker(app):
+        assert first.get(timeout=20) == first.id
+        second = exclusive.delay(1)
+        assert second.get(timeout=20) == second.id
+        member = member_for(exclusive.name, "x:1")
+        assert r.hget(SCHEMA.record(member), "task_id") == second.id.encode()
+        r.lpush("celery", copy)
+        wait_for(lambda: int(r.hget(SCHEMA.record(member), "skipped") or 0) == 1, 10, "the copy to be skipped")
+    assert [raw.decode() for raw in r.lrange(runs_key("x1"), 0, -1)] == [first.id, second.id]
+
+
+def test_a_run_whose_hold_expired_before_it_ran_is_recorded_when_another_run_takes_its_key(
+    r: redis.Redis,
+) -> None:
+    """Its record is replaced by the next run's: the key's history says what became of it."""
+    store = DedupStore(r, "dedup")
+    member = "identity.task:k"
+    store.gate(member, "A", "n-a", hold_ms=50, grace_ms=60_000, task_name="identity.task")
+    time.sleep(0.1)
+    outcome = store.gate(member, "B", "n-b", hold_ms=60_000, grace_ms=60_000, task_name="identity.task")
+    assert outcome.accepted and outcome.task_id == "B"
+    newest_first = [entry.decode().split(" ", 1)[1] for entry in r.lrange(SCHEMA.history(member), 0, -1)]
+    assert newest_first == ["queued B", "lost A hold expired; key taken over by B", "queued A"]

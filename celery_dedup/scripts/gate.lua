@@ -28,11 +28,12 @@
 -- the reaper can tell a message the transport lost after fetching it.
 --
 -- A run is accepted once. The record remembers the nonces of the key's last
--- accepted publishes (`nonce`, and the previous ones in `nonces`, carried from
--- run to run), so a publish that kombu retries after its reply was lost pushes
--- nothing, even when its run has ended and another run holds the key since. A
--- call naming the task id of the run its record names is a duplicate of that
--- run; only a continuation (ARGV[11]) of a run that has not ended pushes again.
+-- accepted publishes (`nonce`, and the previous ones in `nonces`) and its last
+-- ended runs (`ended`), carried from run to run (lib's REMEMBERED): a publish
+-- that kombu retries after its reply was lost pushes nothing, even when its run
+-- has ended and another run holds the key since. A call naming the task id of
+-- the run its record names is a duplicate of that run; only a continuation
+-- (ARGV[11]) of a run that has not ended pushes again.
 --
 -- Debounce: a new run's message is parked in its record (state `pending`) and
 -- its member put in P:due, scored by when it is due; dispatch.lua pushes it
@@ -63,33 +64,10 @@ local payload = ARGV[16] or ''
 local window_ms, max_wait_ms, latest = tonumber(ARGV[17] or 0), tonumber(ARGV[18] or 0), ARGV[19] == '1'
 local debounce = queue and window_ms > 0
 local due_key = prefix .. ':due'
--- How many earlier publish nonces a record remembers (`nonces`, space-separated):
--- with `nonce` that is the key's last 4 accepted publishes, in 50 bytes, short
--- enough to keep the record a listpack.
-local REMEMBERED = 3
 
 local now = now_ms()
-local owner = redis.call('HMGET', record, 'task_id', 'nonce', 'held_until', 'state', 'nonces', 'joined_nonce')
+local owner = redis.call('HMGET', record, 'task_id', 'nonce', 'held_until', 'state', 'nonces', 'joined_nonce', 'ended')
 local owner_id, owner_nonce, owner_state, owner_nonces = owner[1], owner[2], owner[4], owner[5] or ''
-
-local function remembers(text, word)
-  return (' ' .. text .. ' '):find(' ' .. word .. ' ', 1, true) ~= nil
-end
-
--- The nonces a record keeps once `previous` is no longer its latest publish.
-local function remember(previous, older)
-  local kept = {}
-  if previous then
-    kept[1] = previous
-  end
-  for word in string.gmatch(older or '', '%S+') do
-    if #kept >= REMEMBERED then
-      break
-    end
-    kept[#kept + 1] = word
-  end
-  return table.concat(kept, ' ')
-end
 
 local function duplicate_of(run)
   redis.call('HINCRBY', record, 'duplicates', 1)
@@ -105,6 +83,9 @@ if owner[6] == nonce then
 end
 
 local same_run = owner_id == task_id
+if continues and not same_run and owner[7] and remembers(owner[7], fingerprint(task_id)) then
+  return {2, task_id}  -- it continues a run that has ended since: nothing left to run
+end
 if same_run then
   if not continues then
     return duplicate_of(task_id)  -- a call that names a run the record knows
@@ -138,23 +119,19 @@ else
   end
 end
 
-local nonces = remember(owner_nonce, owner_nonces)
 if same_run then
   -- It keeps its state: its ending (retry) records that.
   local until_ms = math.max(tonumber(owner[3] or 0), now + hold_ms)
-  redis.call('HSET', record, 'nonce', nonce, 'nonces', nonces, 'held_until', until_ms)
+  redis.call('HSET', record, 'nonce', nonce, 'nonces', remember(owner_nonce, owner_nonces), 'held_until', until_ms)
 else
-  retire(prefix, record, member, now, history_len, owner_state, owner_id)
-  local fields = {'task_id', task_id, 'nonce', nonce, 'task', task_name, 'held_until', now + hold_ms,
-    'queued_at', now, 'duplicates', 0, 'attempts', 0}
+  local fields = retire(prefix, record, member, now, history_len, owner_state, owner_id, task_id)
   local function add(...)
     for _, value in ipairs({...}) do
       fields[#fields + 1] = value
     end
   end
-  if nonces ~= '' then
-    add('nonces', nonces)
-  end
+  add('task_id', task_id, 'nonce', nonce, 'task', task_name, 'held_until', now + hold_ms, 'queued_at', now,
+    'duplicates', 0, 'attempts', 0)
   if argsrepr ~= '' or kwargsrepr ~= '' then
     add('args', argsrepr, 'kwargs', kwargsrepr)
   end

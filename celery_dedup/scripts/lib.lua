@@ -86,26 +86,73 @@ local function unindex(prefix, member, state)
   end
 end
 
--- Replace M's record (in `old_state`, of run `old_task_id`; both false if there
--- is none) by a new run's: the old one leaves the indexes, and a run that was
--- still `started` is noted in the history: lost if its lock is gone (its
--- worker died), else still running (its key was released when it started).
-local function retire(prefix, record, member, now, history_len, old_state, old_task_id)
-  if not old_state then
-    redis.call('DEL', record)  -- a record without a state is a bare leftover
-    return
+-- A record remembers a few words across runs of its key (space-separated, newest
+-- first, in fields short enough to keep the record a listpack): `nonces`, the
+-- nonces of the key's last accepted publishes before `nonce` (gate.lua), and
+-- `ended`, fingerprints of its last ended runs (start.lua, gate.lua), so a
+-- replay of a run is recognised after the record has passed to another run.
+local REMEMBERED = 3
+
+local function remembers(text, word)
+  return text ~= nil and (' ' .. text .. ' '):find(' ' .. word .. ' ', 1, true) ~= nil
+end
+
+-- `word` (if any) before the words of `older`, at most REMEMBERED of them.
+local function remember(word, older)
+  local kept = {}
+  if word then
+    kept[1] = word
   end
-  if old_state == 'started' and history_len > 0 then
-    local hist = prefix .. ':hist:' .. member
-    local entry = ' lost ' .. (old_task_id or '') .. ' key taken over'
-    if redis.call('EXISTS', prefix .. ':lock:' .. member) == 1 then
-      entry = ' started ' .. (old_task_id or '') .. ' still running; key passed to the next run'
+  for other in string.gmatch(older or '', '%S+') do
+    if #kept >= REMEMBERED then
+      break
     end
+    kept[#kept + 1] = other
+  end
+  return table.concat(kept, ' ')
+end
+
+-- A run's fingerprint in `ended`: 48 bits of its id's SHA-1.
+local function fingerprint(task_id)
+  return string.sub(redis.sha1hex(task_id), 1, 12)
+end
+
+-- Replace M's record (in `old_state`, of run `old_task_id`; both false if there
+-- is none) by run `new_task_id`'s: the old one leaves the indexes, and a run
+-- that had not ended is noted in the history: still running (its key was
+-- released when it started), or lost, with why (its lock or its hold expired).
+-- Returns the fields the new record keeps of the old (see REMEMBERED).
+local function retire(prefix, record, member, now, history_len, old_state, old_task_id, new_task_id)
+  local kept = redis.call('HMGET', record, 'nonce', 'nonces', 'ended')
+  local carry = {}
+  local nonces = remember(kept[1], kept[2])
+  local ended = kept[3] or ''
+  if old_state and ENDED[old_state] and old_task_id then
+    ended = remember(fingerprint(old_task_id), ended)
+  end
+  if nonces ~= '' then
+    carry[#carry + 1], carry[#carry + 2] = 'nonces', nonces
+  end
+  if ended ~= '' then
+    carry[#carry + 1], carry[#carry + 2] = 'ended', ended
+  end
+  if old_state and not ENDED[old_state] and old_state ~= 'lost' and history_len > 0 then
+    local entry = ' lost ' .. (old_task_id or '') .. ' hold expired; key taken over by ' .. new_task_id
+    if old_state == 'started' then
+      entry = ' lost ' .. (old_task_id or '') .. ' key taken over'
+      if redis.call('EXISTS', prefix .. ':lock:' .. member) == 1 then
+        entry = ' started ' .. (old_task_id or '') .. ' still running; key passed to the next run'
+      end
+    end
+    local hist = prefix .. ':hist:' .. member
     redis.call('LPUSH', hist, now .. entry)
     redis.call('LTRIM', hist, 0, history_len - 1)
   end
-  unindex(prefix, member, old_state)
+  if old_state then
+    unindex(prefix, member, old_state)
+  end
   redis.call('DEL', record)
+  return carry
 end
 
 -- Delete M's record, its history and its index entries.
@@ -116,11 +163,11 @@ end
 
 -- Cut M's record down to what later decisions about its run depend on, for
 -- as long as the record would have lived: the run's id and ending (a late copy
--- of the run is skipped, see start.lua) and the publish nonces it remembers
--- (a retried publish pushes nothing, see gate.lua). Everything else goes: the
+-- of the run is skipped, see start.lua) and what it remembers of earlier runs
+-- (see REMEMBERED). Everything else goes: the
 -- other fields, the history and the index entries.
 local function tombstone(prefix, record, member)
-  local kept = redis.call('HMGET', record, 'task_id', 'state', 'nonce', 'nonces')
+  local kept = redis.call('HMGET', record, 'task_id', 'state', 'nonce', 'nonces', 'ended')
   local ttl = redis.call('PTTL', record)
   unindex(prefix, member, kept[2] or nil)
   redis.call('DEL', record, prefix .. ':hist:' .. member)
@@ -133,6 +180,9 @@ local function tombstone(prefix, record, member)
   end
   if kept[4] then
     fields[#fields + 1], fields[#fields + 2] = 'nonces', kept[4]
+  end
+  if kept[5] then
+    fields[#fields + 1], fields[#fields + 2] = 'ended', kept[5]
   end
   redis.call('HSET', record, unpack(fields))
   redis.call('PEXPIRE', record, ttl)

@@ -32,7 +32,8 @@
 --                   counts starts); payload "" unless asked for and present
 --   {0, pttl}       locked by another delivery of this same run (a redelivered
 --                   copy); detail: the lock's remaining ms
---   {2, state}      done: this run already ended (a state in lib's ENDED)
+--   {2, state}      done: this run already ended (a state in lib's ENDED; "ended"
+--                   when the record has passed to another run since)
 --   {3, owner}      superseded: the key belongs to another run now
 --   {4, pttl}       locked by another run (while_executing, until_executing)
 -- Every refusal increments the record's `skipped` counter, and the task's
@@ -48,13 +49,19 @@ local on_locked = ARGV[15]
 local keep_payload = ARGV[16] ~= '0'
 
 local now = now_ms()
-local current = redis.call('HMGET', record, 'task_id', 'state', 'held_until')
+local current = redis.call('HMGET', record, 'task_id', 'state', 'held_until', 'ended')
 local owner, state = current[1], current[2]
 
 if owner == task_id and ENDED[state] then
   redis.call('HINCRBY', record, 'skipped', 1)
   count(prefix, member, 'skipped')
   return {2, state}
+end
+if owner ~= task_id and current[4] and remembers(current[4], fingerprint(task_id)) then
+  -- A run that ended before the record passed to another (see lib's REMEMBERED).
+  redis.call('HINCRBY', record, 'skipped', 1)
+  count(prefix, member, 'skipped')
+  return {2, 'ended'}
 end
 if gated and owner and owner ~= task_id then
   redis.call('HINCRBY', record, 'skipped', 1)
@@ -78,9 +85,9 @@ if owner == task_id and state == 'started' then
 end
 if owner ~= task_id then
   -- No record for this run (ungated, or the record expired): start one.
-  retire(prefix, record, member, now, history_len, state, owner)
+  local fields = retire(prefix, record, member, now, history_len, state, owner, task_id)
   redis.call('HSET', record, 'task_id', task_id, 'task', task_name, 'duplicates', 0, 'attempts', 0,
-    'held_until', 0)
+    'held_until', 0, unpack(fields))
 end
 local attempts = redis.call('HINCRBY', record, 'attempts', 1)
 redis.call('HSET', record, 'started_at', now, 'worker', hostname, 'pid', pid, 'retries', retries,
