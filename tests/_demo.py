@@ -210,11 +210,12 @@ def messages(page: str) -> list[str]:
 
 def record_page_key(page: str) -> tuple[str, str] | None:
     """(task, business key) shown by a dedup record's admin page; None for any other page."""
-    task = re.search(r"<label>Task:</label><div class=\"readonly\">(.*?)</div>", page)
-    key = re.search(r"<label>Business key:</label><div class=\"readonly\"><code>(.*?)</code>", page)
+    task = re.search(r"<dt>Task</dt><dd[^>]*>(.*?)</dd>", page)
+    key = re.search(r"<dt>Business key</dt><dd[^>]*><code>(.*?)</code>", page)
     if not (task and key):
         return None
-    return html.unescape(task.group(1)), html.unescape(key.group(1))
+    words = re.sub(r"<[^>]+>", "", task.group(1))  # the admin lets long names break at dots
+    return html.unescape(words), html.unescape(key.group(1))
 
 
 def dedup_links(page: str) -> list[str]:

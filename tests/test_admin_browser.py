@@ -68,6 +68,7 @@ def live() -> Iterator[str]:
         server.terminate()
         for connection in shared.values():
             connection.dec_thread_sharing()
+        User.objects.filter(username="browser").delete()  # the database outlives the module
         teardown_test_environment()
 
 
@@ -75,7 +76,7 @@ def live() -> Iterator[str]:
 def browser_page(live: str) -> Iterator[Any]:
     """A 1280 x 800 page logged in as a superuser."""
     sync_api = pytest.importorskip("playwright.sync_api")
-    user = User.objects.filter(username="root").first() or User.objects.create_superuser("root", "r@x.org", "pw")
+    user, _ = User.objects.get_or_create(username="browser", defaults={"is_staff": True, "is_superuser": True})
     client = Client()
     client.force_login(user)
     with sync_api.sync_playwright() as playwright:

@@ -79,7 +79,10 @@ def test_double_click_pay_leaves_one_succeeded_record(demo: DemoProcess, page: A
     stale.goto(page.url)
 
     # Presses 10 ms apart: the first request leaves, the second press cancels its navigation and posts
-    # again, as on a slow page. (Two presses in the same tick make Chromium send only the second.)
+    # again, as on a slow page. (Two presses in the same tick make Chromium send only the second; and
+    # now and then the first is cancelled before it left: the requests sent are counted.)
+    posted: list[str] = []
+    page.on("request", lambda request: posted.append(request.url) if request.method == "POST" else None)
     page.dblclick("#pay", delay=10)
     client = Client(demo.base)
 
@@ -88,8 +91,12 @@ def test_double_click_pay_leaves_one_succeeded_record(demo: DemoProcess, page: A
         return order if (order["charge_dedup"] or {}).get("state") == "succeeded" and order["emails"] else None
 
     order = wait_for(settled, 60, f"order {order_id}'s charge succeeded")
-    assert order["charge_dedup"]["duplicates"] == "1", "the double click should send two pay requests"
-    assert order["charges"] == 1
+    # Chromium reports the second request, and the first only when it was not cancelled on the way:
+    # the server may have seen one more press than counted here, never fewer.
+    presses = sum(url.endswith(f"/orders/{order_id}/pay/") for url in posted)
+    duplicates = int(order["charge_dedup"]["duplicates"])
+    assert presses >= 1 and presses - 1 <= duplicates <= 1, (posted, duplicates)
+    assert order["charges"] == 1, "one charge, however the presses arrived"
 
     page.goto(f"{demo.base}/orders/{order_id}/")
     assert page.locator("#pay").count() == 0, "a paid order offers no Pay button"
@@ -104,8 +111,8 @@ def test_double_click_pay_leaves_one_succeeded_record(demo: DemoProcess, page: A
     assert client.get_json(f"/orders/{order_id}.json")["charges"] == 1
 
     page.click(f"#dedup-records a[data-task='{CHARGE_TASK}']")
-    page.wait_for_selector(".field-state")
-    assert page.locator(".field-state .readonly").inner_text().strip() == "succeeded"
+    page.wait_for_selector("#dedup-record")
+    assert page.locator("#dedup-record .dedup-state").first.inner_text().strip() == "succeeded"
     assert page.locator("code", has_text=order["charge_key"]).count() >= 1
     page.screenshot(path=str(tmp_path / "record.png"), full_page=True)
 

@@ -64,6 +64,7 @@ def users() -> Iterator[dict[str, User]]:
     setup_test_environment()
     call_command("migrate", verbosity=0, interactive=False)
     view = Permission.objects.get(codename="view_record", content_type__app_label="celery_dedup")
+    User.objects.all().delete()  # the in-memory database is the process's: another module may have used it
     made = {
         "root": User.objects.create_superuser("root", "root@example.com", "pw"),
         "nobody": User.objects.create_user("nobody", is_staff=True),
