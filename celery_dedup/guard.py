@@ -17,6 +17,7 @@ import logging
 import os
 import random
 import socket
+import time
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any, NamedTuple, NoReturn
@@ -117,6 +118,8 @@ def guarded_call(
             note=ending.note,
             record_ms=record_ms,
             payload=kept_payload(task, ending.state, args, kwargs),
+            patience=max(policy.lock_ttl, 5.0),
+            lock=lock if own else None,
         )
 
     try:
@@ -377,30 +380,52 @@ def finish(
     error: str = "",
     payload: str = "",
     note: str = "",
+    patience: float = 0.0,
+    lock: ExecutionLock | None = None,
 ) -> bool:
     """Record a run's ending (``role`` as for :meth:`DedupStore.finish`); store errors are logged.
 
-    Returns whether the record named this run. A key whose ending could not be
-    recorded expires by its TTL.
+    Returns whether the record named this run. A store that cannot be reached
+    (a restart, a dropped connection) is tried again for up to ``patience``
+    seconds, renewing ``lock`` meanwhile: an ending that is not recorded
+    leaves the run ``started``, and a later copy of it would run it again. A
+    key whose ending could not be recorded expires by its TTL.
     """
-    try:
-        owned, lock_kept = store.finish(
-            member,
-            task_id,
-            state,
-            drop=drop,
-            record_ms=record_ms,
-            role=role,
-            token=token,
-            error=error,
-            payload=payload,
-            note=note,
-        )
-    except redis.RedisError:
-        logger.exception(
-            "could not record %s for %s[%s] key %r; it expires by its TTL", state, task.name, task_id, member
-        )
-        return False
+    deadline = time.monotonic() + patience
+    wait = 0.05
+    while True:
+        try:
+            owned, lock_kept = store.finish(
+                member,
+                task_id,
+                state,
+                drop=drop,
+                record_ms=record_ms,
+                role=role,
+                token=token,
+                error=error,
+                payload=payload,
+                note=note,
+            )
+            break
+        except (redis.ConnectionError, redis.TimeoutError) as exc:
+            if time.monotonic() + wait > deadline:
+                logger.exception(
+                    "could not record %s for %s[%s] key %r; it expires by its TTL", state, task.name, task_id, member
+                )
+                return False
+            logger.warning("recording %s for %s[%s] again: %s", state, task.name, task_id, exc)
+            if lock is not None:
+                renewer().add(lock)  # keep it ours while the store is away
+            time.sleep(wait)
+            wait = min(wait * 2, 1.0)
+            if lock is not None:
+                renewer().remove(lock)
+        except redis.RedisError:
+            logger.exception(
+                "could not record %s for %s[%s] key %r; it expires by its TTL", state, task.name, task_id, member
+            )
+            return False
     if not lock_kept:
         decisions.log("lock_lost", task.name, _key(member), task_id, f"ended {state} after losing its execution lock")
     if not owned:

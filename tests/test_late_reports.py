@@ -14,6 +14,7 @@ import os
 import time
 from collections.abc import Iterator
 from typing import Any
+from urllib.parse import urlparse
 
 import pytest
 import redis
@@ -21,6 +22,8 @@ from celery import Celery, signals
 
 from celery_dedup import DedupTask
 from celery_dedup.keys import KeySchema, member_for
+from celery_dedup.store import load_script
+from chaos.proxy import FaultProxy
 
 from .conftest import AppFactory, Server, WorkerProcess, in_process_worker, new_app, wait_for
 from .guard_app import LINGER, events_key, register
@@ -215,3 +218,35 @@ def _alive(pid: int) -> bool:
         return False
     with open(f"/proc/{pid}/stat", encoding="ascii") as stat:
         return stat.read().rpartition(")")[2].split()[0] not in ("Z", "X")
+
+
+# --------------------------------------------------------------------------- an ending the store could not take at once
+
+
+def test_an_ending_is_recorded_when_the_store_comes_back(make_app: AppFactory, server: Server, r: redis.Redis) -> None:
+    """The connection breaks just as the guard records a success (a server restart, a reset):
+    the guard tries again, so the run is not left ``started`` for a later copy to run again.
+    """
+    port = urlparse(server.url).port
+    assert port is not None
+    for name in ("finish", "start", "renew"):
+        r.execute_command("SCRIPT", "LOAD", load_script(name))
+    with FaultProxy(port) as proxy:
+        app = make_app("flaky", broker_url=proxy.url, result_backend=server.url, dedup_lock_ttl=30)
+        client = redis.Redis.from_url(server.url)
+
+        @app.task(base=DedupTask, name="late.recorded", dedup_key="k:{key}", bind=True, shared=False)
+        def recorded(self: DedupTask, key: str) -> str:
+            proxy.arm("before")  # the next script this worker runs is the guard's finish: cut it
+            client.rpush("late:recorded", str(self.request.id))
+            return key
+
+        member = member_for(recorded.name, "k:r")
+        with in_process_worker(app):
+            run = recorded.delay("r")
+            assert run.get(timeout=20) == "r"
+            wait_for(
+                lambda: record(r, member).get("state") == "succeeded", 15, lambda: f"the ending: {record(r, member)}"
+            )
+    assert [i.point for i in proxy.incidents] == ["before"], "the finish was cut once"
+    assert not r.sismember(SCHEMA.held, member) and not r.exists(SCHEMA.lock(member))

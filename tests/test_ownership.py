@@ -7,6 +7,8 @@ on something another run or delivery owned.
 
 from __future__ import annotations
 
+import time
+
 import pytest
 import redis
 
@@ -23,13 +25,15 @@ def store(r: redis.Redis) -> DedupStore:
     return DedupStore(r, "dedup")
 
 
-def start(store: DedupStore, task_id: str, token: str, *, key_mode: str = "lock", lock_ms: int = 60_000) -> None:
+def start(
+    store: DedupStore, task_id: str, token: str, *, key_mode: str = "lock", lock_ms: int = 60_000, gated: bool = True
+) -> None:
     decision = store.start(
         MEMBER,
         task_id,
         token,
         lock_ms=lock_ms,
-        gated=True,
+        gated=gated,
         key_mode=key_mode,
         hostname="elsewhere",
         pid=1,
@@ -106,3 +110,23 @@ def test_a_report_for_an_ended_run_touches_nothing_of_the_next_run(store: DedupS
     assert r.get(SCHEMA.lock(MEMBER)) == b"elsewhere:1:b"
     assert r.hget(SCHEMA.record(MEMBER), "task_id") == b"B"
     assert r.sismember(SCHEMA.held, MEMBER)
+
+
+def test_a_run_that_ends_after_its_record_passed_on_is_remembered(store: DedupStore, r: redis.Redis) -> None:
+    """while_executing: A's lock expired (a paused worker) and B took the record; A then finishes.
+    The record must remember that A ended, so a copy of A (its redelivery) is not run again.
+    """
+    start(store, "A", "elsewhere:1:a", lock_ms=100, gated=False)
+    time.sleep(0.2)
+    start(store, "B", "elsewhere:1:b", gated=False)
+    store.finish(MEMBER, "B", "succeeded", drop=True, record_ms=DAY_MS, role="run", token="elsewhere:1:b")
+
+    owned, kept = store.finish(MEMBER, "A", "succeeded", drop=True, record_ms=DAY_MS, role="run", token="elsewhere:1:a")
+
+    assert (owned, kept) == (False, False)
+    decision = store.start(
+        MEMBER, "A", "elsewhere:2:a", lock_ms=60_000, gated=False, key_mode="lock", hostname="elsewhere", pid=2,
+        retries=0, task_name="own.task", record_ms=DAY_MS,
+    )  # fmt: skip
+    assert (decision.code, decision.detail) == (decision.DONE, "ended")
+    assert r.hget(SCHEMA.record(MEMBER), "task_id") == b"B"

@@ -32,7 +32,7 @@
 -- ARGV[12] a history note for the transition, "" for none
 --
 -- Nothing but a lock named by ARGV[6] is touched unless the record names this
--- run. A run that has ended is never recorded again (a report that comes
+-- run (then only its memory of ended runs, see lib's REMEMBERED). A run that has ended is never recorded again (a report that comes
 -- after the body settled it changes nothing); the delivery that still held
 -- its lock then only releases that lock and, with ARGV[4], its key.
 --
@@ -58,6 +58,12 @@ if token ~= '' then
   end
 end
 if current[1] ~= task_id then
+  if current[1] and state ~= 'retry' and state ~= 'queued' and state ~= '' then
+    -- The record passed to another run meanwhile (while_executing, a key
+    -- released at start, a run declared lost): it remembers that this one
+    -- ended, so a late copy of it is skipped (start.lua).
+    redis.call('HSET', record, 'ended', remember(fingerprint(task_id), redis.call('HGET', record, 'ended')))
+  end
   return {0, lock_kept}
 end
 local run_lock = current[2]
