@@ -91,6 +91,10 @@ def test_double_click_pay_leaves_one_succeeded_record(demo: DemoProcess, page: A
         return order if (order["charge_dedup"] or {}).get("state") == "succeeded" and order["emails"] else None
 
     order = wait_for(settled, 60, f"order {order_id}'s charge succeeded")
+    # The sync API hands events to listeners only while a Playwright call is in flight: one round trip
+    # after the server answered delivers every request event the browser sent before it.
+    page.wait_for_load_state("load")
+    page.evaluate("0")
     # Chromium reports the second request, and the first only when it was not cancelled on the way:
     # the server may have seen one more press than counted here, never fewer.
     presses = sum(url.endswith(f"/orders/{order_id}/pay/") for url in posted)
@@ -137,7 +141,7 @@ def test_double_click_pay_leaves_one_succeeded_record(demo: DemoProcess, page: A
     page.goto(f"{demo.base}/admin/shop/order/{order_id}/change/")
     record = page.locator(".field-dedup_records").inner_text()
     assert "state=succeeded" in record
-    assert "duplicates=1" in record
+    assert f"duplicates={duplicates}" in record
 
     processes = demo.descendants()
     assert demo.stop(signal.SIGTERM) == 0, demo.output()
