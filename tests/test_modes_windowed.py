@@ -441,6 +441,47 @@ def test_call_during_a_run_opens_a_burst_that_runs_after_it(make_app: AppFactory
     assert [entry[0] for entry in second_history] == ["pending", "queued", "started", "succeeded"]
 
 
+def test_a_retry_of_a_started_run_never_joins_the_next_burst(make_app: AppFactory, runs: Runs, r: redis.Redis) -> None:
+    """Run A retries after a new call opened the next burst B: A's retry is answered as a duplicate of B.
+
+    It must not join B's burst: a retry re-publishes A's arguments, and joining
+    would hand B, which belongs to a later call, arguments from before it.
+    """
+    app = make_app()
+    go = f"test:go:{uuid.uuid4().hex}"
+
+    @app.task(
+        base=DedupTask,
+        bind=True,
+        shared=False,
+        name=unique("retrying"),
+        dedup_key="k:{k}",
+        dedup_mode="debounce",
+        dedup_window=0.2,
+    )
+    def work(self: Any, k: int, v: Any = None) -> Any:
+        runs.log(self.request.id, [k, v], time.time())
+        if v == "a" and self.request.retries == 0 and r.incr(f"{go}:calls") == 1:
+            wait_for(lambda: r.lpop(go), 10, "the test to let the first run go on")
+            raise self.retry(countdown=0.1)
+        return v
+
+    member = member_of(work, 3)
+    with in_process_worker(app, pool="threads", concurrency=2):
+        first = work.delay(3, "a")
+        wait_state(r, member, "started", first.id)
+        second = work.delay(3, "b")
+        assert not second.deduplicated and second.id != first.id
+        r.rpush(go, "1")
+        assert second.get(timeout=20) == "b"
+        wait_state(r, member, "succeeded", second.id)
+    assert [(run["id"], run["args"]) for run in runs.all()] == [(first.id, [3, "a"]), (second.id, [3, "b"])]
+    record = record_of(r, member)
+    assert record.get("debounced", "0") == "0", f"the retry joined the burst: {record}"
+    assert record["duplicates"] == "1", f"the retry was not answered as a duplicate: {record}"
+    assert first.state == "RETRY"
+
+
 # --------------------------------------------------------------------------- throttle and windows
 
 

@@ -37,7 +37,7 @@
 --
 -- Debounce: a new run's message is parked in its record (state `pending`) and
 -- its member put in P:due, scored by when it is due; dispatch.lua pushes it
--- then. A call while the key is held joins that run: it pushes the due time
+-- then. A call (never a continuation) while the key is held joins that run: it pushes the due time
 -- back (pending runs only; never past first call + max wait) and, with
 -- ARGV[19], leaves its payload and argument reprs for the run to use.
 --
@@ -97,8 +97,8 @@ if same_run then
 else
   local fresh = redis.call('SADD', held, member) == 1
   if not fresh and owner_id and tonumber(owner[3] or 0) > now then
-    if not debounce then
-      return duplicate_of(owner_id)
+    if continues or not debounce then
+      return duplicate_of(owner_id)  -- a continuation never joins a burst: its arguments predate it
     end
     if owner_state == 'pending' then
       local first = tonumber(redis.call('HGET', record, 'first_at') or now)
