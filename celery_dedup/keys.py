@@ -314,6 +314,10 @@ class KeySchema:
     def history(self, member: str) -> str:
         return f"{self.prefix}:hist:{member}"
 
+    def ended(self, member: str) -> str:
+        """ZSET of the key's ended runs pushed out of its record's memory (lib.lua's ``remember_ended``)."""
+        return f"{self.prefix}:ended:{member}"
+
     @property
     def index(self) -> str:
         """ZSET of every member with a record, scored by last update (ms)."""

@@ -130,3 +130,44 @@ def test_a_run_that_ends_after_its_record_passed_on_is_remembered(store: DedupSt
     )  # fmt: skip
     assert (decision.code, decision.detail) == (decision.DONE, "ended")
     assert r.hget(SCHEMA.record(MEMBER), "task_id") == b"B"
+
+
+def _run_to_end(store: DedupStore, task_id: str) -> None:
+    start(store, task_id, f"elsewhere:1:{task_id}", gated=False)
+    store.finish(MEMBER, task_id, "succeeded", drop=True, record_ms=DAY_MS, role="run", token=f"elsewhere:1:{task_id}")
+
+
+def test_a_copy_of_an_ungated_run_is_skipped_however_many_runs_ended_since(store: DedupStore, r: redis.Redis) -> None:
+    """while_executing on a busy key: fifty runs end after A before A's copy arrives (the chaos
+    run saw a deferred copy come back after its run had fallen out of the record's memory).
+    """
+    for task_id in ["A", *(f"R{n}" for n in range(50))]:
+        _run_to_end(store, task_id)
+
+    decision = store.start(
+        MEMBER, "A", "elsewhere:2:a", lock_ms=60_000, gated=False, key_mode="lock", hostname="elsewhere", pid=2,
+        retries=0, task_name="own.task", record_ms=DAY_MS,
+    )  # fmt: skip
+
+    assert (decision.code, decision.detail) == (decision.DONE, "ended")
+    assert r.hget(SCHEMA.record(MEMBER), "task_id") == b"R49"
+    assert 0 < r.pttl(SCHEMA.ended(MEMBER)) <= DAY_MS
+
+
+def test_a_continuation_of_a_run_that_ended_long_ago_pushes_nothing(store: DedupStore, r: redis.Redis) -> None:
+    """A deferred copy re-published by A (a continuation) after fifty more runs of its key ended."""
+    for task_id in ["A", *(f"R{n}" for n in range(50))]:
+        _run_to_end(store, task_id)
+
+    outcome = store.gate(MEMBER, "A", "n-late", hold_ms=60_000, grace_ms=DAY_MS, task_name="own.task", continues=True)
+
+    assert outcome.task_id == "A", outcome
+    assert r.hget(SCHEMA.record(MEMBER), "task_id") == b"R49", "the late continuation took the key as a new run"
+    assert r.llen("celery") == 0
+
+
+def test_the_memory_of_ended_runs_is_bounded(store: DedupStore, r: redis.Redis) -> None:
+    """Every run of a key that churns without end: the overflow keeps at most ENDED_KEPT of them."""
+    for n in range(1100):
+        _run_to_end(store, f"R{n}")
+    assert r.zcard(SCHEMA.ended(MEMBER)) == 1000

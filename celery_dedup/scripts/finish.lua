@@ -62,7 +62,9 @@ if current[1] ~= task_id then
     -- The record passed to another run meanwhile (while_executing, a key
     -- released at start, a run declared lost): it remembers that this one
     -- ended, so a late copy of it is skipped (start.lua).
-    redis.call('HSET', record, 'ended', remember(fingerprint(task_id), redis.call('HGET', record, 'ended')))
+    local keep_ms = math.max(record_ms, redis.call('PTTL', record))
+    local ended = remember_ended(prefix, member, task_id, redis.call('HGET', record, 'ended'), now_ms(), keep_ms)
+    redis.call('HSET', record, 'ended', ended)
   end
   return {0, lock_kept}
 end

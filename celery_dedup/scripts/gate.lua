@@ -83,7 +83,7 @@ if owner[6] == nonce then
 end
 
 local same_run = owner_id == task_id
-if continues and not same_run and owner[7] and remembers(owner[7], fingerprint(task_id)) then
+if continues and not same_run and owner[7] and has_ended(prefix, member, owner[7], task_id) then
   return {2, task_id}  -- it continues a run that has ended since: nothing left to run
 end
 if same_run then
@@ -124,7 +124,7 @@ if same_run then
   local until_ms = math.max(tonumber(owner[3] or 0), now + hold_ms)
   redis.call('HSET', record, 'nonce', nonce, 'nonces', remember(owner_nonce, owner_nonces), 'held_until', until_ms)
 else
-  local fields = retire(prefix, record, member, now, history_len, owner_state, owner_id, task_id)
+  local fields = retire(prefix, record, member, now, history_len, owner_state, owner_id, task_id, grace_ms)
   local function add(...)
     for _, value in ipairs({...}) do
       fields[#fields + 1] = value

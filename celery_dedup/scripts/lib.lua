@@ -117,18 +117,48 @@ local function fingerprint(task_id)
   return string.sub(redis.sha1hex(task_id), 1, 12)
 end
 
+-- A record's `ended` holds its key's last REMEMBERED ended runs; runs pushed
+-- out of it go to P:ended:M (fingerprint -> when, ms), kept for `keep_ms` and
+-- at most ENDED_KEPT of them: a late copy of a run of a busy key (a deferred
+-- copy, a redelivery after many runs of a while_executing key) is still
+-- recognised. Quiet keys never write it.
+local ENDED_KEPT = 1000
+
+-- `ended` with run `task_id` remembered; returns the new field value.
+local function remember_ended(prefix, member, task_id, ended, now, keep_ms)
+  local kept = remember(fingerprint(task_id), ended)
+  local overflow = prefix .. ':ended:' .. member
+  for word in string.gmatch(ended or '', '%S+') do
+    if not remembers(kept, word) then
+      redis.call('ZADD', overflow, now, word)
+      redis.call('ZREMRANGEBYSCORE', overflow, '-inf', now - keep_ms)
+      redis.call('ZREMRANGEBYRANK', overflow, 0, -ENDED_KEPT - 1)
+      redis.call('PEXPIRE', overflow, keep_ms)
+    end
+  end
+  return kept
+end
+
+-- Whether run `task_id` of M ended before its record passed on (`ended` is
+-- the record's field).
+local function has_ended(prefix, member, ended, task_id)
+  local word = fingerprint(task_id)
+  return remembers(ended, word) or redis.call('ZSCORE', prefix .. ':ended:' .. member, word) ~= false
+end
+
 -- Replace M's record (in `old_state`, of run `old_task_id`; both false if there
 -- is none) by run `new_task_id`'s: the old one leaves the indexes, and a run
 -- that had not ended is noted in the history: still running (its key was
 -- released when it started), or lost, with why (its lock or its hold expired).
--- Returns the fields the new record keeps of the old (see REMEMBERED).
-local function retire(prefix, record, member, now, history_len, old_state, old_task_id, new_task_id)
+-- Returns the fields the new record keeps of the old (see REMEMBERED); an
+-- ended run pushed out of them is kept `keep_ms` (see remember_ended).
+local function retire(prefix, record, member, now, history_len, old_state, old_task_id, new_task_id, keep_ms)
   local kept = redis.call('HMGET', record, 'nonce', 'nonces', 'ended')
   local carry = {}
   local nonces = remember(kept[1], kept[2])
   local ended = kept[3] or ''
   if old_state and ENDED[old_state] and old_task_id then
-    ended = remember(fingerprint(old_task_id), ended)
+    ended = remember_ended(prefix, member, old_task_id, ended, now, keep_ms)
   end
   if nonces ~= '' then
     carry[#carry + 1], carry[#carry + 2] = 'nonces', nonces

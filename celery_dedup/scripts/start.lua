@@ -57,7 +57,7 @@ if owner == task_id and ENDED[state] then
   count(prefix, member, 'skipped')
   return {2, state}
 end
-if owner ~= task_id and current[4] and remembers(current[4], fingerprint(task_id)) then
+if owner ~= task_id and current[4] and has_ended(prefix, member, current[4], task_id) then
   -- A run that ended before the record passed to another (see lib's REMEMBERED).
   redis.call('HINCRBY', record, 'skipped', 1)
   count(prefix, member, 'skipped')
@@ -85,7 +85,7 @@ if owner == task_id and state == 'started' then
 end
 if owner ~= task_id then
   -- No record for this run (ungated, or the record expired): start one.
-  local fields = retire(prefix, record, member, now, history_len, state, owner, task_id)
+  local fields = retire(prefix, record, member, now, history_len, state, owner, task_id, record_ms)
   redis.call('HSET', record, 'task_id', task_id, 'task', task_name, 'duplicates', 0, 'attempts', 0,
     'held_until', 0, unpack(fields))
 end
