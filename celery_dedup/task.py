@@ -393,11 +393,13 @@ class DedupTask(_TaskBase):
         if not outcome.collapsed:
             runtime.runtime_for(app).recent.saw(member, gate.hold_ms / 1000)
         if not outcome.accepted:
-            return self._answer(outcome, business_key, run_id, options)
+            return self._answer(outcome, business_key, run_id, options, follows=follows)
         decisions.log("accepted", self.name, business_key, run_id)
         return self._add_to_parent(result, add_to_parent)
 
-    def _answer(self, outcome: Outcome, key: str, run_id: str, options: dict[str, Any]) -> DedupResult:
+    def _answer(
+        self, outcome: Outcome, key: str, run_id: str, options: dict[str, Any], *, follows: bool
+    ) -> DedupResult:
         """What a call the gate did not accept gets: the accepted run, as a duplicate, a follower or a join."""
         if outcome.refused:
             limit = runtime.config_for(self.app).max_followers
@@ -408,7 +410,7 @@ class DedupTask(_TaskBase):
         if outcome.collapsed:
             decisions.log("collapsed", self.name, key, outcome.task_id, "joined the burst of its run")
             return self._marked(outcome.task_id)
-        return self._on_duplicate(self.dedup_policy, key, outcome.task_id, options)
+        return self._on_duplicate(self.dedup_policy, key, outcome.task_id, options, follows=follows)
 
     def _gated(self, atomic: bool) -> bool:
         """Whether a call goes through the gate (else it is published as Celery would)."""
@@ -553,17 +555,18 @@ class DedupTask(_TaskBase):
         """Results of this task are :class:`DedupResult`."""
         return DedupResult(task_id, backend=self.backend, task_name=self.name, app=self.app, **kwargs)
 
-    def _on_duplicate(self, policy: TaskPolicy, key: str, existing_id: str, options: dict[str, Any]) -> DedupResult:
+    def _on_duplicate(
+        self, policy: TaskPolicy, key: str, existing_id: str, options: dict[str, Any], *, follows: bool = False
+    ) -> DedupResult:
         # Canvas dispatch on a worker (chain/link callbacks) passes parent_id;
         # raising there would fail the parent task, so it gets the result instead.
         if policy.on_duplicate == "raise" and "parent_id" not in options:
             decisions.log("deduplicated", self.name, key, existing_id, "already accepted (raise)")
             raise DuplicateTaskError(self.name, key, existing_id)
-        if options.get("group_id") or options.get("chord"):
-            # Celery fixed this member's id before publishing and waits for it.
+        if follows:
             logger.warning(
-                "duplicate %s key %r inside a group/chord: the member's result will never resolve "
-                "(the run is %s); give group members distinct keys",
+                "duplicate %s key %r carries something to continue (a group or chord member, callbacks, a "
+                "chain) but cannot follow run %s (no Redis broker, or dedup_max_followers=0): it will not run",
                 self.name,
                 key,
                 existing_id,
