@@ -9,9 +9,9 @@ What it measures, on a real server with a real worker:
 - **memory**: ``--followers`` followers (``apply_async(link=...)``) parked on one
   run that no worker has taken yet: ``MEMORY USAGE`` of the key's followers
   hash, per follower, next to the size of the message each one parks;
-- **round trips**: the commands the server ran (``INFO commandstats``) for one
-  follower publish, and for the ending of a run with followers (beyond one
-  without);
+- **round trips**: the scripts the server ran (``INFO commandstats``) for one
+  follower publish (the ending of a run with followers costs one more, to
+  hand over its return value: see ``settle.lua``);
 - **resolution**: with a worker running, the time from the run's body
   returning to each follower's callback having run (median and max), for
   ``--followers`` followers.
@@ -69,9 +69,10 @@ def build(url: str) -> tuple[Celery, Any, Any]:
     return app, work, callback
 
 
-def commands(client: redis.Redis) -> int:
+def script_calls(client: redis.Redis) -> int:
+    """Scripts the server ran (``EVALSHA``/``EVAL``): each is one round trip of the caller."""
     stats = client.info("commandstats")
-    return sum(int(entry["calls"]) for entry in stats.values())
+    return sum(int(stats.get(name, {}).get("calls", 0)) for name in ("cmdstat_evalsha", "cmdstat_eval"))
 
 
 def measure(followers: int) -> dict[str, Any]:
@@ -80,9 +81,9 @@ def measure(followers: int) -> dict[str, Any]:
         app, work, callback = build(server.url)
         run = work.delay(1, 0.5)
         work.apply_async((1, 0.5), link=callback.s())  # scripts loaded, caches warm
-        before = commands(client)
+        before = script_calls(client)
         work.apply_async((1, 0.5), link=callback.s())
-        per_publish = commands(client) - before
+        per_publish = script_calls(client) - before
         for _ in range(followers - 2):
             work.apply_async((1, 0.5), link=callback.s())
         member = member_for(work.name, "work:1")
@@ -100,7 +101,7 @@ def measure(followers: int) -> dict[str, Any]:
         "followers": followers,
         "bytes_per_follower": hash_bytes / followers,
         "message_bytes": queue_entry,
-        "commands_per_follower_publish": per_publish,
+        "scripts_per_follower_publish": per_publish,
         "resolved": len(done),
         "resolve_median_ms": statistics.median(done) * 1000 if done else None,
         "resolve_max_ms": max(done) * 1000 if done else None,
@@ -113,11 +114,11 @@ def main() -> None:
     parser.add_argument("--output", type=Path, default=HERE / "results" / "followers.json")
     options = parser.parse_args()
     result = measure(options.followers)
-    print("| followers | bytes / follower (parked) | message bytes | commands / follower publish |")
+    print("| followers | bytes / follower (parked) | message bytes | round trips / follower publish |")
     print("|---:|---:|---:|---:|")
     print(
         f"| {result['followers']} | {result['bytes_per_follower']:.0f} | {result['message_bytes']} "
-        f"| {result['commands_per_follower_publish']} |"
+        f"| {result['scripts_per_follower_publish']} |"
     )
     print()
     print("| followers resolved | after the run returned: median ms | max ms |")
