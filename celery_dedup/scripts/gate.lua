@@ -101,8 +101,10 @@ local function park(run, run_state)
   return true
 end
 
+-- A duplicate of `run`; one with something to continue follows it (not a call
+-- that names the run itself: it shares the run's id, so it resolves with it).
 local function duplicate_of(run)
-  if max_followers > 0 and queue then
+  if max_followers > 0 and queue and run ~= task_id then
     if not park(run, owner_state) then
       return {4, run}
     end
