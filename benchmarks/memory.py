@@ -173,7 +173,7 @@ def start_all(store: DedupStore, keys: Keys, hostname: str) -> None:
 def finish_all(store: DedupStore, keys: Keys) -> None:
     """What the guard sends when each delivery succeeds (one ``finish`` per key)."""
     for member, task_id, token in zip(keys.members, keys.task_ids, keys.tokens, strict=True):
-        owned, lock_kept = store.finish(
+        owned, lock_kept, _ = store.finish(
             member, task_id, "succeeded", drop=True, record_ms=86_400_000, token=token, role="run"
         )
         if not (owned and lock_kept):

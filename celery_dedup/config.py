@@ -30,6 +30,9 @@ setting                      default               effect
                                                    lost by the transport
 ``dedup_dispatch_interval``  ``0.1``               seconds a worker's dispatcher of debounced runs
                                                    sleeps at most between looks for due runs
+``dedup_max_followers``      ``1000``              duplicates with something to continue (a group or
+                                                   chord member, callbacks, a chain) that one key's
+                                                   run carries at most; 0: none
 ===========================  ====================  ===============================================
 
 Every time is in seconds, an int or a float, from 0.001 (Redis keeps times in
@@ -117,6 +120,12 @@ def _count(setting: str, value: Any, *, task: str | None = None) -> int:
     return value
 
 
+def _followers(setting: str, value: Any, *, task: str | None = None) -> int:
+    if isinstance(value, bool) or not isinstance(value, int) or not 0 <= value <= 1_000_000:
+        raise DedupConfigError(setting, value, "must be an integer from 0 (no followers) to 1000000", task=task)
+    return value
+
+
 def _interval(setting: str, value: Any, *, task: str | None = None) -> float:
     if value == 0 and not isinstance(value, bool):
         return 0.0
@@ -156,6 +165,7 @@ SETTINGS: dict[str, tuple[Any, Callable[..., Any]]] = {
     "dedup_on_locked": ("skip", check_on_locked),
     "dedup_record_args": (True, _flag),
     "dedup_history_length": (10, _count),
+    "dedup_max_followers": (1000, _followers),
     "dedup_reap_interval": (60, _interval),
     "dedup_reap_grace": (30, _seconds),
     "dedup_dispatch_interval": (0.1, _seconds),
@@ -179,6 +189,7 @@ class DedupConfig:
     on_locked: str
     record_args: bool
     history_length: int
+    max_followers: int
     reap_interval: float
     reap_grace: float
     dispatch_interval: float

@@ -19,6 +19,7 @@ DECISIONS = (
     "accepted",
     "deduplicated",
     "collapsed",
+    "followed",
     "skipped",
     "deferred",
     "lock_lost",
@@ -30,6 +31,7 @@ DECISIONS = (
 LEVELS = {
     "accepted": logging.DEBUG,
     "collapsed": logging.DEBUG,
+    "followed": logging.DEBUG,
     "deduplicated": logging.INFO,
     "skipped": logging.INFO,
     "deferred": logging.INFO,

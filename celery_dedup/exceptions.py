@@ -76,6 +76,39 @@ class DuplicateTaskError(DedupError):
         super().__init__(f"task {task!r} key {key!r} is already accepted as task id {task_id!r}")
 
 
+class DedupFollowerError(DedupError):
+    """The run a follower waited for did not succeed, so the follower fails with its ending.
+
+    A follower is a duplicate call that carried something to continue (a
+    group or chord member, callbacks, a chain): it resolves as the accepted
+    run ``run_id`` ended; ``state`` is how (failed, revoked, lost, released,
+    ...), ``reason`` its error or note.
+    """
+
+    def __init__(self, task: str, key: str, run_id: str, state: str, reason: str) -> None:
+        self.task = task
+        self.key = key
+        self.run_id = run_id
+        self.state = state
+        self.reason = reason
+        why = f": {reason}" if reason else ""
+        super().__init__(f"task {task!r} key {key!r}: followed run {run_id!r}, which ended {state}{why}")
+
+
+class DedupFollowerLimitError(DedupError):
+    """A duplicate with something to continue found its run carrying ``dedup_max_followers`` followers already."""
+
+    def __init__(self, task: str, key: str, run_id: str, limit: int) -> None:
+        self.task = task
+        self.key = key
+        self.run_id = run_id
+        self.limit = limit
+        super().__init__(
+            f"task {task!r} key {key!r}: run {run_id!r} has {limit} followers already (dedup_max_followers); "
+            "nothing was published"
+        )
+
+
 class DedupUnavailableError(DedupError):
     """The dedup store (on a Redis broker: the broker) could not be reached.
 

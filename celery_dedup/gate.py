@@ -47,6 +47,10 @@ class GateHeader:
     #: This publish continues its run (``Task.retry``, a deferred copy, a
     #: replacement under the same key) rather than being a call of its own.
     continues: bool = False
+    #: The call carries something to continue or resolve (its id in a group
+    #: or chord, callbacks, a chain): as a duplicate it becomes a follower of
+    #: the accepted run, at most this many per run; 0 for any other call.
+    follow: int = 0
 
     @property
     def debounce(self) -> bool:
@@ -66,6 +70,8 @@ class GateHeader:
             encoded["debounce"] = [self.window_ms, self.max_wait_ms, self.latest]
         if self.continues:
             encoded["continues"] = True
+        if self.follow:
+            encoded["follow"] = self.follow
         return encoded
 
     @classmethod
@@ -87,6 +93,7 @@ class GateHeader:
             int(max_wait_ms),
             bool(latest),
             bool(raw.get("continues", False)),
+            int(raw.get("follow", 0)),
         )
 
 
@@ -105,27 +112,45 @@ def message_payload(message: Mapping[str, Any]) -> str:
     )
 
 
-def call_payload(app: Any, serializer: str | None, args: Any, kwargs: Any) -> str:
-    """The payload of a call, serialized as its message body would be, to re-enqueue it later."""
-    content_type, content_encoding, data = serialization.dumps(
-        [list(args or ()), dict(kwargs or {}), {}], serializer=serializer or app.conf.task_serializer
-    )
+def _encoded(value: Any, serializer: str) -> str:
+    """``value`` serialized, as the JSON ``[base64 body, "base64", content type, content encoding]``."""
+    content_type, content_encoding, data = serialization.dumps(value, serializer=serializer)
     raw = data if isinstance(data, bytes) else data.encode(content_encoding or "utf-8")
     return str(dumps([base64.b64encode(raw).decode("ascii"), "base64", content_type, content_encoding]))
 
 
+def _decoded(payload: str, accept_content: Any) -> Any:
+    """The value of a payload kept by :func:`_encoded` or :func:`message_payload`, if its type is accepted."""
+    body, body_encoding, content_type, content_encoding = loads(payload)
+    data = base64.b64decode(body) if body_encoding == "base64" else body
+    accept = serialization.prepare_accept_content(accept_content)
+    return serialization.loads(data, content_type, content_encoding, accept=accept)
+
+
+def call_payload(app: Any, serializer: str | None, args: Any, kwargs: Any) -> str:
+    """The payload of a call, serialized as its message body would be, to re-enqueue it later."""
+    return _encoded([list(args or ()), dict(kwargs or {}), {}], serializer or app.conf.task_serializer)
+
+
 def decode_payload(app: Any, payload: str) -> tuple[list[Any], dict[str, Any]]:
-    """``(args, kwargs)`` of a payload kept by :func:`message_payload`.
+    """``(args, kwargs)`` of a payload kept by :func:`message_payload` or :func:`call_payload`.
 
     Only content types the app accepts (``accept_content``) are decoded.
     """
-    body, body_encoding, content_type, content_encoding = loads(payload)
-    data = base64.b64decode(body) if body_encoding == "base64" else body
-    accept = serialization.prepare_accept_content(app.conf.accept_content)
-    decoded = serialization.loads(data, content_type, content_encoding, accept=accept)
+    decoded = _decoded(payload, app.conf.accept_content)
     if isinstance(decoded, Mapping):  # task message protocol 1
         return list(decoded.get("args") or ()), dict(decoded.get("kwargs") or {})
     return list(decoded[0]), dict(decoded[1])
+
+
+def result_payload(app: Any, value: Any) -> str:
+    """A run's return value serialized as its result would be (``result_serializer``), for its followers."""
+    return _encoded(value, app.conf.result_serializer)
+
+
+def decode_result(app: Any, payload: str) -> Any:
+    """The return value kept by :func:`result_payload` (``result_accept_content``, else ``accept_content``)."""
+    return _decoded(payload, app.conf.result_accept_content or app.conf.accept_content)
 
 
 @dataclass(frozen=True)
@@ -137,6 +162,11 @@ class Outcome:
     #: Not accepted, but joined the accepted run's burst (debounce): its
     #: arguments may be the ones that run.
     collapsed: bool = False
+    #: Not accepted, but parked as a follower of the accepted run: its own
+    #: message is delivered once that run ends, and resolves as it ended.
+    followed: bool = False
+    #: Not accepted, and not parked: the run has ``dedup_max_followers`` already.
+    refused: bool = False
 
 
 class Ticket:

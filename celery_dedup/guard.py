@@ -24,15 +24,16 @@ from typing import Any, NamedTuple, NoReturn
 
 import redis
 from celery.exceptions import Ignore, Reject, Retry
+from kombu.utils.json import loads
 
 from . import decisions, runtime
-from .exceptions import UNREACHABLE, DedupError, DedupStoreError, DedupUnavailableError
-from .gate import GateHeader, call_payload, decode_payload
+from .exceptions import UNREACHABLE, DedupError, DedupFollowerError, DedupStoreError, DedupUnavailableError
+from .gate import GateHeader, call_payload, decode_payload, decode_result, result_payload
 from .keyed import KeyedTask
 from .keys import member_for, split_member
 from .lock import ExecutionLock, new_token, renewer
 from .processes import exit_watcher, gone, token_pid
-from .store import DedupStore, StartDecision
+from .store import DedupStore, Finished, StartDecision
 
 logger = logging.getLogger("celery_dedup")
 
@@ -89,6 +90,8 @@ def guarded_call(
         decision = start(task, store, member, gated, token, lock_ms, record_ms)
     except redis.RedisError as exc:
         return store_unreachable(task, store, member, exc, args, kwargs, body)
+    if decision.code == StartDecision.FOLLOW:
+        return follow(task, member, decision)
     if not decision.run:
         refuse(task, store, member, decision)
     keeper = renewer()
@@ -96,7 +99,7 @@ def guarded_call(
     keeper.add(lock)
     _running[task_id] = lock
 
-    def end(ending: Ending) -> None:
+    def end(ending: Ending, value: Any = None) -> None:
         keeper.remove(lock)
         _running.pop(task_id, None)
         replacement = _replacements.pop(task_id, None)
@@ -105,7 +108,9 @@ def guarded_call(
             if ending.state == REPLACED:
                 return  # the replacement goes on with this run under its key: nothing ends here
             own = ""  # the lock went with the hand-over, and the publish that followed failed
-        finish(
+        # A key held after success answers later calls with this run: keep its value for their followers.
+        keep = ending.state == SUCCEEDED and policy.mode.holds_after_success
+        finished = finish(
             task,
             store,
             member,
@@ -120,7 +125,10 @@ def guarded_call(
             payload=kept_payload(task, ending.state, args, kwargs),
             patience=max(policy.lock_ttl, 5.0),
             lock=lock if own else None,
+            result=kept_result(task, value)[0] if keep else "",
         )
+        if finished is not None and finished.wants_result:
+            settle(task, store, member, task_id, value, record_ms)
 
     try:
         if decision.payload:
@@ -138,7 +146,7 @@ def guarded_call(
     except BaseException as exc:
         end(ending_of(exc, task_id))
         raise
-    end(Ending(SUCCEEDED, drop=not policy.mode.holds_after_success))
+    end(Ending(SUCCEEDED, drop=not policy.mode.holds_after_success), result)
     return result
 
 
@@ -382,20 +390,22 @@ def finish(
     note: str = "",
     patience: float = 0.0,
     lock: ExecutionLock | None = None,
-) -> bool:
+    result: str = "",
+) -> Finished | None:
     """Record a run's ending (``role`` as for :meth:`DedupStore.finish`); store errors are logged.
 
-    Returns whether the record named this run. A store that cannot be reached
-    (a restart, a dropped connection) is tried again for up to ``patience``
-    seconds, renewing ``lock`` meanwhile: an ending that is not recorded
-    leaves the run ``started``, and a later copy of it would run it again. A
-    key whose ending could not be recorded expires by its TTL.
+    Returns what the store did, or None when it could not be recorded. A
+    store that cannot be reached (a restart, a dropped connection) is tried
+    again for up to ``patience`` seconds, renewing ``lock`` meanwhile: an
+    ending that is not recorded leaves the run ``started``, and a later copy
+    of it would run it again. A key whose ending could not be recorded expires
+    by its TTL.
     """
     deadline = time.monotonic() + patience
     wait = 0.05
     while True:
         try:
-            owned, lock_kept = store.finish(
+            finished = store.finish(
                 member,
                 task_id,
                 state,
@@ -406,6 +416,7 @@ def finish(
                 error=error,
                 payload=payload,
                 note=note,
+                result=result,
             )
             break
         except (redis.ConnectionError, redis.TimeoutError) as exc:
@@ -413,7 +424,7 @@ def finish(
                 logger.exception(
                     "could not record %s for %s[%s] key %r; it expires by its TTL", state, task.name, task_id, member
                 )
-                return False
+                return None
             logger.warning("recording %s for %s[%s] again: %s", state, task.name, task_id, exc)
             if lock is not None:
                 renewer().add(lock)  # keep it ours while the store is away
@@ -425,12 +436,47 @@ def finish(
             logger.exception(
                 "could not record %s for %s[%s] key %r; it expires by its TTL", state, task.name, task_id, member
             )
-            return False
-    if not lock_kept:
+            return None
+    if not finished.lock_kept:
         decisions.log("lock_lost", task.name, _key(member), task_id, f"ended {state} after losing its execution lock")
-    if not owned:
+    if not finished.owned:
         logger.info("%s[%s] ended (%s) but key %r belongs to another run", task.name, task_id, state, member)
-    return owned
+    return finished
+
+
+def kept_result(task: KeyedTask, value: Any) -> tuple[str, str]:
+    """``(payload, "")`` of a run's return value for its followers, or ``("", why)`` if it cannot be kept."""
+    try:
+        return result_payload(task.app, value), ""
+    except Exception as exc:  # whatever the serializer refuses: the followers learn why
+        return "", f"its return value could not be kept for its followers ({error_summary(exc)})"
+
+
+def settle(task: KeyedTask, store: DedupStore, member: str, run_id: str, value: Any, record_ms: int) -> None:
+    """Give the followers of a run that succeeded its return value, and release them."""
+    payload, unkept = kept_result(task, value)
+    try:
+        store.settle(member, run_id, result=payload, unkept=unkept, record_ms=record_ms)
+    except redis.RedisError:  # the reaper releases them a grace later, as lost
+        logger.exception("could not settle the followers of %s[%s] key %r", task.name, run_id, member)
+
+
+def follow(task: KeyedTask, member: str, decision: StartDecision) -> Any:
+    """A follower's delivery: resolve as the run it followed ended, without running the body.
+
+    Its return value is that run's (so Celery stores it under the follower's
+    id, applies its callbacks, goes on with its chain and counts it in its
+    chord); a run that did not succeed fails it with :class:`DedupFollowerError`.
+    """
+    run_id = decision.detail
+    outcome = loads(decision.payload) if decision.payload else {}
+    state = str(outcome.get("state") or "")
+    key = _key(member)
+    decisions.log("followed", task.name, key, task.request.id, f"resolved as run {run_id} ended: {state or '?'}")
+    if state == SUCCEEDED and outcome.get("result"):
+        return decode_result(task.app, str(outcome["result"]))
+    reason = str(outcome.get("error") or "") or ("" if state else "its ending was not recorded")
+    raise DedupFollowerError(task.name, key, run_id, state or "lost", reason)
 
 
 def settle_elsewhere(
@@ -458,7 +504,7 @@ def settle_elsewhere(
         return False
     token = holder if holder is not None and delivery_gone(holder) else ""
     payload = kept_payload(task, state, args, kwargs)
-    owned = finish(
+    finished = finish(
         task,
         store,
         member,
@@ -470,6 +516,7 @@ def settle_elsewhere(
         record_ms=record_ms,
         payload=payload,
     )
+    owned = finished is not None and finished.owned
     pid = token_pid(holder) if holder is not None and not token else None
     if stopping and owned and holder is not None and pid is not None:
         live = holder

@@ -29,6 +29,11 @@ task name, ``:``, and the business key)::
     P:hist:M    LIST, the member's recent transitions, newest first
     P:idx...    indexes over the records (see scripts/lib.lua)
     P:reaper:*  where the reaper stands in its walks (see scripts/reap.lua)
+    P:fol:M     HASH, the member's followers: follower task id -> JSON
+                {run, queue, message, at} (message and queue gone once released)
+    P:out:M     HASH, how runs of the member that had followers ended:
+                run task id -> JSON {state, error, result}
+    P:following SET of members with followers (the reaper's list to look at)
 """
 
 from __future__ import annotations
@@ -338,6 +343,17 @@ class KeySchema:
     def due(self) -> str:
         """ZSET of members whose debounced run is parked, scored by when it is due (ms)."""
         return f"{self.prefix}:due"
+
+    def followers(self, member: str) -> str:
+        return f"{self.prefix}:fol:{member}"
+
+    def outcomes(self, member: str) -> str:
+        return f"{self.prefix}:out:{member}"
+
+    @property
+    def following(self) -> str:
+        """SET of members that have followers."""
+        return f"{self.prefix}:following"
 
     @property
     def name_index(self) -> str:

@@ -265,7 +265,7 @@ def flush_counts(app: Any) -> None:
 def stats(app: Any) -> dict[str, dict[str, int]]:
     """Decisions per task name, counted in Redis by every process of the app.
 
-    Decisions: accepted, deduplicated, collapsed (debounce), skipped and
+    Decisions: accepted, deduplicated, collapsed (debounce), followed, skipped and
     deferred (deliveries), lock_lost, released (by an operator), reaped, and
     fail_open. This process's ``fail_open`` counts that could not reach Redis
     yet are included.

@@ -24,7 +24,7 @@ from .gate import HEADER, GateHeader, Ticket, open_ticket
 from .guard import FAILED, LOST, REJECTED, REVOKED, settle_elsewhere
 from .keyed import delay_seconds
 from .keys import member_for
-from .task import DedupTask
+from .task import DedupTask, carries_continuation
 
 logger = logging.getLogger("celery_dedup")
 
@@ -100,7 +100,9 @@ def _add_gate_header(app: Any, name: str, headers: dict[str, Any], body: Any) ->
         logger.exception("could not derive the key of %s published by name: not gated", name)
         return
     delay = delay_seconds(None, headers.get("eta"))  # send_task(countdown=) arrives as an ETA
-    headers[HEADER] = task.dedup_gate_header(member_for(task.name, business_key), delay).encode()
+    embed = body[2] if len(body) > 2 and isinstance(body[2], dict) else {}
+    follows = bool(headers.get("group")) or carries_continuation(embed.get("callbacks"), embed.get("errbacks"), embed)
+    headers[HEADER] = task.dedup_gate_header(member_for(task.name, business_key), delay, follows=follows).encode()
 
 
 class _Refused(BaseException):

@@ -5,7 +5,7 @@ from __future__ import annotations
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from importlib import resources
-from typing import Any
+from typing import Any, NamedTuple
 from urllib.parse import unquote, urlparse
 
 import redis
@@ -21,7 +21,7 @@ from .keys import KeySchema, split_member, task_namespace
 from .status import Status
 
 #: Scripts that change status records get the shared helpers of ``lib.lua`` first.
-_WITH_LIB = frozenset({"gate", "start", "finish", "reap", "dispatch", "peek", "release", "purge"})
+_WITH_LIB = frozenset({"gate", "start", "finish", "reap", "dispatch", "peek", "release", "purge", "settle"})
 
 #: Every state a record can be in, and those in which its run has ended (as in ``lib.lua``).
 STATES = (
@@ -64,6 +64,7 @@ class Scripts:
         self.peek: Script = client.register_script(load_script("peek"))
         self.release: Script = client.register_script(load_script("release"))
         self.purge: Script = client.register_script(load_script("purge"))
+        self.settle: Script = client.register_script(load_script("settle"))
         self.annotate: Script = client.register_script(load_script("annotate"))
 
 
@@ -88,11 +89,14 @@ def _text(value: Any) -> str:
 class StartDecision:
     """What the delivery guard decided for one delivery (see ``start.lua``)."""
 
-    RUN, LOCKED, DONE, SUPERSEDED, LOCKED_BY_OTHER_RUN = 1, 0, 2, 3, 4
+    RUN, LOCKED, DONE, SUPERSEDED, LOCKED_BY_OTHER_RUN, FOLLOW = 1, 0, 2, 3, 4, 5
 
     code: int
+    #: RUN: attempts; LOCKED*: the lock's remaining ms; DONE: the ending;
+    #: SUPERSEDED: the owner run; FOLLOW: the followed run.
     detail: str
-    #: The payload a debounced run executes with (asked for, and present), else "".
+    #: RUN: the payload a debounced run executes with (asked for, and
+    #: present); FOLLOW: the followed run's outcome (JSON); else "".
     payload: str = ""
 
     @property
@@ -137,8 +141,15 @@ class GateCall:
 
 
 def _outcome(reply: Sequence[Any]) -> Outcome:
+    """The gate's reply (see ``gate.lua``) as an Outcome."""
     code = int(reply[0])
-    return Outcome(accepted=code in (1, 2), task_id=_text(reply[1]), collapsed=code == 3)
+    return Outcome(
+        accepted=code in (1, 2),
+        task_id=_text(reply[1]),
+        collapsed=code == 3,
+        followed=code == 5,
+        refused=code == 4,
+    )
 
 
 @dataclass(frozen=True)
@@ -210,6 +221,17 @@ class IndexSizes:
     tasks: dict[str, int]
 
 
+class Finished(NamedTuple):
+    """What recording a run's ending did (see ``finish.lua``)."""
+
+    #: The record named this run.
+    owned: bool
+    #: A ``"run"`` caller still held its lock (False: it was lost meanwhile).
+    lock_kept: bool
+    #: The run succeeded and has followers waiting for its return value: call :meth:`DedupStore.settle`.
+    wants_result: bool
+
+
 @dataclass(frozen=True)
 class LockRef:
     """One held execution lock, as the renewer sees it."""
@@ -264,6 +286,7 @@ class DedupStore:
         payload: str = "",
         debounce: tuple[int, int, bool] | None = None,
         continues: bool = False,
+        follow: int = 0,
     ) -> GateCall:
         """The gate script's keys and arguments: hold ``member`` for ``task_id``, push ``message`` onto ``queue``.
 
@@ -271,7 +294,9 @@ class DedupStore:
         ``debounce`` is ``(window_ms, max_wait_ms, latest)``: the message is
         parked until due instead of pushed, and calls while held join its run.
         ``continues``: the publish continues run ``task_id`` (a retry, a
-        deferred copy) instead of being a call that names it.
+        deferred copy) instead of being a call that names it. ``follow``: as
+        a duplicate, park the message as one of at most this many followers
+        of the accepted run (0: the call has nothing to continue).
         """
         keys = [self.schema.held, self.schema.record(member)]
         args: list[Any] = [
@@ -286,6 +311,7 @@ class DedupStore:
             storable(argsrepr),
             storable(kwargsrepr),
             "1" if continues else "0",
+            follow,
         ]
         if queue is not None:
             keys += [queue, *expire]
@@ -417,15 +443,16 @@ class DedupStore:
         error: str = "",
         payload: str = "",
         note: str = "",
-    ) -> tuple[bool, bool]:
+        result: str = "",
+    ) -> Finished:
         """Record ``state`` for the run ``task_id``, release the lock ``token``, drop its key if ``drop``.
 
         ``role`` says who calls (see ``finish.lua``): ``"run"``, the delivery
         that ran the body with its own token; ``"report"``, an ending reported
         from outside the body (``token``: a lock whose process is gone, or "");
         ``"stop"``, a report of a delivery being stopped, which keeps its lock
-        and key until it is through. Returns ``(owned, lock_kept)``: whether the
-        record named this run, and whether a ``"run"`` caller still held its lock.
+        and key until it is through. ``result``: the run's return value, kept
+        for its followers (see :class:`Finished`).
         """
         keys = [self.schema.held, self.schema.record(member), self.schema.lock(member)]
         args = [
@@ -441,9 +468,15 @@ class DedupStore:
             payload,
             role,
             storable(note),
+            result,
         ]
-        owned, lock_kept = self.scripts.finish(keys, args)
-        return bool(owned), bool(lock_kept)
+        owned, lock_kept, wants_result = self.scripts.finish(keys, args)
+        return Finished(bool(owned), bool(lock_kept), bool(wants_result))
+
+    def settle(self, member: str, run_id: str, *, result: str, unkept: str = "", record_ms: int) -> int:
+        """Give a succeeded run's followers its return value and release them (see ``settle.lua``)."""
+        args: list[str | int] = [member, run_id, result, storable(unkept), self.schema.prefix, record_ms]
+        return int(self.scripts.settle([self.schema.followers(member)], args))
 
     def unclaim(self, member: str, task_id: str) -> bool:
         """Undo a hold whose message was never published (owner only, and only before its run began)."""

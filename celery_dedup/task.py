@@ -18,6 +18,7 @@ from .config import check_debounce, check_mode, check_on_duplicate, check_on_loc
 from .exceptions import (
     UNREACHABLE,
     DedupConfigError,
+    DedupFollowerLimitError,
     DedupStoreError,
     DedupUnavailableError,
     DuplicateTaskError,
@@ -49,6 +50,19 @@ TASK_OPTIONS = (
 #: Publish failures whose outcome ``_after_lost_reply`` finds out (an error reply is told apart there).
 _RECOVERABLE: tuple[type[Exception], ...] = (*UNREACHABLE, redis.ResponseError)
 _Publish = Callable[[dict[str, Any]], "DedupResult"]
+
+
+#: Options by which Celery hands a call something to resolve or continue.
+_CONTINUATIONS = ("chain", "group_id", "chord")
+
+
+def carries_continuation(link: Any, link_error: Any, options: Mapping[str, Any]) -> bool:
+    """Whether a call carries something to resolve or continue: callbacks, its id in a group or chord, a chain.
+
+    Such a call, as a duplicate, becomes a follower of the accepted run, so
+    what it carries runs once that run ends (see the concepts doc).
+    """
+    return bool(link or link_error or any(options.get(name) for name in _CONTINUATIONS))
 
 
 def _run_signature(cls: type) -> inspect.Signature:
@@ -250,13 +264,17 @@ class DedupTask(_TaskBase):
         """
         return lock_lost(self.request.id)
 
-    def dedup_gate_header(self, member: str, delay: float = 0.0, *, continues: bool = False) -> GateHeader:
+    def dedup_gate_header(
+        self, member: str, delay: float = 0.0, *, continues: bool = False, follows: bool = False
+    ) -> GateHeader:
         """The ``dedup`` header that gates a publish of ``member``, to run ``delay`` seconds from now.
 
         The key is held for ``dedup_ttl`` past the time the message is due
         (throttle: for ``dedup_window``; debounce: ``dedup_max_wait`` longer).
         ``continues``: the publish continues a run under its id (a retry, a
-        deferred copy) instead of being a new call.
+        deferred copy) instead of being a new call. ``follows``: the call
+        carries something to continue (see :func:`carries_continuation`), so
+        as a duplicate it becomes a follower of the accepted run.
         """
         config = runtime.config_for(self.app)
         policy = self.dedup_policy
@@ -279,6 +297,7 @@ class DedupTask(_TaskBase):
             max_wait_ms=max_wait_ms,
             latest=policy.debounce == "latest",
             continues=continues,
+            follow=config.max_followers if follows else 0,
         )
 
     def apply_async(
@@ -325,12 +344,14 @@ class DedupTask(_TaskBase):
         # Task.replace under the same key: the replacement goes on as this run.
         continues = continues or hand_over(task_id, member)
         business_key = split_member(member)[1]
-        known = self._peek(member) if task_id is None and previous is None and not policy.mode.parks else None
+        follows = carries_continuation(link, link_error, options)
+        fresh = task_id is None and previous is None and not follows and not policy.mode.parks
+        known = self._peek(member) if fresh else None
         if known is not None:
             return self._on_duplicate(policy, business_key, known, options)
         run_id = task_id or new_task_id(business_key)
         delay = delay_seconds(options.get("countdown"), options.get("eta"))
-        gate = self.dedup_gate_header(member, delay, continues=continues)
+        gate = self.dedup_gate_header(member, delay, continues=continues, follows=follows)
         headers[HEADER] = gate.encode()
 
         def publish(hdrs: dict[str, Any]) -> DedupResult:
@@ -369,14 +390,27 @@ class DedupTask(_TaskBase):
                 return self._add_to_parent(published, add_to_parent)
             if outcome.accepted:
                 result = self._publish_or_unclaim(store, member, run_id, gate.nonce, headers, publish)
-        if outcome.collapsed:
-            decisions.log("collapsed", self.name, business_key, outcome.task_id, "joined the burst of its run")
-            return self._marked(outcome.task_id)
-        runtime.runtime_for(app).recent.saw(member, gate.hold_ms / 1000)
+        if not outcome.collapsed:
+            runtime.runtime_for(app).recent.saw(member, gate.hold_ms / 1000)
         if not outcome.accepted:
-            return self._on_duplicate(policy, business_key, outcome.task_id, options)
+            return self._answer(outcome, business_key, run_id, options, follows=follows)
         decisions.log("accepted", self.name, business_key, run_id)
         return self._add_to_parent(result, add_to_parent)
+
+    def _answer(
+        self, outcome: Outcome, key: str, run_id: str, options: dict[str, Any], *, follows: bool
+    ) -> DedupResult:
+        """What a call the gate did not accept gets: the accepted run, as a duplicate, a follower or a join."""
+        if outcome.refused:
+            limit = runtime.config_for(self.app).max_followers
+            raise DedupFollowerLimitError(self.name, key, outcome.task_id, limit)
+        if outcome.followed:
+            decisions.log("followed", self.name, key, run_id, f"resolves as run {outcome.task_id} ends")
+            return self._marked(outcome.task_id)
+        if outcome.collapsed:
+            decisions.log("collapsed", self.name, key, outcome.task_id, "joined the burst of its run")
+            return self._marked(outcome.task_id)
+        return self._on_duplicate(self.dedup_policy, key, outcome.task_id, options, follows=follows)
 
     def _gated(self, atomic: bool) -> bool:
         """Whether a call goes through the gate (else it is published as Celery would)."""
@@ -521,17 +555,18 @@ class DedupTask(_TaskBase):
         """Results of this task are :class:`DedupResult`."""
         return DedupResult(task_id, backend=self.backend, task_name=self.name, app=self.app, **kwargs)
 
-    def _on_duplicate(self, policy: TaskPolicy, key: str, existing_id: str, options: dict[str, Any]) -> DedupResult:
+    def _on_duplicate(
+        self, policy: TaskPolicy, key: str, existing_id: str, options: dict[str, Any], *, follows: bool = False
+    ) -> DedupResult:
         # Canvas dispatch on a worker (chain/link callbacks) passes parent_id;
         # raising there would fail the parent task, so it gets the result instead.
         if policy.on_duplicate == "raise" and "parent_id" not in options:
             decisions.log("deduplicated", self.name, key, existing_id, "already accepted (raise)")
             raise DuplicateTaskError(self.name, key, existing_id)
-        if options.get("group_id") or options.get("chord"):
-            # Celery fixed this member's id before publishing and waits for it.
+        if follows:
             logger.warning(
-                "duplicate %s key %r inside a group/chord: the member's result will never resolve "
-                "(the run is %s); give group members distinct keys",
+                "duplicate %s key %r carries something to continue (a group or chord member, callbacks, a "
+                "chain) but cannot follow run %s (no Redis broker, or dedup_max_followers=0): it will not run",
                 self.name,
                 key,
                 existing_id,

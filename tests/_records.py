@@ -78,7 +78,7 @@ class Records:
         run = self.started(order_id, key_mode="window" if keep_key else "lock")
         # As the worker's guard does: the call's arguments are kept for a run that did not succeed.
         payload = kept_payload(self.task, state, (order_id,), {})
-        owned, kept = self.store.finish(
+        owned, kept, _ = self.store.finish(
             run.member,
             run.task_id,
             state,

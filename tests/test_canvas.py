@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import gc
-import logging
 import time
 import uuid
 from collections.abc import Iterator
@@ -13,7 +12,6 @@ import celery
 import pytest
 import redis
 from celery import Celery, chain, chord, group
-from celery.exceptions import TimeoutError as CeleryTimeoutError
 from celery.result import AsyncResult, GroupResult
 
 import celery_dedup
@@ -177,40 +175,34 @@ def test_chain_of_keyed_tasks_runs_and_releases_both_keys(make_app: AppFactory, 
     assert getattr(tasks.b.dedup_status(10), "state", None) == "succeeded"
 
 
-def test_group_with_a_duplicate_member_publishes_once_per_key(
-    make_app: AppFactory, r: redis.Redis, caplog: pytest.LogCaptureFixture
-) -> None:
-    """group(a(1), a(1), a(2)): two messages, each run once, and a warning names the suppressed member."""
+def test_group_with_a_duplicate_member_publishes_once_per_key(make_app: AppFactory, r: redis.Redis) -> None:
+    """group(a(1), a(1), a(2)): two messages, each key run once; the duplicate member follows a(1)'s run."""
     app = make_app()
     tasks = Tasks(app)
 
-    with caplog.at_level(logging.WARNING, logger="celery_dedup"):
-        result = group(tasks.a.s(1), tasks.a.s(1), tasks.a.s(2)).apply_async()
+    result = group(tasks.a.s(1), tasks.a.s(1), tasks.a.s(2)).apply_async()
 
     assert isinstance(result, GroupResult)
     ids = message_ids(r)
     assert len(ids) == 2
     accepted = {m["headers"]["id"]: m["headers"]["argsrepr"] for m in queued_messages(r)}
     assert sorted(accepted.values()) == ["(1,)", "(2,)"]
-    assert any("inside a group/chord" in rec.getMessage() for rec in caplog.records)
-    first, _, other = result.results
     with in_process_worker(app):
-        assert (first.get(timeout=10), other.get(timeout=10)) == (10, 20)
+        assert result.get(timeout=10) == [10, 10, 20]
     assert sorted(tasks.ran("a")) == sorted(ids)
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="Celery's group fixes member ids before publishing and yields those placeholders, ignoring the "
-    "result apply_async returns: a suppressed member's id never resolves (documented limit)",
-)
-def test_group_duplicate_member_carries_the_accepted_id(make_app: AppFactory, r: redis.Redis) -> None:
-    """Known limit, kept as a strict xfail: this starts passing if Celery ever uses the returned result."""
-    tasks = Tasks(make_app())
+def test_group_duplicate_member_resolves_with_the_accepted_runs_result(make_app: AppFactory, r: redis.Redis) -> None:
+    """Celery fixes each member's id before publishing and waits for exactly those ids: the duplicate
+    member keeps its own id, which resolves as the accepted run ends (it follows it)."""
+    app = make_app()
+    tasks = Tasks(app)
     result = group(tasks.a.s(1), tasks.a.s(1)).apply_async()
     assert isinstance(result, GroupResult)
     first, duplicate = result.results
-    assert duplicate.id == first.id
+    with in_process_worker(app):
+        assert (first.get(timeout=10), duplicate.get(timeout=10)) == (10, 10)
+    assert tasks.ran("a") == [first.id]
 
 
 def test_chord_over_distinct_keys_completes(make_app: AppFactory, r: redis.Redis) -> None:
@@ -226,22 +218,16 @@ def test_chord_over_distinct_keys_completes(make_app: AppFactory, r: redis.Redis
     assert r.scard(HELD) == 0
 
 
-@pytest.mark.xfail(
-    strict=True,
-    raises=CeleryTimeoutError,
-    reason="a chord counts its header members by the ids Celery fixed before publishing; a suppressed "
-    "duplicate never finishes, so the body never runs (documented limit)",
-)
 def test_chord_with_a_duplicate_header_member_still_fires_its_body(make_app: AppFactory, r: redis.Redis) -> None:
-    """Known limit, kept as a strict xfail: chord([a(1), a(1), a(2)], total) never fires its body."""
+    """chord([a(1), a(1), a(2)], total): the duplicate member follows a(1)'s run and counts; the body fires once."""
     app = make_app()
     tasks = Tasks(app)
 
     # Dispatched before the worker starts, so the second a(1) meets the first still queued.
     result = chord([tasks.a.s(1), tasks.a.s(1), tasks.a.s(2)], tasks.total.s()).apply_async()
-    assert len(message_ids(r)) == 2, "premise: the duplicate member published nothing"
+    assert len(message_ids(r)) == 2, "the duplicate member is parked as a follower, not queued"
     with in_process_worker(app):
-        assert result.get(timeout=2) == 40
+        assert result.get(timeout=10) == 40
     assert r.scard(HELD) == 0
 
 

@@ -70,6 +70,7 @@ def test_defaults(bare_app: BareApp) -> None:
         on_locked="skip",
         record_args=True,
         history_length=10,
+        max_followers=1000,
         reap_interval=60,
         reap_grace=30,
         dispatch_interval=0.1,
@@ -202,7 +203,8 @@ def test_every_time_setting_refuses_less_than_a_millisecond(bare_app: BareApp) -
     numeric = [
         n for n, (default, _) in SETTINGS.items() if isinstance(default, (int, float)) and not isinstance(default, bool)
     ]
-    assert sorted(TIME_SETTINGS) == sorted(set(numeric) - {"dedup_max_key_length", "dedup_history_length"})
+    counts = {"dedup_max_key_length", "dedup_history_length", "dedup_max_followers"}
+    assert sorted(TIME_SETTINGS) == sorted(set(numeric) - counts)
     for setting in TIME_SETTINGS:
         with pytest.raises(DedupConfigError) as info:
             celery_dedup.install(bare_app(**{setting: 0.0004}))

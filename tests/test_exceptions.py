@@ -31,6 +31,8 @@ EXAMPLES: list[DedupError] = [
     exceptions.DedupRoutingError("shop.charge", "order:1", "fanout"),
     exceptions.DedupOperationError("purge", "succeeded", "nothing to do"),
     exceptions.DedupArgumentError("limit", 0, "must be at least 1"),
+    exceptions.DedupFollowerError("shop.charge", "order:1", "order:1~abc", "lost", "message lost by the transport"),
+    exceptions.DedupFollowerLimitError("shop.charge", "order:1", "order:1~abc", 1000),
 ]
 
 

@@ -906,7 +906,7 @@ def test_reap_releases_expired_holds_marks_dead_runs_lost_and_drops_stale_index_
     lost_member = dead_run(app, work, "dead", work.delay("dead").id, lock_ms=300)
     short = work.delay("short")
     short_member = dead_run(app, work, "short", short.id, lock_ms=60_000)
-    owned, _ = store.finish(
+    owned, *_ = store.finish(
         short_member, short.id, "succeeded", drop=True, record_ms=300, token=f"deadhost:1:0000:{short.id}", role="run"
     )
     assert owned

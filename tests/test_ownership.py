@@ -65,7 +65,7 @@ def test_a_report_without_the_token_leaves_a_live_delivery_alone(store: DedupSto
     store.gate(MEMBER, "A", "n-a", hold_ms=60_000, grace_ms=DAY_MS, task_name="own.task")
     start(store, "A", "elsewhere:1:a")
 
-    owned, _ = store.finish(MEMBER, "A", "revoked", drop=True, record_ms=DAY_MS, role="report")
+    owned, *_ = store.finish(MEMBER, "A", "revoked", drop=True, record_ms=DAY_MS, role="report")
 
     assert owned
     assert r.get(SCHEMA.lock(MEMBER)) == b"elsewhere:1:a"
@@ -86,7 +86,7 @@ def test_a_stopping_report_records_the_ending_and_keeps_lock_and_key(store: Dedu
     assert r.get(SCHEMA.lock(MEMBER)) == b"elsewhere:1:a"
     assert r.sismember(SCHEMA.held, MEMBER)
 
-    owned, kept = store.finish(
+    owned, kept, _ = store.finish(
         MEMBER, "A", "failed", drop=True, record_ms=DAY_MS, role="run", token="elsewhere:1:a", error="late"
     )
 
@@ -104,7 +104,7 @@ def test_a_report_for_an_ended_run_touches_nothing_of_the_next_run(store: DedupS
     store.gate(MEMBER, "B", "n-b", hold_ms=60_000, grace_ms=DAY_MS, task_name="own.task")
     start(store, "B", "elsewhere:1:b")
 
-    owned, _ = store.finish(MEMBER, "A", "failed", drop=True, record_ms=DAY_MS, role="report")
+    owned, *_ = store.finish(MEMBER, "A", "failed", drop=True, record_ms=DAY_MS, role="report")
 
     assert not owned
     assert r.get(SCHEMA.lock(MEMBER)) == b"elsewhere:1:b"
@@ -121,7 +121,7 @@ def test_a_run_that_ends_after_its_record_passed_on_is_remembered(store: DedupSt
     start(store, "B", "elsewhere:1:b", gated=False)
     store.finish(MEMBER, "B", "succeeded", drop=True, record_ms=DAY_MS, role="run", token="elsewhere:1:b")
 
-    owned, kept = store.finish(MEMBER, "A", "succeeded", drop=True, record_ms=DAY_MS, role="run", token="elsewhere:1:a")
+    owned, kept, _ = store.finish(MEMBER, "A", "succeeded", drop=True, record_ms=DAY_MS, role="run", token="elsewhere:1:a")
 
     assert (owned, kept) == (False, False)
     decision = store.start(

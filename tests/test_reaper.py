@@ -135,7 +135,7 @@ def test_reaper_reaches_runs_behind_a_backlog_larger_than_its_budget(make_app: A
     dead_member = start(store, work, "dead", lock_ms=200)
     # A record that expired while still indexed.
     stale_member = start(store, work, "stale", lock_ms=ALIVE_MS)
-    owned, _ = store.finish(
+    owned, *_ = store.finish(
         stale_member, run_id("stale"), "succeeded", drop=True, record_ms=200, token="host:1:0000:stale", role="run"
     )
     assert owned

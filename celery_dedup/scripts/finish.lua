@@ -30,21 +30,29 @@
 --          ending is recorded now, but its lock and key stay until that
 --          delivery finishes or its lock expires
 -- ARGV[12] a history note for the transition, "" for none
+-- ARGV[13] the run's return value (gate.result_payload), "" for none: kept
+--          for its followers (see lib's settle_followers)
 --
 -- Nothing but a lock named by ARGV[6] is touched unless the record names this
--- run (then only its memory of ended runs, see lib's REMEMBERED). A run that has ended is never recorded again (a report that comes
--- after the body settled it changes nothing); the delivery that still held
+-- run (then only its memory of ended runs, see lib's REMEMBERED, and its
+-- followers). A run that has ended is never recorded again (a report that
+-- comes after the body settled it changes nothing); the delivery that still held
 -- its lock then only releases that lock and, with ARGV[4], its key.
 --
--- Returns {owned, lock_kept}: owned is 1 if the record names this run;
--- lock_kept is 0 if a "run" caller's token no longer held the lock (expired
--- or taken over; recorded as lock_lost_at), 1 otherwise.
+-- A final ending (not retry or queued) settles the run's followers: their
+-- parked messages are pushed, to resolve as the run ended.
+--
+-- Returns {owned, lock_kept, wants_result}: owned is 1 if the record names
+-- this run; lock_kept is 0 if a "run" caller's token no longer held the lock
+-- (expired or taken over; recorded as lock_lost_at), 1 otherwise;
+-- wants_result is 1 when the run succeeded, has followers and ARGV[13] was
+-- "": the caller settles them with the return value (settle.lua).
 
 local held, record, lock = KEYS[1], KEYS[2], KEYS[3]
 local member, task_id, state = ARGV[1], ARGV[2], ARGV[3]
 local drop, record_ms, token = ARGV[4] == '1', tonumber(ARGV[5]), ARGV[6]
 local prefix, history_len, err, payload = ARGV[7], tonumber(ARGV[8]), ARGV[9], ARGV[10] or ''
-local role, note = ARGV[11], ARGV[12] or ''
+local role, note, result = ARGV[11], ARGV[12] or '', ARGV[13] or ''
 
 local current = redis.call('HMGET', record, 'task_id', 'lock', 'state')
 local lock_kept, released = 1, false
@@ -57,8 +65,9 @@ if token ~= '' then
     count(prefix, member, 'lock_lost')
   end
 end
+local final = state ~= 'retry' and state ~= 'queued' and state ~= ''
 if current[1] ~= task_id then
-  if current[1] and state ~= 'retry' and state ~= 'queued' and state ~= '' then
+  if current[1] and final then
     -- The record passed to another run meanwhile (while_executing, a key
     -- released at start, a run declared lost): it remembers that this one
     -- ended, so a late copy of it is skipped (start.lua).
@@ -66,27 +75,29 @@ if current[1] ~= task_id then
     local ended = remember_ended(prefix, member, task_id, redis.call('HGET', record, 'ended'), now_ms(), keep_ms)
     redis.call('HSET', record, 'ended', ended)
   end
-  return {0, lock_kept}
+  -- Only this run's followers are still this call's to settle.
+  local wants = final and settle_followers(prefix, member, task_id, state, err, result, record_ms)
+  return {0, lock_kept, wants and 1 or 0}
 end
 local run_lock = current[2]
 if token ~= '' and run_lock and run_lock ~= token then
   -- Another delivery of this run took over (after this one lost its lock):
   -- the record is that delivery's to finish.
-  return {1, lock_kept}
+  return {1, lock_kept, 0}
 end
 -- A delivery the caller does not speak for still runs this run.
 local running = token == '' and run_lock and redis.call('GET', lock) == run_lock
 if running and role ~= 'stop' then
-  return {1, lock_kept}
+  return {1, lock_kept, 0}
 end
 if drop and record_ms == 0 then
   if current[3] ~= 'queued' and current[3] ~= 'pending' then
-    return {1, lock_kept}  -- the run began (eager mode runs it inside its publish): its ending stands
+    return {1, lock_kept, 0}  -- the run began (eager mode runs it inside its publish): its ending stands
   end
   redis.call('SREM', held, member)
   forget(prefix, record, member)
   count(prefix, member, 'accepted', -1)  -- its publish failed: it was never accepted after all
-  return {1, lock_kept}
+  return {1, lock_kept, 0}
 end
 
 local now = now_ms()
@@ -122,7 +133,7 @@ if ENDED[current[3]] then
     redis.call('HDEL', record, 'lock')
     settle_key()
   end
-  return {1, lock_kept}
+  return {1, lock_kept, 0}
 end
 
 if state ~= 'retry' and state ~= 'queued' then
@@ -142,6 +153,10 @@ if token ~= '' then
   redis.call('HDEL', record, 'lock')
 end
 transition(prefix, record, member, state, now, task_id, note, history_len)
+local wants_result = 0
+if final and settle_followers(prefix, member, task_id, state, err, result, record_ms) then
+  wants_result = 1
+end
 if running then
   -- Stopping: the lock's renewals keep the key held while the delivery lives.
   local held_until = tonumber(redis.call('HGET', record, 'held_until') or 0)
@@ -149,4 +164,4 @@ if running then
 else
   settle_key()
 end
-return {1, lock_kept}
+return {1, lock_kept, wants_result}

@@ -16,14 +16,16 @@
 -- ARGV[10] kwargsrepr ("" to record none)
 -- ARGV[11] "1" if this publish continues its run (Task.retry, a deferred copy,
 --          a replacement under the same key); "0" for a call
--- ARGV[12] with KEYS[3]: the serialized kombu message
--- ARGV[13] with KEYS[3]: PEXPIRE ms for KEYS[4..], or ""
--- ARGV[14] with KEYS[3]: the message's delivery tag
--- ARGV[15] with KEYS[3]: kombu's unacked hash (where a fetched message's tag goes)
--- ARGV[16] with KEYS[3]: the message's payload (gate.message_payload), "" for none
--- ARGV[17] with KEYS[3]: debounce window, ms; "0" if the task does not debounce
--- ARGV[18] with KEYS[3]: debounce max wait, ms
--- ARGV[19] with KEYS[3]: "1" if a later call's payload replaces the pending one
+-- ARGV[12] followers a run may carry ("0": this call has nothing to continue,
+--          so as a duplicate it is only answered, see "Followers" below)
+-- ARGV[13] with KEYS[3]: the serialized kombu message
+-- ARGV[14] with KEYS[3]: PEXPIRE ms for KEYS[4..], or ""
+-- ARGV[15] with KEYS[3]: the message's delivery tag
+-- ARGV[16] with KEYS[3]: kombu's unacked hash (where a fetched message's tag goes)
+-- ARGV[17] with KEYS[3]: the message's payload (gate.message_payload), "" for none
+-- ARGV[18] with KEYS[3]: debounce window, ms; "0" if the task does not debounce
+-- ARGV[19] with KEYS[3]: debounce max wait, ms
+-- ARGV[20] with KEYS[3]: "1" if a later call's payload replaces the pending one
 -- Where the message went (queue, tag, unacked hash, pushed_at) is recorded, so
 -- the reaper can tell a message the transport lost after fetching it.
 --
@@ -39,7 +41,14 @@
 -- its member put in P:due, scored by when it is due; dispatch.lua pushes it
 -- then. A call (never a continuation) while the key is held joins that run: it pushes the due time
 -- back (pending runs only; never past first call + max wait) and, with
--- ARGV[19], leaves its payload and argument reprs for the run to use.
+-- ARGV[20], leaves its payload and argument reprs for the run to use.
+--
+-- Followers: a duplicate (or a debounce join) that carries something to
+-- continue (ARGV[12] > 0: its id in a group or chord, callbacks, a chain) is
+-- parked in P:fol:M under its own task id, with its message and queue, as a
+-- follower of the run that has the key; lib's release_followers pushes it when
+-- that run ends, and start.lua resolves its delivery as the run ended. A run
+-- that has ended already (its key held for a window) releases it at once.
 --
 -- Returns {code, task id}:
 --   {1, ARGV[2]}  accepted: key held, message pushed (or parked, debounce)
@@ -50,6 +59,8 @@
 --                 accepted before (a kombu retry), or it continues a run that
 --                 has already ended (a late deferred copy)
 --   {3, owner}    debounce: joined the burst of run `owner`; nothing pushed
+--   {4, owner}    refused: run `owner` has ARGV[12] followers already; nothing written
+--   {5, owner}    a follower of run `owner` (a duplicate, or joined its burst): parked
 -- Deadlines come from the server clock; a held member whose deadline passed, or
 -- whose record is gone, is stale and taken over.
 
@@ -58,10 +69,10 @@ local member, task_id, nonce = ARGV[1], ARGV[2], ARGV[3]
 local hold_ms, task_name, grace_ms = tonumber(ARGV[4]), ARGV[5], tonumber(ARGV[6])
 local prefix, history_len = ARGV[7], tonumber(ARGV[8])
 local argsrepr, kwargsrepr = ARGV[9], ARGV[10]
-local continues = ARGV[11] == '1'
-local message, expires_ms, tag, unacked = ARGV[12], ARGV[13], ARGV[14], ARGV[15]
-local payload = ARGV[16] or ''
-local window_ms, max_wait_ms, latest = tonumber(ARGV[17] or 0), tonumber(ARGV[18] or 0), ARGV[19] == '1'
+local continues, max_followers = ARGV[11] == '1', tonumber(ARGV[12])
+local message, expires_ms, tag, unacked = ARGV[13], ARGV[14], ARGV[15], ARGV[16]
+local payload = ARGV[17] or ''
+local window_ms, max_wait_ms, latest = tonumber(ARGV[18] or 0), tonumber(ARGV[19] or 0), ARGV[20] == '1'
 local debounce = queue and window_ms > 0
 local due_key = prefix .. ':due'
 
@@ -69,7 +80,37 @@ local now = now_ms()
 local owner = redis.call('HMGET', record, 'task_id', 'nonce', 'held_until', 'state', 'nonces', 'joined_nonce', 'ended')
 local owner_id, owner_nonce, owner_state, owner_nonces = owner[1], owner[2], owner[4], owner[5] or ''
 
+local followers = prefix .. ':fol:' .. member
+
+local function room_to_follow()
+  return redis.call('HEXISTS', followers, task_id) == 1 or redis.call('HLEN', followers) < max_followers
+end
+
+-- Park this call as a follower of `run` (in `run_state`); false if it already has its share.
+local function park(run, run_state)
+  if not room_to_follow() then
+    return false
+  end
+  redis.call('HSET', followers, task_id, cjson.encode({run = run, queue = queue, message = message, at = now}))
+  redis.call('PEXPIRE', followers, math.max(redis.call('PTTL', record), hold_ms + grace_ms))
+  redis.call('SADD', prefix .. ':following', member)
+  count(prefix, member, 'followed')
+  if ENDED[run_state] then
+    release_followers(prefix, member, run)  -- its ending is known: resolve this one at once
+  end
+  return true
+end
+
+-- A duplicate of `run`; one with something to continue follows it (not a call
+-- that names the run itself: it shares the run's id, so it resolves with it).
 local function duplicate_of(run)
+  if max_followers > 0 and queue and run ~= task_id then
+    if not park(run, owner_state) then
+      return {4, run}
+    end
+    redis.call('HINCRBY', record, 'duplicates', 1)
+    return {5, run}
+  end
   redis.call('HINCRBY', record, 'duplicates', 1)
   count(prefix, member, 'deduplicated')
   return {0, run}
@@ -100,6 +141,9 @@ else
     if continues or not debounce then
       return duplicate_of(owner_id)  -- a continuation never joins a burst: its arguments predate it
     end
+    if max_followers > 0 and not room_to_follow() then
+      return {4, owner_id}
+    end
     if owner_state == 'pending' then
       local first = tonumber(redis.call('HGET', record, 'first_at') or now)
       local due = math.min(now + window_ms, first + max_wait_ms)
@@ -115,6 +159,10 @@ else
       end
     end
     count(prefix, member, 'collapsed')
+    if max_followers > 0 then
+      park(owner_id, owner_state)
+      return {5, owner_id}
+    end
     return {3, owner_id}
   end
 end

@@ -22,7 +22,7 @@ local function split_member(member)
   return string.sub(member, 1, colon - 1), string.sub(member, colon + 1)
 end
 
--- Count one decision about M for its task: accepted, deduplicated, collapsed,
+-- Count one decision about M for its task: accepted, deduplicated, collapsed, followed,
 -- skipped, deferred, lock_lost, released, reaped (fail_open comes from Python).
 local function count(prefix, member, decision, amount)
   local ns = split_member(member)
@@ -84,6 +84,49 @@ local function unindex(prefix, member, state)
   for _, candidate in ipairs(state and {state} or STATES) do
     redis.call('ZREM', idx .. ':state:' .. candidate, member)
   end
+end
+
+-- How run `run` of M ended, for its followers (start.lua hands it to each):
+-- JSON {state, error, result}, `result` the run's return value as
+-- gate.result_payload serialized it ("" when it was not kept).
+local function record_outcome(prefix, member, run, state, err, result, ttl_ms)
+  local outcomes = prefix .. ':out:' .. member
+  redis.call('HSET', outcomes, run, cjson.encode({state = state, error = err or '', result = result or ''}))
+  redis.call('PEXPIRE', outcomes, ttl_ms)
+end
+
+-- Push the parked messages of `run`'s followers onto their queues (gate.lua
+-- parked them); each delivery then resolves as the run ended (start.lua).
+-- Returns how many were pushed.
+local function release_followers(prefix, member, run)
+  local key = prefix .. ':fol:' .. member
+  local entries = redis.call('HGETALL', key)
+  local released = 0
+  for i = 1, #entries, 2 do
+    local ok, follower = pcall(cjson.decode, entries[i + 1])
+    if ok and follower.run == run and follower.message then
+      redis.call('LPUSH', follower.queue, follower.message)
+      redis.call('HSET', key, entries[i], cjson.encode({run = run}))
+      released = released + 1
+    end
+  end
+  return released
+end
+
+-- Record how `run` ended and release its followers, if it has any waiting
+-- (or `result` is to be kept for followers still to come: a key held after
+-- success). A success whose return value is not given yet returns true: the
+-- caller settles it with the value (settle.lua).
+local function settle_followers(prefix, member, run, state, err, result, ttl_ms)
+  if result == '' and redis.call('EXISTS', prefix .. ':fol:' .. member) == 0 then
+    return false
+  end
+  if state == 'succeeded' and result == '' then
+    return true
+  end
+  record_outcome(prefix, member, run, state, err, result, ttl_ms)
+  release_followers(prefix, member, run)
+  return false
 end
 
 -- A record remembers a few words across runs of its key (space-separated, newest
@@ -166,13 +209,17 @@ local function retire(prefix, record, member, now, history_len, old_state, old_t
   if ended ~= '' then
     carry[#carry + 1], carry[#carry + 2] = 'ended', ended
   end
+  local running = old_state == 'started' and redis.call('EXISTS', prefix .. ':lock:' .. member) == 1
+  if old_state and not ENDED[old_state] and old_task_id and not running then
+    settle_followers(prefix, member, old_task_id, 'lost', 'its hold expired before it ended; key taken over by '
+      .. new_task_id, '', math.max(redis.call('PTTL', record), 60000))
+  end
   if old_state and not ENDED[old_state] and old_state ~= 'lost' and history_len > 0 then
     local entry = ' lost ' .. (old_task_id or '') .. ' hold expired; key taken over by ' .. new_task_id
-    if old_state == 'started' then
+    if running then
+      entry = ' started ' .. (old_task_id or '') .. ' still running; key passed to the next run'
+    elseif old_state == 'started' then
       entry = ' lost ' .. (old_task_id or '') .. ' key taken over'
-      if redis.call('EXISTS', prefix .. ':lock:' .. member) == 1 then
-        entry = ' started ' .. (old_task_id or '') .. ' still running; key passed to the next run'
-      end
     end
     local hist = prefix .. ':hist:' .. member
     redis.call('LPUSH', hist, now .. entry)

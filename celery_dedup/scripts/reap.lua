@@ -13,8 +13,9 @@
 --   P:reaper:walks    HASH    per walked index I: "I:score", "I:member" (the
 --                             last entry read) and "I:stop" (see below)
 --   P:reaper:missing  ZSET    M -> when its message was first seen missing
+--   P:reaper:cursor:following  STRING  step 5's SSCAN cursor
 --
--- Four steps:
+-- Five steps:
 --   1. held members whose hold deadline passed (or whose record is gone) leave
 --      the held set (SSCAN, resuming where the last call stopped);
 --   2. records still `started` whose execution lock is gone belong to a dead
@@ -46,6 +47,8 @@
 -- updated that one too does it go back to the first entry of its score,
 -- reading again entries written in that same millisecond.
 --
+--   5. followers parked longer than ARGV[5] whose run has ended, or lost its
+--      record to another run, are released (SSCAN of P:following, resuming).
 -- Returns {expired holds released, dead runs marked lost, index entries
 -- removed, vanished messages' runs marked lost, {member, task id, why, ...}
 -- for each run marked lost}.
@@ -153,6 +156,7 @@ for _, member in ipairs(started.members) do
     redis.call('SREM', held, member)
     transition(prefix, record, member, 'lost', now, task_id, 'reaped: lock expired', history_len)
     expire_record(prefix, record, member, record_ms)
+    settle_followers(prefix, member, task_id, 'lost', 'its worker died: lock expired while started', '', record_ms)
     lost = lost + 1
     reap(member, task_id, 'its worker died: lock expired while started')
   end
@@ -227,6 +231,7 @@ for _, member in ipairs(redis.call('ZRANGEBYSCORE', suspects, '-inf', now - grac
       end
       transition(prefix, record, member, 'lost', now, task_id, 'message lost by the transport', history_len)
       expire_record(prefix, record, member, record_ms)
+      settle_followers(prefix, member, task_id, 'lost', 'message lost by the transport', '', record_ms)
       vanished = vanished + 1
       reap(member, task_id, 'message lost by the transport')
     end
@@ -249,5 +254,33 @@ for _, state in ipairs({'queued', 'retry'}) do
     end
   end
   walked(state_index, waiting)
+end
+-- 5. Followers still parked a grace after their run ended, or after their
+-- run's record passed to another run (its worker died between recording the
+-- ending and settling them, or the run's hold ran out): released with the
+-- outcome recorded for their run, or as lost when none was.
+local following = prefix .. ':following'
+local look = redis.call('SSCAN', following, redis.call('GET', cursor_key .. ':following') or '0', 'COUNT', budget)
+redis.call('SET', cursor_key .. ':following', look[1])
+for _, member in ipairs(look[2]) do
+  local followers = prefix .. ':fol:' .. member
+  local entries = redis.call('HGETALL', followers)
+  if #entries == 0 then
+    redis.call('SREM', following, member)
+  end
+  local r = redis.call('HMGET', prefix .. ':rec:' .. member, 'task_id', 'state')
+  local settled = {}
+  for i = 1, #entries, 2 do
+    local ok, follower = pcall(cjson.decode, entries[i + 1])
+    local run = ok and follower.run
+    local waiting = run and (r[1] == run and not ENDED[r[2]] and r[2] ~= 'lost')
+    if run and follower.message and not waiting and not settled[run] and tonumber(follower.at or 0) <= now - grace_ms then
+      settled[run] = true
+      if redis.call('HEXISTS', prefix .. ':out:' .. member, run) == 0 then
+        record_outcome(prefix, member, run, 'lost', 'its run ended without settling its followers', '', record_ms)
+      end
+      release_followers(prefix, member, run)
+    end
+  end
 end
 return {released, lost, stale, vanished, reaped}

@@ -73,6 +73,7 @@ redis.call('HSET', record, 'held_until', 0)
 if not ENDED[state] then
   redis.call('HSET', record, 'finished_at', now)
   state = 'released'
+  settle_followers(prefix, member, task_id or '', 'released', note, '', record_ms)
 end
 transition(prefix, record, member, state, now, task_id or '', note, history_len)
 count(prefix, member, 'released')

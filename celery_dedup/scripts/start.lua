@@ -36,6 +36,10 @@
 --                   when the record has passed to another run since)
 --   {3, owner}      superseded: the key belongs to another run now
 --   {4, pttl}       locked by another run (while_executing, until_executing)
+--   {5, run, outcome} a follower's delivery (gate.lua parked it, lib's
+--                   release_followers pushed it): it resolves as run `run`
+--                   ended; outcome is the JSON lib's record_outcome wrote, ""
+--                   if none was (nothing else changes)
 -- Every refusal increments the record's `skipped` counter, and the task's
 -- `skipped` or `deferred` decision counter (see lib's count).
 
@@ -47,6 +51,16 @@ local prefix, history_len, record_ms = ARGV[11], tonumber(ARGV[12]), tonumber(AR
 local want_payload = ARGV[14] == '1'
 local on_locked = ARGV[15]
 local keep_payload = ARGV[16] ~= '0'
+
+local followers = prefix .. ':fol:' .. member
+local parked = redis.call('HGET', followers, task_id)
+if parked then
+  local ok, follower = pcall(cjson.decode, parked)
+  if ok and follower.run and not follower.message then
+    redis.call('HDEL', followers, task_id)
+    return {5, follower.run, redis.call('HGET', prefix .. ':out:' .. member, follower.run) or ''}
+  end
+end
 
 local now = now_ms()
 local current = redis.call('HMGET', record, 'task_id', 'state', 'held_until', 'ended')
