@@ -121,7 +121,9 @@ def test_a_run_that_ends_after_its_record_passed_on_is_remembered(store: DedupSt
     start(store, "B", "elsewhere:1:b", gated=False)
     store.finish(MEMBER, "B", "succeeded", drop=True, record_ms=DAY_MS, role="run", token="elsewhere:1:b")
 
-    owned, kept, _ = store.finish(MEMBER, "A", "succeeded", drop=True, record_ms=DAY_MS, role="run", token="elsewhere:1:a")
+    owned, kept, _ = store.finish(
+        MEMBER, "A", "succeeded", drop=True, record_ms=DAY_MS, role="run", token="elsewhere:1:a"
+    )
 
     assert (owned, kept) == (False, False)
     decision = store.start(
