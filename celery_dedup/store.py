@@ -146,7 +146,7 @@ def _outcome(reply: Sequence[Any]) -> Outcome:
     return Outcome(
         accepted=code in (1, 2),
         task_id=_text(reply[1]),
-        collapsed=code == 3,
+        collapsed=code == 3 or (code == 5 and len(reply) > 2 and int(reply[2]) == 1),
         followed=code == 5,
         refused=code == 4,
     )

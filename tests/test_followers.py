@@ -21,7 +21,7 @@ import redis
 from celery import Celery, chain, chord, group
 from celery.result import GroupResult
 
-from celery_dedup import DedupTask
+from celery_dedup import DedupTask, last_outcome
 from celery_dedup.exceptions import DedupFollowerLimitError
 from celery_dedup.keys import KeySchema, member_for
 
@@ -198,3 +198,30 @@ def test_a_follower_of_a_finished_run_in_its_window_resolves_at_once(make_app: A
         wait_for(lambda: tasks.listed("receipts"), 20, "the follower's callback")
     assert tasks.listed("receipts") == ["8"]
     assert client.get("follow:windowed") == b"1"
+
+
+def test_a_call_with_a_callback_joins_a_burst_and_later_calls_still_join(make_app: AppFactory, r: redis.Redis) -> None:
+    """debounce: a call with ``link=`` joins the burst and follows its run, and says both; a later
+    call from the same process still reaches the gate and joins, so the run takes the newest arguments.
+    """
+    app = make_app()
+    client = redis.Redis.from_url(str(app.conf.broker_url))
+    name = f"follow.{uuid.uuid4().hex[:8]}.debounced"
+
+    @app.task(base=DedupTask, dedup_key="d:{n}", dedup_mode="debounce", dedup_window=1.0, shared=False, name=name)
+    def debounced(n: int, v: str) -> str:
+        client.rpush(f"{name}:ran", v)
+        return v
+
+    tasks = Tasks(app)
+    first = debounced.delay(1, "a")
+    joined = debounced.apply_async((1, "b"), link=tasks.receipt.s())
+    outcome = last_outcome()
+    assert outcome is not None and (outcome.followed, outcome.collapsed) == (True, True), outcome
+    last = debounced.delay(1, "c")
+    assert joined.id == first.id == last.id
+    with in_process_worker(app, pool="threads", concurrency=2):
+        assert first.get(timeout=20) == "c"
+        wait_for(lambda: tasks.listed("receipts"), 20, "the joined call's callback")
+    assert [raw.decode() for raw in client.lrange(f"{name}:ran", 0, -1)] == ["c"]
+    assert tasks.listed("receipts") == ["c"]

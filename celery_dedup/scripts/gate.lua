@@ -60,7 +60,8 @@
 --                 has already ended (a late deferred copy)
 --   {3, owner}    debounce: joined the burst of run `owner`; nothing pushed
 --   {4, owner}    refused: run `owner` has ARGV[12] followers already; nothing written
---   {5, owner}    a follower of run `owner` (a duplicate, or joined its burst): parked
+--   {5, owner}    a follower of run `owner` (a duplicate): parked
+--   {5, owner, 1} a follower that joined the burst of run `owner` (as code 3): parked
 -- Deadlines come from the server clock; a held member whose deadline passed, or
 -- whose record is gone, is stale and taken over.
 
@@ -161,7 +162,7 @@ else
     count(prefix, member, 'collapsed')
     if max_followers > 0 then
       park(owner_id, owner_state)
-      return {5, owner_id}
+      return {5, owner_id, 1}
     end
     return {3, owner_id}
   end
