@@ -186,8 +186,20 @@ def register(app: Celery, history: History | None) -> dict[str, DedupTask]:
     return tasks
 
 
+def register_after(app: Celery, history: History | None) -> Any:
+    """``chaos.after``: the plain task a chained call continues with; it records that it ran."""
+
+    @app.task(name="chaos.after", shared=False)
+    def after(call: str) -> str:
+        if history is not None:
+            history.emit("continued", call=call)
+        return call
+
+    return after
+
+
 def record_worker_signals(history: History) -> None:
-    """Record every revoke a worker acts on, and every run the guard settled.
+    """Record every revoke a worker acts on, every run the guard settled, every chain continuation sent.
 
     ``revoked``: a terminated body ends there. Connected before
     ``celery_dedup.install``, so this receiver runs before the library's: the
@@ -211,6 +223,11 @@ def record_worker_signals(history: History) -> None:
                 worker_pid=getattr(request, "worker_pid", None),
             )
 
+    def on_published(sender: Any = None, body: Any = None, **_: Any) -> None:
+        if sender == "chaos.after" and isinstance(body, (list, tuple)) and body and body[0]:
+            history.emit("continuation_sent", call=str(body[0][0]))
+
+    signals.after_task_publish.connect(on_published, weak=False, dispatch_uid="chaos.on_published")
     signals.task_revoked.connect(on_revoked, weak=False, dispatch_uid="chaos.on_revoked")
     signals.task_postrun.connect(on_postrun, weak=False, dispatch_uid="chaos.on_postrun")
 
@@ -239,6 +256,7 @@ def build(broker: str | None = None, *, history: History | None = None, conf: di
         record_decisions(history)
     celery_dedup.install(chaos_app)
     register(chaos_app, history)
+    register_after(chaos_app, history)
     return chaos_app
 
 

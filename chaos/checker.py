@@ -46,6 +46,13 @@ violation is printed with an excerpt of the history around it.
     A debounced run executes with the arguments of its burst's last call as
     the server ordered them: no call of the burst was sent after the one
     whose arguments ran had returned.
+``continuation``
+    A chained call (``head | chaos.after``) whose run succeeded goes on with
+    its chain, whether the call was accepted or followed that run as a
+    duplicate: ``chaos.after`` runs. Explained: the server's data was wiped;
+    the process that resolved the head died right after it (Celery sends the
+    next step after the body, and a run that ended is not run again); the
+    next step's message was lost with a killed worker after it was sent.
 """
 
 from __future__ import annotations
@@ -71,6 +78,7 @@ INVARIANTS = (
     "double-accept",
     "window",
     "debounce-args",
+    "continuation",
 )
 #: States after which a run has ended (lib.lua's ENDED), and those that count as its fate.
 ENDED = frozenset({"succeeded", "failed", "revoked", "rejected", "ignored", "skipped", "released"})
@@ -85,7 +93,10 @@ EXPLAINED = {
     "wiped": "runs lost with the server's data (a restart without persistence)",
     "transit": "ungated runs whose message a fault can have lost before any record existed",
     "crash": "worker crashes outside celery-dedup (Celery or kombu; the worker was replaced)",
+    "continuation": "chains whose next step a kill lost after their run succeeded",
 }
+#: How soon after resolving a chain's head its process must die to explain a next step never sent, seconds.
+SEND_WINDOW = 3.0
 #: The longest countdown or ETA a producer asks for, seconds (see chaos.workload).
 MAX_DELAY = 3.0
 #: Slack for comparing host times with the server's millisecond timestamps.
@@ -236,6 +247,17 @@ class History:
             elif event["ev"] == "finish_failed":
                 self.finish_failed.add(str(event.get("task_id")))
         self.renewer_losses = [e for e in events if e["ev"] == "lock_lost_log"]
+        self._index_chains(events)
+
+    def _index_chains(self, events: list[Event]) -> None:
+        self.continued: set[str] = {e["call"] for e in events if e["ev"] == "continued"}
+        self.continuation_sent: dict[str, float] = {}
+        for event in events:
+            if event["ev"] == "continuation_sent":
+                self.continuation_sent.setdefault(event["call"], event["t"])
+        #: A chained duplicate's own head id (its follower), by call.
+        self.own_heads: dict[str, str] = {e["call"]: e["own"] for e in events if e["ev"] == "call" and e.get("own")}
+        self.kills = [e for e in events if e["ev"] in ("kill", "crash", "exit")]
 
     # --- building --------------------------------------------------------------------------
 
@@ -264,6 +286,9 @@ class History:
             body.end = min(death, revoked) if revoked >= body.start else death
             body.outcome = "killed" if body.end < self.end else "unknown"
         return bodies
+
+    def died_within(self, pid: int, after: float, seconds: float) -> bool:
+        return self._death(pid, after) <= after + seconds
 
     def _death(self, pid: int, after: float) -> float:
         return min((t for t in self.deaths.get(pid, []) if t >= after), default=self.end)
@@ -478,6 +503,7 @@ class Checker:
         self.double_accept()
         self.windows()
         self.debounce_args()
+        self.continuations()
 
     def crashes(self) -> None:
         workers = {e["slot"] for e in self.h.events if e["ev"] == "spawn" and e["slot"].startswith("worker")}
@@ -673,6 +699,59 @@ class Checker:
                         f"{later[-1].call} of its burst was sent after that, at {self.h.rel(later[-1].t0)}"
                     )
                     self.violation("debounce-args", body.member, message, t=body.start, ids=(task_id,))
+
+    def continuations(self) -> None:
+        for call in self.h.calls:
+            if call.way != "chain" or not call.task_id or call.outcome not in ("accepted", "duplicate", "collapsed"):
+                continue
+            resolved = self._succeeded(call)
+            if resolved is None:
+                continue  # the run did not succeed: its chain stops there
+            self.checked["continuation"] += 1
+            if call.call in self.h.continued:
+                continue
+            if self.h.wiped_between(call.t0 - 1.0, self.h.end):
+                wiped = f"chain {call.call}: the server's data was wiped"
+                self.explained.append(Explained("wiped", call.member, wiped))
+                continue
+            sent = self.h.continuation_sent.get(call.call)
+            at, pid = resolved
+            cause = None
+            if sent is None and pid is not None and self.h.died_within(pid, at, SEND_WINDOW):
+                cause = f"pid {pid} resolved its head at {self.h.rel(at)} and was killed before sending the next step"
+            elif sent is not None:
+                killed = next((e for e in self.h.kills if e["t"] >= sent), None)
+                if killed is not None:
+                    cause = f"the next step, sent at {self.h.rel(sent)}, went with a kill at {self.h.rel(killed['t'])}"
+            if cause is not None:
+                self.explained.append(Explained("continuation", call.member, f"chain {call.call}: {cause}"))
+                continue
+            state = "sent at " + self.h.rel(sent) if sent is not None else "never sent"
+            message = (
+                f"chain {call.call} ({call.outcome} as run {call.task_id} at {self.h.rel(call.t)}): the run succeeded "
+                f"at {self.h.rel(at)}, and the next step never ran ({state})"
+            )
+            self.violation("continuation", call.member, message, t=call.t, ids=(call.task_id,), until=at)
+
+    def _succeeded(self, call: Call) -> tuple[float, int | None] | None:
+        """When (and in which process) the chained call's head resolved with success, or None."""
+        task_id = call.task_id
+        if call.outcome == "accepted":
+            for body in self.h.bodies_by_task.get(task_id, []):
+                if body.outcome == "succeeded" and self.h.recorded_end(body) is not None:
+                    return body.end, body.pid
+            return None
+        succeeded = any(e.task_id == task_id and e.state == "succeeded" for e in self.h.entries(call.member)) or any(
+            b.outcome == "succeeded" and self.h.recorded_end(b) is not None
+            for b in self.h.bodies_by_task.get(task_id, [])
+        )
+        if not succeeded:
+            return None
+        own = self.h.own_heads.get(call.call, "")
+        for event in self.h.decisions.get(own, []):
+            if event["decision"] == "followed":
+                return event["t"], int(event["pid"])
+        return self.h.end, None
 
 
 def freed(h: History, first: Call, spec: ModeSpec, before: float) -> str | None:

@@ -27,6 +27,7 @@ from dataclasses import dataclass, field
 from typing import Any, cast
 
 from celery import Celery
+from celery.result import AsyncResult
 
 import celery_dedup
 import celery_dedup.keyed
@@ -39,7 +40,7 @@ from .history import History
 #: Keys per mode; calls pick them with Zipf-like weights, so a few keys are very hot.
 KEYS_PER_MODE = 35
 #: How each call is published, with its weight.
-WAYS = {"delay": 40, "countdown": 12, "eta": 8, "many": 10, "send_task": 12}
+WAYS = {"delay": 40, "countdown": 12, "eta": 8, "many": 10, "send_task": 12, "chain": 10}
 #: Modes' weights: the gated modes dominate.
 MODE_WEIGHTS = {
     "until_executed": 30,
@@ -163,6 +164,8 @@ class Producer:
         self.schedule = schedule
         self.tasks = {spec.mode: cast(DedupTask, app.tasks[spec.task_name]) for spec in MODES}
         self.stopping = False
+        #: A chained duplicate's own head id: it follows the run, and resolves under this id.
+        self.own_head = ""
 
     def run(self) -> None:
         for batch, pause in self.schedule:
@@ -188,8 +191,10 @@ class Producer:
                     **self._fields(call, task),
                 )
             return
+        own, self.own_head = self.own_head, ""
         for call, (outcome, task_id) in zip(batch, ids, strict=True):
-            self.history.emit("call", outcome=outcome, id=task_id, **self._fields(call, task))
+            extra = {"own": own} if own else {}
+            self.history.emit("call", outcome=outcome, id=task_id, **extra, **self._fields(call, task))
 
     def _fields(self, call: Call, task: DedupTask) -> dict[str, Any]:
         return {
@@ -216,6 +221,14 @@ class Producer:
             outcome = celery_dedup.last_outcome()
             if outcome is None or not first.mode.gated or outcome.task_id == sent.id:
                 return [("accepted", sent.id)]
+            return [(collapsed if outcome.collapsed else "duplicate", outcome.task_id)]
+        if first.way == "chain":
+            tail = (task.s(*first.args) | self.app.tasks["chaos.after"].si(first.call_id)).apply_async()
+            head = str(cast("AsyncResult[Any]", tail.parent).id)
+            outcome = celery_dedup.last_outcome()
+            if outcome is None or not first.mode.gated or outcome.task_id == head:
+                return [("accepted", head)]
+            self.own_head = head
             return [(collapsed if outcome.collapsed else "duplicate", outcome.task_id)]
         options: dict[str, Any] = {}
         if first.way == "countdown":

@@ -48,7 +48,7 @@ class Story:
     def call(self, t: float, task_id: str, outcome: str = "accepted", member: str = MEMBER, **fields: Any) -> Story:
         mode = member.split(":", maxsplit=1)[0].removeprefix("chaos.")
         call_id = fields.pop("call", f"c{len(self.events)}")
-        common = {"call": call_id, "member": member, "mode": mode, "way": "delay", "delay": 0.0}
+        common = {"call": call_id, "member": member, "mode": mode, "way": fields.pop("way", "delay"), "delay": 0.0}
         self.add(t, "call_start", role="producer-0.1", pid=50, **common)
         return self.add(t + 0.01, "call", role="producer-0.1", pid=50, outcome=outcome, id=task_id, **common, **fields)
 
@@ -216,6 +216,32 @@ def test_debounce_with_the_last_call_passes(story: Story) -> None:
     story.call(0, "r", member=debounced, call="first")
     story.call(0.2, "r", outcome="collapsed", member=debounced, call="last")
     assert invariants(story.body(1, 1.1, "r", member=debounced, call="last").check()) == []
+
+
+def test_a_chain_whose_run_succeeded_must_go_on(story: Story) -> None:
+    story.call(0, "a", call="head", way="chain").body(1, 2, "a", call="head")
+    story.call(0.5, "a", outcome="duplicate", call="follower", way="chain", own="f")
+    story.add(2.5, "decision", pid=300, decision="followed", task_id="f", message="resolved as run a ended")
+    report = story.add(2.6, "continued", pid=300, call="follower").check()
+    assert [(v.invariant, v.message.split()[1]) for v in report.violations] == [("continuation", "head")]
+
+
+def test_a_chain_goes_on_with_its_next_step(story: Story) -> None:
+    story.call(0, "a", call="head", way="chain").body(1, 2, "a", call="head")
+    assert invariants(story.add(2.5, "continued", pid=300, call="head").check()) == []
+
+
+def test_a_chain_whose_run_failed_stops(story: Story) -> None:
+    story.call(0, "a", call="head", way="chain").body(1, 2, "a", call="head", outcome="failed")
+    assert invariants(story.check()) == []
+
+
+def test_a_next_step_lost_with_a_kill_right_after_the_head_is_explained(story: Story) -> None:
+    story.call(0, "a", call="head", way="chain").body(1, 2, "a", call="head", pid=100)
+    story.server(MEMBER, (0.0, "queued", "a", ""), (1.0, "started", "a", ""), (2.0, "succeeded", "a", ""))
+    report = story.add(2.5, "kill", role="runner", pids=[100]).check()
+    assert invariants(report) == []
+    assert [e.kind for e in report.explained] == ["continuation"]
 
 
 def test_a_key_held_after_the_quiet_period_with_no_live_run_is_stuck(story: Story) -> None:
