@@ -36,6 +36,7 @@ SCRIPTS: tuple[tuple[str, tuple[str, ...]], ...] = (
     ("storm", ("--producers", "2", "--keys", "200", "--sends", "2")),
     ("debounce", ("--rounds", "2", "--keys", "5", "--calls", "20")),
     ("admin", ("--records", "10000", "--renders", "5", "--later", "3")),
+    ("followers", ("--followers", "50")),
     ("chart", ()),
 )
 
