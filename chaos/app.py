@@ -22,7 +22,7 @@ from dataclasses import dataclass
 from typing import Any, cast
 
 from celery import Celery, signals
-from celery.exceptions import Retry
+from celery.exceptions import Ignore, Retry
 
 import celery_dedup
 from celery_dedup import DedupTask
@@ -132,9 +132,16 @@ def work(task: DedupTask, seconds: float, on_lock_lost: Callable[[], object]) ->
 
 
 def conclude(task: DedupTask, outcome: str, member: str) -> None:
-    """End the body as told: retry once, fail for good, or (returning) succeed."""
+    """End the body as told: retry once, replace itself, fail for good, or (returning) succeed."""
     if outcome == "retry":
         raise task.retry(countdown=RETRY_COUNTDOWN, max_retries=1)
+    if outcome == "replaced":
+        request = task.request
+        args = list(request.args or ())
+        k, call = args[0], args[1]
+        if len(args) > 5 and args[5] == "plain":  # by a plain task: the run ends as replaced
+            raise task.replace(task.app.tasks["chaos.after"].si(call))
+        raise task.replace(task.s(k, call, 0.05))  # under the same key: the same run goes on
     if outcome == "failed":
         raise ChaosFailure(f"{member} told to fail")
 
@@ -142,9 +149,17 @@ def conclude(task: DedupTask, outcome: str, member: str) -> None:
 def make_body(history: History | None) -> Callable[..., str]:
     """The body every chaos task runs: record its start, sleep (watching the lock), fail or retry, record its end."""
 
-    def body(self: DedupTask, k: str, call: str, sleep: float = 0.0, fail: bool = False, retry: bool = False) -> str:
+    def body(
+        self: DedupTask,
+        k: str,
+        call: str,
+        sleep: float = 0.0,
+        fail: bool = False,
+        retry: bool = False,
+        replace: str = "",
+    ) -> str:
         request = self.request
-        member = member_for(self.name, self.dedup_business_key(k, call, sleep, fail, retry))
+        member = member_for(self.name, self.dedup_business_key(k, call, sleep, fail, retry, replace))
         fields = {"task_id": request.id, "member": member, "call": call}
         if history is not None:
             history.emit("body_start", retries=request.retries or 0, worker=request.hostname, **fields)
@@ -153,11 +168,13 @@ def make_body(history: History | None) -> Callable[..., str]:
             work(self, sleep, lambda: history.emit("lock_lost_seen", **fields) if history else None)
             if retry and not request.retries:
                 outcome = "retry"
+            elif replace:
+                outcome = "replaced"
             elif fail:
                 outcome = "failed"
             conclude(self, outcome, member)
         except BaseException as exc:
-            expected = {"retry": Retry, "failed": ChaosFailure}.get(outcome)
+            expected = {"retry": Retry, "failed": ChaosFailure, "replaced": Ignore}.get(outcome)
             if expected is None or not isinstance(exc, expected):  # a terminate, a soft time limit, a failed retry
                 outcome = type(exc).__name__
             raise

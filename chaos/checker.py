@@ -81,10 +81,13 @@ INVARIANTS = (
     "continuation",
 )
 #: States after which a run has ended (lib.lua's ENDED), and those that count as its fate.
-ENDED = frozenset({"succeeded", "failed", "revoked", "rejected", "ignored", "skipped", "released"})
+ENDED = frozenset({"succeeded", "failed", "revoked", "rejected", "ignored", "skipped", "released", "replaced"})
 FATES = ENDED | {"lost"}
-#: Body outcomes that do not end a run: a retry, a process exiting mid-body (a terminate), no outcome.
-NOT_FINAL = frozenset({"retry", "Retry", "Reject", "Ignore", "SystemExit", "KeyboardInterrupt", "killed", "unknown"})
+#: Body outcomes that do not end a run's work: a retry, a replacement (under the same key the run goes on;
+#: by a plain task it ends as ``replaced``, not succeeded), a process exiting mid-body (a terminate), no outcome.
+NOT_FINAL = frozenset(
+    {"retry", "Retry", "replaced", "Reject", "Ignore", "SystemExit", "KeyboardInterrupt", "killed", "unknown"}
+)
 #: Decisions that settle a run that never executed.
 SETTLING_DECISIONS = frozenset({"skipped", "reaped", "released"})
 #: Kinds of explained cases, as the report titles them.

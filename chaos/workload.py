@@ -64,10 +64,12 @@ class Call:
     retry: bool
     way: str
     delay: float = 0.0
+    #: ``Task.replace`` instead of returning: ``"same"`` key (the run goes on), ``"plain"`` task (it ends), or "".
+    replace: str = ""
 
     @property
-    def args(self) -> tuple[str, str, float, bool, bool]:
-        return (self.k, self.call_id, self.sleep, self.fail, self.retry)
+    def args(self) -> tuple[str, str, float, bool, bool, str]:
+        return (self.k, self.call_id, self.sleep, self.fail, self.retry, self.replace)
 
 
 @dataclass
@@ -109,6 +111,7 @@ class Schedule:
             retry=0.08 <= roll < 0.16,
             way=way,
             delay=delay,
+            replace="same" if 0.16 <= roll < 0.19 else "plain" if 0.19 <= roll < 0.2 else "",
         )
 
     def __iter__(self) -> Iterator[tuple[list[Call], float]]:
@@ -207,6 +210,7 @@ class Producer:
             "sleep": call.sleep,
             "fail": call.fail,
             "retry": call.retry,
+            "replace": call.replace,
         }
 
     def _send(self, task: DedupTask, batch: list[Call]) -> list[tuple[str, str]]:
