@@ -32,7 +32,6 @@ class GatedChannelMixin:
     global_keyprefix: str
     priority_steps: list[int]
     unacked_key: str
-    _expires: dict[str, int]
 
     @cached_property
     def _dedup_client(self) -> redis.Redis:
@@ -78,9 +77,11 @@ class GatedChannelMixin:
         prefix = self.global_keyprefix
         expire: list[str] = []
         expires_ms = None
-        if self._expires and queue in self._expires:
+        # Queue x-expires came with kombu 5.6: older channels have no such table.
+        queue_expires: dict[str, int] = getattr(self, "_expires", None) or {}
+        if queue in queue_expires:
             expire = [prefix + self._q_for_pri(queue, p) for p in self.priority_steps]  # type: ignore[attr-defined]
-            expires_ms = self._expires[queue]
+            expires_ms = queue_expires[queue]
         store = self.dedup_store(gate.prefix, gate.history)
         # A debounced run executes with its burst's newest payload, so it is kept
         # whatever dedup_record_args says; with it off, the run deletes it as it

@@ -5,6 +5,7 @@ from __future__ import annotations
 import logging
 from typing import Any
 
+import kombu
 import pytest
 import redis
 from celery import Celery
@@ -152,6 +153,9 @@ def test_routing_to_several_queues_is_refused_and_writes_nothing(make_app: AppFa
 def test_producer_batch_is_refused(make_app: AppFactory, r: redis.Redis) -> None:
     app = make_app()
     charge = charge_task(app)
+    with app.producer_or_acquire() as producer:
+        if not hasattr(producer, "batch"):
+            pytest.skip(f"kombu {kombu.__version__} has no Producer.batch (it came with kombu 5.6)")
     with app.producer_or_acquire() as producer, pytest.raises(DedupRoutingError, match="batch"), producer.batch():
         charge.apply_async((1,), producer=producer)
     assert r.scard(HELD) == 0
