@@ -166,9 +166,7 @@ def call_on_commit(task: Any, alias: str, *args: Any) -> None:
         assert task.apply_async_on_commit(args, using=alias) is None
 
 
-def test_two_calls_in_one_transaction_publish_one_message_at_commit(
-    app: Celery, r: redis.Redis, database: str
-) -> None:
+def test_two_calls_in_one_transaction_publish_one_message_at_commit(app: Celery, r: redis.Redis, database: str) -> None:
     assert issubclass(app.Task, DjangoTask)  # what the project's other tasks get
     charge = charge_task(app)
     member = member_for(charge.name, "order:42").encode()
@@ -190,9 +188,7 @@ def test_two_calls_in_one_transaction_publish_one_message_at_commit(
     assert (record.state, record.task_id, record.duplicates) == ("queued", messages[0]["headers"]["id"], 1)
 
 
-def test_rolled_back_transaction_publishes_nothing_and_holds_no_key(
-    app: Celery, r: redis.Redis, database: str
-) -> None:
+def test_rolled_back_transaction_publishes_nothing_and_holds_no_key(app: Celery, r: redis.Redis, database: str) -> None:
     charge = charge_task(app)
 
     with pytest.raises(Rollback), transaction.atomic(using=database):
