@@ -448,6 +448,27 @@ class DedupTask(_TaskBase):
         """:meth:`apply_async_many` for positional arguments only: ``notify.delay_many([(1,), (2,)])``."""
         return self.apply_async_many(((args, {}) for args in argument_tuples), **options)
 
+    def delay_on_commit(self, *args: Any, **kwargs: Any) -> None:
+        """Django: :meth:`delay` once the current database transaction commits; nothing if it rolls back.
+
+        Celery's ``DjangoTask`` method, which ``base=DedupTask`` would
+        otherwise lose. Returns None, as Celery's does: the gate runs at
+        commit. The key is derived now, so a bad key raises inside the
+        transaction; see :mod:`celery_dedup.contrib.django.commit`.
+        """
+        self.apply_async_on_commit(args, kwargs)
+
+    def apply_async_on_commit(
+        self, args: Any = None, kwargs: Any = None, *, using: str | None = None, **options: Any
+    ) -> None:
+        """Django: :meth:`apply_async` once the transaction on database ``using`` (default: the default) commits.
+
+        See :meth:`delay_on_commit`.
+        """
+        from .contrib.django.commit import publish_on_commit  # noqa: PLC0415 - Django is optional
+
+        publish_on_commit(self, args, kwargs, options, using=using)
+
     def _peek(self, member: str) -> str | None:
         """The accepted run's id if ``member`` is held, asked before any message is built.
 
