@@ -177,3 +177,23 @@ def test_the_documented_examples_pass(user_suite: pytest.Pytester) -> None:
     page = python_blocks((ROOT / "docs" / "testing.md").read_text())[0]
     user_suite.makepyfile(test_readme=readme, test_page=page)
     run_suite(user_suite, "-v").assert_outcomes(passed=3)
+
+
+def test_without_a_url_the_plugin_starts_its_own_server(
+    pytester: pytest.Pytester, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.delenv("CELERY_DEDUP_TEST_REDIS_URL", raising=False)
+    pytester.makeconftest(TASKS)
+    pytester.makepyfile(
+        test_own="""
+        from celery_dedup.testing import assert_deduplicated
+
+
+        def test_own_server(celery_dedup_server, charge):
+            assert celery_dedup_server.process is not None
+            assert celery_dedup_server.url == celery_dedup_server.process.url
+            first = charge.delay(1)
+            assert_deduplicated(charge.delay(1), of=first)
+        """
+    )
+    run_suite(pytester).assert_outcomes(passed=1)
