@@ -528,6 +528,23 @@ class DedupStore:
     def is_held(self, member: str) -> bool:
         return bool(self.client.sismember(self.schema.held, member))
 
+    def holder(self, member: str) -> str | None:
+        """The run whose hold on ``member`` a call made now would meet, or None when the key is free.
+
+        The gate's test (see ``peek.lua``) read in one transaction, without
+        counting anything: held, with a record whose hold has not passed on
+        the server's clock.
+        """
+        with self.client.pipeline(transaction=True) as pipe:
+            pipe.sismember(self.schema.held, member)
+            pipe.hmget(self.schema.record(member), "task_id", "held_until")
+            pipe.time()
+            held, (task_id, held_until), (seconds, micros) = pipe.execute()
+        now_ms = seconds * 1000 + micros // 1000
+        if not held or task_id is None or int(held_until or 0) <= now_ms:
+            return None
+        return _text(task_id)
+
     def detail(self, member: str) -> KeyDetail:
         """The member's record, history, hold and execution lock, in one pipeline."""
         schema = self.schema
