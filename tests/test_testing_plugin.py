@@ -33,6 +33,12 @@ def charge(celery_dedup_app):
 """
 
 
+@pytest.fixture(autouse=True)
+def _plain_celery_project(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The user's project is plain Celery: this suite's Django tests leave their settings module in the environment."""
+    monkeypatch.delenv("DJANGO_SETTINGS_MODULE", raising=False)
+
+
 @pytest.fixture
 def user_suite(
     pytester: pytest.Pytester, server: Server, r: redis.Redis, monkeypatch: pytest.MonkeyPatch

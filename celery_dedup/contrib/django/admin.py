@@ -17,7 +17,9 @@ from typing import Any
 import redis
 from celery import Celery
 from django.contrib import admin, messages
+from django.contrib.admin.models import CHANGE, LogEntry
 from django.contrib.admin.utils import quote, unquote
+from django.contrib.contenttypes.models import ContentType
 from django.core.exceptions import PermissionDenied
 from django.http import Http404, HttpRequest, HttpResponse, HttpResponseBase, HttpResponseRedirect
 from django.template.response import TemplateResponse
@@ -128,7 +130,19 @@ class RecordAdmin(admin.ModelAdmin):  # type: ignore[type-arg]
 
     def _log(self, request: HttpRequest, member: str | None, message: str) -> None:
         """Note in the admin log who did what to ``member`` (None: to records in general)."""
-        self.log_change(request, Record.standing_for(member), message)
+        record = Record.standing_for(member)
+        if member is not None:
+            self.log_change(request, record, message)
+            return
+        # Django before 5.1 stores str(object_id): an entry about no one record would name "None".
+        LogEntry.objects.create(
+            user_id=request.user.pk,
+            content_type_id=ContentType.objects.get_for_model(Record, for_concrete_model=False).pk,
+            object_id=None,
+            object_repr=str(record)[:200],
+            action_flag=CHANGE,
+            change_message=message,
+        )
 
     def _detail(self, app: Celery, object_id: str) -> KeyDetail:
         found = operations.detail(app, unquote(object_id))
