@@ -83,11 +83,13 @@ INVARIANTS = (
 #: States after which a run has ended (lib.lua's ENDED), and those that count as its fate.
 ENDED = frozenset({"succeeded", "failed", "revoked", "rejected", "ignored", "skipped", "released", "replaced"})
 FATES = ENDED | {"lost"}
-#: Body outcomes that do not end a run's work: a retry, a replacement (under the same key the run goes on;
-#: by a plain task it ends as ``replaced``, not succeeded), a process exiting mid-body (a terminate), no outcome.
+#: Body outcomes that do not end a run's work: a retry, a replacement under the same key (the run goes on;
+#: one by a plain task ends the run, see REPLACED_BY_PLAIN), a process exiting mid-body (a terminate), no outcome.
 NOT_FINAL = frozenset(
     {"retry", "Retry", "replaced", "Reject", "Ignore", "SystemExit", "KeyboardInterrupt", "killed", "unknown"}
 )
+#: The outcome of a body that replaced itself by a plain task: its run ended ``replaced`` and freed its key.
+REPLACED_BY_PLAIN = "replaced-by-plain"
 #: Decisions that settle a run that never executed.
 SETTLING_DECISIONS = frozenset({"skipped", "reaped", "released"})
 #: Kinds of explained cases, as the report titles them.
@@ -226,6 +228,7 @@ class History:
             elif event["ev"] == "revoked" and event.get("terminated") and _is_sigkill(event.get("signum")):
                 self.sigkilled.setdefault(event["task_id"], event["t"])
         self.bodies = self._bodies()
+        self._mark_plain_replacements(events)
         self.bodies_by_task: dict[str, list[Body]] = defaultdict(list)
         for body in self.bodies:
             self.bodies_by_task[body.task_id].append(body)
@@ -292,6 +295,14 @@ class History:
 
     def died_within(self, pid: int, after: float, seconds: float) -> bool:
         return self._death(pid, after) <= after + seconds
+
+    def _mark_plain_replacements(self, events: list[Event]) -> None:
+        """A body that replaced itself by a plain task ended its run (``replaced``, the key freed);
+        one replaced under the same key handed the run on."""
+        plain = {e["call"] for e in events if e["ev"] == "call_start" and e.get("replace") == "plain"}
+        for body in self.bodies:
+            if body.outcome == "replaced" and body.call in plain:
+                body.outcome = REPLACED_BY_PLAIN
 
     def _death(self, pid: int, after: float) -> float:
         return min((t for t in self.deaths.get(pid, []) if t >= after), default=self.end)

@@ -48,7 +48,8 @@ class Story:
     def call(self, t: float, task_id: str, outcome: str = "accepted", member: str = MEMBER, **fields: Any) -> Story:
         mode = member.split(":", maxsplit=1)[0].removeprefix("chaos.")
         call_id = fields.pop("call", f"c{len(self.events)}")
-        common = {"call": call_id, "member": member, "mode": mode, "way": fields.pop("way", "delay"), "delay": 0.0}
+        way, replace = fields.pop("way", "delay"), fields.pop("replace", "")
+        common = {"call": call_id, "member": member, "mode": mode, "way": way, "delay": 0.0, "replace": replace}
         self.add(t, "call_start", role="producer-0.1", pid=50, **common)
         return self.add(t + 0.01, "call", role="producer-0.1", pid=50, outcome=outcome, id=task_id, **common, **fields)
 
@@ -216,6 +217,16 @@ def test_debounce_with_the_last_call_passes(story: Story) -> None:
     story.call(0, "r", member=debounced, call="first")
     story.call(0.2, "r", outcome="collapsed", member=debounced, call="last")
     assert invariants(story.body(1, 1.1, "r", member=debounced, call="last").check()) == []
+
+
+def test_a_run_replaced_by_a_plain_task_frees_its_key(story: Story) -> None:
+    story.call(0, "a", call="head", replace="plain").body(1, 1.1, "a", call="head", outcome="replaced")
+    assert invariants(story.call(2, "b").body(3, 4, "b").check()) == []
+
+
+def test_a_run_replaced_under_its_key_still_holds_it(story: Story) -> None:
+    story.call(0, "a", call="head", replace="same").body(1, 1.1, "a", call="head", outcome="replaced")
+    assert invariants(story.call(2, "b").body(3, 4, "b").body(5, 6, "a", call="head").check()) == ["double-accept"]
 
 
 def test_a_chain_whose_run_succeeded_must_go_on(story: Story) -> None:
