@@ -8,6 +8,7 @@ DedupTask they call, and its resolved :class:`TaskPolicy`.
 from __future__ import annotations
 
 import datetime
+import weakref
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Protocol
 
@@ -78,7 +79,14 @@ class DedupResult(AsyncResult):  # type: ignore[type-arg]
             """Be resolved when the object the backend waits with is (the backend would not tell this one)."""
             other = self._waiter()
             if other is not None and self._cache is None:
-                other.on_ready.then(lambda _: self._get_task_meta())
+                me = weakref.ref(self)  # the waiter must not keep this object alive
+
+                def resolve(_: Any) -> None:
+                    result = me()
+                    if result is not None:
+                        result._get_task_meta()
+
+                other.on_ready.then(resolve)
 
 
 class KeyedTask(Protocol):
