@@ -78,13 +78,13 @@ class DedupResult(AsyncResult):  # type: ignore[type-arg]
         def _follow_the_waiter(self) -> None:
             """Be resolved when the object the backend waits with is (the backend would not tell this one)."""
             other = self._waiter()
-            if other is not None and self._cache is None:
+            if other is not None and self._cache is None:  # type: ignore[attr-defined]  # Celery's own state
                 me = weakref.ref(self)  # the waiter must not keep this object alive
 
                 def resolve(_: Any) -> None:
                     result = me()
                     if result is not None:
-                        result._get_task_meta()
+                        result._get_task_meta()  # type: ignore[attr-defined]  # fetches, caches, fires on_ready
 
                 other.on_ready.then(resolve)
 

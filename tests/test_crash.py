@@ -124,7 +124,7 @@ class Sweeper:
         self.thread.start()
 
     def _run(self) -> None:
-        channel = self.connection.default_channel
+        channel: Any = self.connection.default_channel  # kombu's Redis channel
         while not self.stopped.wait(1.0):
             channel.qos.restore_visible(num=channel.unacked_restore_limit, interval=1)
 
