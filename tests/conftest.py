@@ -9,6 +9,7 @@ FLUSHALLed between tests: never point it at data you want to keep).
 from __future__ import annotations
 
 import contextlib
+import gc
 import json
 import os
 import signal
@@ -51,6 +52,9 @@ def server() -> Iterator[Server]:
         return
     with RedisServer() as process:
         yield Server(process.url, process)
+        # Result objects left in reference cycles unsubscribe from the server as they are collected;
+        # after it stopped, each one retries for about 20 s in __del__.
+        gc.collect()
 
 
 @pytest.fixture

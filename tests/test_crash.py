@@ -23,8 +23,10 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, TypeVar
 
+import kombu
 import pytest
 import redis
+from kombu.transport import redis as kombu_redis
 
 import celery_dedup
 from celery_dedup.keys import KeySchema
@@ -40,6 +42,9 @@ SLACK = 6.0
 #: kombu re-scans its unacked hash every second instead of every 100 s, and a worker
 #: killed while holding the scan mutex blocks the others for 5 s, not 5 minutes.
 RESTORE_EVERY_SECOND = {"unacked_restore_interval": 1, "unacked_restore_throttle": 1, "unacked_mutex_expire": 5}
+#: kombu < 5.7 has neither setting: its workers sweep at start-up and then every 100 s, so
+#: the test process runs kombu's own sweep every second for them (see :class:`Sweeper`).
+WORKERS_SWEEP_EVERY_SECOND = hasattr(kombu_redis.Channel, "unacked_restore_throttle")
 
 T = TypeVar("T")
 
@@ -103,6 +108,32 @@ def wait_idle(r: redis.Redis, timeout: float, *, quiet: float = 1.5) -> None:
     )
 
 
+class Sweeper:
+    """kombu's restore sweep (``QoS.restore_visible``) every second, run from the test process.
+
+    What a kombu 5.7 worker does with :data:`RESTORE_EVERY_SECOND`; older
+    kombu ignores those settings. The sweep is kombu's code with the workers'
+    transport options, so a copy comes back exactly when a worker's own sweep
+    would re-push it.
+    """
+
+    def __init__(self, broker: str, transport: dict[str, Any]) -> None:
+        self.connection = kombu.Connection(broker, transport_options=transport)
+        self.stopped = threading.Event()
+        self.thread = threading.Thread(target=self._run, name="kombu-restore-sweep", daemon=True)
+        self.thread.start()
+
+    def _run(self) -> None:
+        channel: Any = self.connection.default_channel  # kombu's Redis channel
+        while not self.stopped.wait(1.0):
+            channel.qos.restore_visible(num=channel.unacked_restore_limit, interval=1)
+
+    def stop(self) -> None:
+        self.stopped.set()
+        self.thread.join(timeout=10)
+        self.connection.release()
+
+
 class Fleet:
     """The worker processes of one test; whatever is still alive is killed at teardown."""
 
@@ -111,6 +142,7 @@ class Fleet:
         self.monkeypatch = monkeypatch
         self.log_dir = log_dir
         self.workers: list[WorkerProcess] = []
+        self.sweeper: Sweeper | None = None
 
     def start(
         self, *, conf: dict[str, Any], transport: dict[str, Any], count: int = 1, concurrency: int = 2
@@ -132,6 +164,8 @@ class Fleet:
         self.workers.extend(started)
         for worker in started:
             worker.wait_ready(timeout=60)
+        if "unacked_restore_interval" in transport and not WORKERS_SWEEP_EVERY_SECOND and self.sweeper is None:
+            self.sweeper = Sweeper(self.broker, transport)
         return started
 
     def logs(self) -> str:
@@ -144,6 +178,8 @@ class Fleet:
         return "\n".join(tails)
 
     def stop_all(self) -> None:
+        if self.sweeper is not None:
+            self.sweeper.stop()
         for worker in self.workers:
             worker.stop(signal.SIGKILL)
 

@@ -2,10 +2,12 @@
 
 from __future__ import annotations
 
+import gc
 import logging
 from importlib.metadata import version
 from typing import Any
 
+import celery.exceptions
 import pytest
 import redis
 from celery import Celery
@@ -206,3 +208,27 @@ def test_a_peeked_duplicate_follows_the_conflict_policy(make_app: AppFactory, r:
     with pytest.raises(DuplicateTaskError) as raised:
         charge.delay(1)
     assert raised.value.task_id == first.id
+
+
+def test_a_duplicates_result_and_the_accepted_ones_each_resolve(make_app: AppFactory) -> None:
+    """Two result objects of one run (the accepted call's and a duplicate's) both see it end.
+
+    The first one waits already (its ``get`` timed out while the message was
+    queued) when the duplicate's result is asked, and the duplicate's result is
+    dropped before the first one is asked again.
+    """
+    app = make_app()
+    charge = charge_task(app)
+    first = charge.delay(5)
+    with pytest.raises(celery.exceptions.TimeoutError):
+        first.get(timeout=0.2)
+    second = charge.delay(5)
+    assert second.deduplicated and second.id == first.id
+    third = charge.delay(5)
+    with in_process_worker(app):
+        assert second.get(timeout=10) == 50
+        del third
+        gc.collect()
+        assert first.get(timeout=10) == 50
+    del first, second
+    gc.collect()  # while the server runs: a result that goes unsubscribes from it
