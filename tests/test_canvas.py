@@ -2,14 +2,11 @@
 
 from __future__ import annotations
 
-import gc
 import time
 import uuid
-from collections.abc import Iterator
 from typing import Any, cast
 
 import celery
-import pytest
 import redis
 from celery import Celery, chain, chord, group
 from celery.result import AsyncResult, GroupResult
@@ -21,15 +18,6 @@ from celery_dedup.keys import KeySchema, member_for
 from .conftest import AppFactory, Server, in_process_worker, queued_messages
 
 HELD = KeySchema("dedup").held
-
-
-@pytest.fixture(autouse=True)
-def _collect_results_while_server_runs() -> Iterator[None]:
-    # Exceptions raised inside tasks (Task.retry) keep frames, and so pending
-    # results, in reference cycles; collected after the session server stops,
-    # each result's __del__ would fail to unsubscribe from it.
-    yield
-    gc.collect()
 
 
 class Tasks:

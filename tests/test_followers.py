@@ -10,10 +10,8 @@ on with its chain and counts it in its chord.
 
 from __future__ import annotations
 
-import gc
 import time
 import uuid
-from collections.abc import Iterator
 from typing import Any
 
 import pytest
@@ -28,12 +26,6 @@ from celery_dedup.keys import KeySchema, member_for
 from .conftest import AppFactory, in_process_worker, queued_messages, wait_for
 
 SCHEMA = KeySchema("dedup")
-
-
-@pytest.fixture(autouse=True)
-def _collect_results_while_server_runs() -> Iterator[None]:
-    yield
-    gc.collect()
 
 
 class Tasks:

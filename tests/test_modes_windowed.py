@@ -6,7 +6,6 @@ Redis, so the assertions read what actually ran, whichever thread ran it.
 
 from __future__ import annotations
 
-import gc
 import itertools
 import json
 import math
@@ -33,13 +32,6 @@ from .windowed_app import register, runs_key
 
 SCHEMA = KeySchema("dedup")
 WINDOW = 0.3
-
-
-@pytest.fixture(autouse=True)
-def _collect_results_while_server_runs() -> Iterator[None]:
-    # Results kept alive by reference cycles would unsubscribe from a stopped server.
-    yield
-    gc.collect()
 
 
 # --------------------------------------------------------------------------- helpers

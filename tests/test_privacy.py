@@ -14,7 +14,6 @@ from __future__ import annotations
 
 import base64
 import binascii
-import gc
 import re
 import uuid
 from collections.abc import Iterator
@@ -34,13 +33,6 @@ from .conftest import AppFactory, in_process_worker, wait_for
 SCHEMA = KeySchema("dedup")
 MARKER = "secret-4711"
 WINDOW = 0.2
-
-
-@pytest.fixture(autouse=True)
-def _collect_results_while_server_runs() -> Iterator[None]:
-    # Results kept alive by reference cycles would unsubscribe from a stopped server.
-    yield
-    gc.collect()
 
 
 def _text(raw: Any) -> str:
