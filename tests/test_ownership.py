@@ -13,7 +13,7 @@ import pytest
 import redis
 
 from celery_dedup.keys import KeySchema
-from celery_dedup.store import DedupStore
+from celery_dedup.store import DedupStore, StartDecision
 
 SCHEMA = KeySchema("dedup")
 MEMBER = "own.task:k"
@@ -25,10 +25,11 @@ def store(r: redis.Redis) -> DedupStore:
     return DedupStore(r, "dedup")
 
 
-def start(
+def decide(
     store: DedupStore, task_id: str, token: str, *, key_mode: str = "lock", lock_ms: int = 60_000, gated: bool = True
-) -> None:
-    decision = store.start(
+) -> StartDecision:
+    """What start.lua decides for a delivery of ``task_id`` taking the lock with ``token``."""
+    return store.start(
         MEMBER,
         task_id,
         token,
@@ -41,6 +42,12 @@ def start(
         task_name="own.task",
         record_ms=DAY_MS,
     )
+
+
+def start(
+    store: DedupStore, task_id: str, token: str, *, key_mode: str = "lock", lock_ms: int = 60_000, gated: bool = True
+) -> None:
+    decision = decide(store, task_id, token, key_mode=key_mode, lock_ms=lock_ms, gated=gated)
     assert decision.run, decision
 
 
@@ -126,30 +133,26 @@ def test_a_run_that_ends_after_its_record_passed_on_is_remembered(store: DedupSt
     )
 
     assert (owned, kept) == (False, False)
-    decision = store.start(
-        MEMBER, "A", "elsewhere:2:a", lock_ms=60_000, gated=False, key_mode="lock", hostname="elsewhere", pid=2,
-        retries=0, task_name="own.task", record_ms=DAY_MS,
-    )  # fmt: skip
+    decision = decide(store, "A", "elsewhere:2:a", gated=False)
     assert (decision.code, decision.detail) == (decision.DONE, "ended")
     assert r.hget(SCHEMA.record(MEMBER), "task_id") == b"B"
 
 
-def _run_to_end(store: DedupStore, task_id: str) -> None:
-    start(store, task_id, f"elsewhere:1:{task_id}", gated=False)
-    store.finish(MEMBER, task_id, "succeeded", drop=True, record_ms=DAY_MS, role="run", token=f"elsewhere:1:{task_id}")
+def _run_to_end(store: DedupStore, *task_ids: str) -> None:
+    """Ungated runs of MEMBER, one after the other, each starting and succeeding."""
+    for task_id in task_ids:
+        token = f"elsewhere:1:{task_id}"
+        start(store, task_id, token, gated=False)
+        store.finish(MEMBER, task_id, "succeeded", drop=True, record_ms=DAY_MS, role="run", token=token)
 
 
 def test_a_copy_of_an_ungated_run_is_skipped_however_many_runs_ended_since(store: DedupStore, r: redis.Redis) -> None:
     """while_executing on a busy key: fifty runs end after A before A's copy arrives (the chaos
     run saw a deferred copy come back after its run had fallen out of the record's memory).
     """
-    for task_id in ["A", *(f"R{n}" for n in range(50))]:
-        _run_to_end(store, task_id)
+    _run_to_end(store, "A", *(f"R{n}" for n in range(50)))
 
-    decision = store.start(
-        MEMBER, "A", "elsewhere:2:a", lock_ms=60_000, gated=False, key_mode="lock", hostname="elsewhere", pid=2,
-        retries=0, task_name="own.task", record_ms=DAY_MS,
-    )  # fmt: skip
+    decision = decide(store, "A", "elsewhere:2:a", gated=False)
 
     assert (decision.code, decision.detail) == (decision.DONE, "ended")
     assert r.hget(SCHEMA.record(MEMBER), "task_id") == b"R49"
@@ -158,8 +161,7 @@ def test_a_copy_of_an_ungated_run_is_skipped_however_many_runs_ended_since(store
 
 def test_a_continuation_of_a_run_that_ended_long_ago_pushes_nothing(store: DedupStore, r: redis.Redis) -> None:
     """A deferred copy re-published by A (a continuation) after fifty more runs of its key ended."""
-    for task_id in ["A", *(f"R{n}" for n in range(50))]:
-        _run_to_end(store, task_id)
+    _run_to_end(store, "A", *(f"R{n}" for n in range(50)))
 
     outcome = store.gate(MEMBER, "A", "n-late", hold_ms=60_000, grace_ms=DAY_MS, task_name="own.task", continues=True)
 
@@ -170,6 +172,5 @@ def test_a_continuation_of_a_run_that_ended_long_ago_pushes_nothing(store: Dedup
 
 def test_the_memory_of_ended_runs_is_bounded(store: DedupStore, r: redis.Redis) -> None:
     """Every run of a key that churns without end: the overflow keeps at most ENDED_KEPT of them."""
-    for n in range(1100):
-        _run_to_end(store, f"R{n}")
+    _run_to_end(store, *(f"R{n}" for n in range(1100)))
     assert r.zcard(SCHEMA.ended(MEMBER)) == 1000
