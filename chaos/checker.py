@@ -52,7 +52,7 @@ violation is printed with an excerpt of the history around it.
     duplicate: ``chaos.after`` runs. Explained: the server's data was wiped;
     the process that resolved the head died right after it (Celery sends the
     next step after the body, and a run that ended is not run again); the
-    next step's message was lost with a killed worker after it was sent.
+    next step's message was lost with a worker killed within 30 s of it being sent.
 """
 
 from __future__ import annotations
@@ -102,6 +102,9 @@ EXPLAINED = {
 }
 #: How soon after resolving a chain's head its process must die to explain a next step never sent, seconds.
 SEND_WINDOW = 3.0
+#: How soon after a chain's next step was sent a worker must die to explain it never running, seconds: a
+#: worker fetches it behind at most a few bodies of the longest sleep (see chaos.workload).
+TRANSIT_WINDOW = 30.0
 #: The longest countdown or ETA a producer asks for, seconds (see chaos.workload).
 MAX_DELAY = 3.0
 #: Slack for comparing host times with the server's millisecond timestamps.
@@ -263,7 +266,12 @@ class History:
                 self.continuation_sent.setdefault(event["call"], event["t"])
         #: A chained duplicate's own head id (its follower), by call.
         self.own_heads: dict[str, str] = {e["call"]: e["own"] for e in events if e["ev"] == "call" and e.get("own")}
-        self.kills = [e for e in events if e["ev"] in ("kill", "crash", "exit")]
+        #: Worker processes killed (or gone on their own): a message one of them had fetched can go with it.
+        self.worker_kills = [
+            e
+            for e in events
+            if e["ev"] in ("crash", "exit") or (e["ev"] == "kill" and str(e.get("slot", "")).startswith("worker"))
+        ]
 
     # --- building --------------------------------------------------------------------------
 
@@ -734,7 +742,7 @@ class Checker:
             if sent is None and pid is not None and self.h.died_within(pid, at, SEND_WINDOW):
                 cause = f"pid {pid} resolved its head at {self.h.rel(at)} and was killed before sending the next step"
             elif sent is not None:
-                killed = next((e for e in self.h.kills if e["t"] >= sent), None)
+                killed = next((e for e in self.h.worker_kills if sent <= e["t"] <= sent + TRANSIT_WINDOW), None)
                 if killed is not None:
                     cause = f"the next step, sent at {self.h.rel(sent)}, went with a kill at {self.h.rel(killed['t'])}"
             if cause is not None:
