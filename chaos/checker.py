@@ -52,7 +52,8 @@ violation is printed with an excerpt of the history around it.
     duplicate: ``chaos.after`` runs. Explained: the server's data was wiped;
     the process that resolved the head died right after it (Celery sends the
     next step after the body, and a run that ended is not run again); the
-    next step's message was lost with a worker killed within 30 s of it being sent.
+    next step's message can have been lost in transit (a worker killed, the
+    server restarted, a worker's connection cut) within 30 s of being sent.
 """
 
 from __future__ import annotations
@@ -102,8 +103,8 @@ EXPLAINED = {
 }
 #: How soon after resolving a chain's head its process must die to explain a next step never sent, seconds.
 SEND_WINDOW = 3.0
-#: How soon after a chain's next step was sent a worker must die to explain it never running, seconds: a
-#: worker fetches it behind at most a few bodies of the longest sleep (see chaos.workload).
+#: How soon after a chain's next step was sent a transit fault must come to explain it never running,
+#: seconds: a worker fetches it behind at most a few bodies of the longest sleep (see chaos.workload).
 TRANSIT_WINDOW = 30.0
 #: The longest countdown or ETA a producer asks for, seconds (see chaos.workload).
 MAX_DELAY = 3.0
@@ -266,12 +267,6 @@ class History:
                 self.continuation_sent.setdefault(event["call"], event["t"])
         #: A chained duplicate's own head id (its follower), by call.
         self.own_heads: dict[str, str] = {e["call"]: e["own"] for e in events if e["ev"] == "call" and e.get("own")}
-        #: Worker processes killed (or gone on their own): a message one of them had fetched can go with it.
-        self.worker_kills = [
-            e
-            for e in events
-            if e["ev"] in ("crash", "exit") or (e["ev"] == "kill" and str(e.get("slot", "")).startswith("worker"))
-        ]
 
     # --- building --------------------------------------------------------------------------
 
@@ -417,14 +412,26 @@ class History:
         """
         if MODE_BY_TASK.get(member.split(":", 1)[0], MODES[0]).gated:
             return None
+        fault = self.transit_fault(since)
+        if fault is None:
+            return None
+        return f"its message can have been lost in transit ({fault['kind']} at {self.rel(fault['t'])})"
+
+    def transit_fault(self, since: float, until: float = float("inf")) -> Event | None:
+        """The first fault between ``since`` and ``until`` that can lose a message a worker fetched.
+
+        kombu pops a message before it records it as unacknowledged: a worker
+        killed in between, or a fetch whose reply a restart or a proxy cut,
+        loses it (plain Celery too).
+        """
         for event in self.faults:
-            if event["t"] < since:
+            if not since <= event["t"] <= until:
                 continue
             kind, target = event["kind"], str(event.get("target") or event.get("slot") or "")
             if kind in ("kill-worker", "kill-child", "restart") or (
                 kind == "proxy" and (target == "all" or target.startswith("worker"))
             ):
-                return f"its message can have been lost in transit ({kind} at {self.rel(event['t'])})"
+                return event
         return None
 
     def started_at(self, body: Body) -> float:
@@ -742,9 +749,10 @@ class Checker:
             if sent is None and pid is not None and self.h.died_within(pid, at, SEND_WINDOW):
                 cause = f"pid {pid} resolved its head at {self.h.rel(at)} and was killed before sending the next step"
             elif sent is not None:
-                killed = next((e for e in self.h.worker_kills if sent <= e["t"] <= sent + TRANSIT_WINDOW), None)
-                if killed is not None:
-                    cause = f"the next step, sent at {self.h.rel(sent)}, went with a kill at {self.h.rel(killed['t'])}"
+                fault = self.h.transit_fault(sent, sent + TRANSIT_WINDOW)
+                if fault is not None:
+                    cause = f"the next step, sent at {self.h.rel(sent)}, can have gone with {fault['kind']} at "
+                    cause += self.h.rel(fault["t"])
             if cause is not None:
                 self.explained.append(Explained("continuation", call.member, f"chain {call.call}: {cause}"))
                 continue

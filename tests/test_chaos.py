@@ -247,20 +247,20 @@ def test_a_chain_whose_run_failed_stops(story: Story) -> None:
     assert invariants(story.check()) == []
 
 
-def test_a_sent_next_step_that_never_ran_is_explained_only_by_a_worker_killed_soon_after(story: Story) -> None:
+def test_a_sent_next_step_that_never_ran_is_explained_only_by_a_transit_fault_soon_after(story: Story) -> None:
     story.call(0, "a", call="head", way="chain").body(1, 2, "a", call="head", pid=100)
     story.server(MEMBER, (0.0, "queued", "a", ""), (1.0, "started", "a", ""), (2.0, "succeeded", "a", ""))
     story.add(2.1, "continuation_sent", pid=100, call="head")
-    story.add(5, "kill", role="runner", slot="producer-0", pids=[50])  # a producer: it held no message
-    story.add(60, "kill", role="runner", slot="worker-1", pids=[300])  # a worker, but long after
+    story.add(5, "fault", role="runner", kind="kill-producer")  # a producer holds no worker's message
+    story.add(60, "fault", role="runner", kind="kill-worker", slot="worker-1")  # a worker, but long after
     assert invariants(story.check()) == ["continuation"]
 
 
-def test_a_sent_next_step_lost_with_a_worker_killed_soon_after_is_explained(story: Story) -> None:
+def test_a_sent_next_step_lost_in_transit_soon_after_is_explained(story: Story) -> None:
     story.call(0, "a", call="head", way="chain").body(1, 2, "a", call="head", pid=100)
     story.server(MEMBER, (0.0, "queued", "a", ""), (1.0, "started", "a", ""), (2.0, "succeeded", "a", ""))
     story.add(2.1, "continuation_sent", pid=100, call="head")
-    report = story.add(4, "kill", role="runner", slot="worker-1", pids=[300]).check()
+    report = story.add(4, "fault", role="runner", kind="restart").check()  # a fetch's reply cut by the restart
     assert invariants(report) == []
     assert [e.kind for e in report.explained] == ["continuation"]
 
