@@ -280,6 +280,7 @@ def run_suite(
             REDIS_6379_TCP=str(server.port),
             PYTHONPATH=os.pathsep.join(paths),
             PYTHONDONTWRITEBYTECODE="1",
+            WORKER_LOGLEVEL="INFO",  # as Celery's tox.ini sets it: some tests read the worker's INFO lines
             CELERY_DEDUP_UPSTREAM_VARIANT=variant,
             CELERY_DEDUP_UPSTREAM_BROKER=server.url,
             CELERY_DEDUP_UPSTREAM_REPORT=str(facts),
@@ -412,7 +413,8 @@ def report(
         lines.append(f"| {suite.name} | {tests} | {counts(plain)} | {counts(install)} | {differ} |")
     lines += [
         "",
-        "failed counts errors too; skipped counts expected failures (xfail) too.",
+        "failed counts errors too; skipped counts expected failures (xfail) too; passed counts unexpected "
+        "passes (xpass) too, as JUnit files do not tell them apart.",
         f"Both sides ran with --reruns {options.reruns} --reruns-delay 1 --timeout {options.timeout} "
         "(and Celery's own flaky markers); tests whose outcome differed were run again on both sides "
         f"{options.recheck} time(s).",
@@ -444,7 +446,7 @@ def report(
         for nodeid, times in sorted(run.facts.get("reruns", {}).items()):
             rerun_lines.append(f"- {run.suite.name}, {run.variant}: {nodeid} ({times} rerun(s))")
     if rerun_lines:
-        lines += ["", "Tests that passed or failed only after reruns:", *rerun_lines]
+        lines += ["", "Tests that were rerun (their outcome above is their last attempt's):", *rerun_lines]
     return "\n".join(lines)
 
 
@@ -502,6 +504,7 @@ def main(argv: Sequence[str]) -> int:
     with RedisServer() as probe:
         server = probe.version()
     header = [
+        "python3 tools/compare_upstream.py " + " ".join(argv),
         f"{datetime.now(timezone.utc):%Y-%m-%d %H:%M} UTC, Python {sys.version.split()[0]}, server {server}",
         "celery " + used["celery"] + ", kombu " + used["kombu"] + ", redis-py " + used["redis"],
         ", ".join(f"{name} {used[name]}" for name in TEST_NEEDS),
