@@ -504,7 +504,7 @@ def main(argv: Sequence[str]) -> int:
     with RedisServer() as probe:
         server = probe.version()
     header = [
-        "python3 tools/compare_upstream.py " + " ".join(argv),
+        " ".join(["python3 tools/compare_upstream.py", *argv]),
         f"{datetime.now(timezone.utc):%Y-%m-%d %H:%M} UTC, Python {sys.version.split()[0]}, server {server}",
         "celery " + used["celery"] + ", kombu " + used["kombu"] + ", redis-py " + used["redis"],
         ", ".join(f"{name} {used[name]}" for name in TEST_NEEDS),
