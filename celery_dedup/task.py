@@ -11,6 +11,7 @@ from collections.abc import Callable, Iterable, Mapping, Sequence
 from typing import TYPE_CHECKING, Any, ClassVar, cast
 
 import redis
+from amqp import exceptions as amqp_exceptions
 from celery import Task
 from celery.utils.saferepr import saferepr
 from kombu.exceptions import OperationalError
@@ -53,6 +54,8 @@ TASK_OPTIONS = (
 #: Publish failures whose outcome ``_after_lost_reply`` finds out (an error reply is told apart there).
 _RECOVERABLE: tuple[type[Exception], ...] = (*UNREACHABLE, redis.ResponseError)
 _Publish = Callable[[dict[str, Any]], "DedupResult"]
+#: A publish the broker refused: it has no message (py-amqp's negative confirm and channel errors).
+_REFUSED: tuple[type[BaseException], ...] = (amqp_exceptions.MessageNacked, amqp_exceptions.ChannelError)
 
 
 #: Options by which Celery hands a call something to resolve or continue.
@@ -557,12 +560,22 @@ class DedupTask(_TaskBase):
                 raise
 
     def _outcome_unknown(self, exc: BaseException) -> bool:
-        """Whether a failed publish may have reached the broker: the connection broke or timed out."""
-        if isinstance(exc, (OSError, OperationalError)):
-            return True
+        """Whether a failed publish may have reached the broker: the connection broke or timed out.
+
+        Not when the broker said no (a negative publisher confirm, a channel
+        error), however kombu wrapped that after its retries.
+        """
+        chain: list[BaseException] = []
+        cause: BaseException | None = exc
+        while cause is not None and cause not in chain:
+            chain.append(cause)
+            cause = cause.__cause__ or cause.__context__
+        if any(isinstance(error, _REFUSED) for error in chain):
+            return False
+        broken: tuple[type[BaseException], ...] = (OSError, OperationalError)
         with contextlib.suppress(Exception):
-            return isinstance(exc, tuple(self.app.connection_for_write().connection_errors))
-        return False
+            broken += tuple(self.app.connection_for_write().connection_errors)
+        return isinstance(exc, broken)
 
     def _confirm(self, store: DedupStore, gate: GateHeader, run_id: str) -> Outcome:
         """Third step of the two-phase gate: the broker has the message, so the key gets its full hold.
