@@ -222,6 +222,12 @@ def install(app: Any) -> Runtime:
                 config.publish_lease,
             )
     else:
+        if config.redis_url is None:
+            raise DedupConfigError(
+                "dedup_redis_url",
+                None,
+                f"the broker {scheme}:// is not Redis: set dedup_redis_url to the Redis server that keeps the keys",
+            )
         logger.warning(
             "broker %s:// is not Redis: the gate has two phases (hold with a %gs lease, publish, confirm); "
             "see the guarantees doc",

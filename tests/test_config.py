@@ -602,7 +602,7 @@ def test_install_on_a_non_redis_broker_keeps_its_transport(
     bare_app: BareApp, broker: str, caplog: pytest.LogCaptureFixture
 ) -> None:
     """On memory:// (or RabbitMQ) the transport is untouched, the two-phase gate is used, and install says so."""
-    app = bare_app(broker=broker)
+    app = bare_app(broker=broker, dedup_redis_url=REDIS)
     with caplog.at_level(logging.WARNING, logger="celery_dedup"):
         celery_dedup.install(app)
     assert any("two phases" in rec.getMessage() for rec in caplog.records)
@@ -651,11 +651,17 @@ def test_install_on_rabbitmq_turns_publisher_confirms_on_unless_the_app_chose(
     bare_app: BareApp, caplog: pytest.LogCaptureFixture
 ) -> None:
     """The two-phase gate confirms a run once the publish returns: with confirms, once the broker has it."""
-    app = bare_app(broker="amqp://guest@127.0.0.1:5672//", broker_transport_options={"max_retries": 1})
+    app = bare_app(
+        broker="amqp://guest@127.0.0.1:5672//", dedup_redis_url=REDIS, broker_transport_options={"max_retries": 1}
+    )
     celery_dedup.install(app)
     assert app.conf.broker_transport_options == {"max_retries": 1, "confirm_publish": True}
 
-    chosen = bare_app(broker="amqp://guest@127.0.0.1:5672//", broker_transport_options={"confirm_publish": False})
+    chosen = bare_app(
+        broker="amqp://guest@127.0.0.1:5672//",
+        dedup_redis_url=REDIS,
+        broker_transport_options={"confirm_publish": False},
+    )
     with caplog.at_level(logging.WARNING, logger="celery_dedup"):
         celery_dedup.install(chosen)
     assert chosen.conf.broker_transport_options == {"confirm_publish": False}
@@ -683,3 +689,12 @@ def test_install_on_rabbitmq_turns_publisher_confirms_on_unless_the_app_chose(
 def test_a_store_url_is_the_brokers_database_however_it_is_spelled(store: str, broker: str, same: bool) -> None:
     """Only the same server and database count; any doubt gives the two-phase gate, which is always safe."""
     assert runtime.same_database(store, broker) is same
+
+
+@pytest.mark.parametrize("broker", ["memory://", "amqp://guest@127.0.0.1:5672//", "sqs://"])
+def test_a_broker_that_is_not_redis_needs_a_store_at_install(bare_app: BareApp, broker: str) -> None:
+    """Not at the first call: the keys need a Redis server, and none was named."""
+    with pytest.raises(DedupConfigError) as info:
+        celery_dedup.install(bare_app(broker=broker))
+    assert info.value.setting == "dedup_redis_url"
+    assert broker.split("://")[0] in info.value.reason
