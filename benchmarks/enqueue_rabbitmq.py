@@ -8,8 +8,8 @@ store on a private Redis-compatible server (``dedup_redis_url``), for
 - ``plain``: the same with publisher confirms (``confirm_publish``: each
   publish waits for the broker's ack);
 - ``dedup new key``: a DedupTask keyed ``"order:{order_id}"``, with a key no
-  call has used before, publisher confirms on (the redesigned path will
-  require them);
+  call has used before, publisher confirms on (the two-phase gate turns
+  them on);
 - ``dedup duplicate``: the same DedupTask with a key already held (nothing is
   published);
 

@@ -179,15 +179,17 @@ def run_checks(app: Celery, *, countdown: float = 0) -> list[Finding]:
     config = state.config
     if not redis_broker:
         findings.append(
-            Finding("broker", "warning", f"{scheme}:// is not Redis: the gate is not atomic (hold, publish, drop)")
+            Finding(
+                "broker", "warning", f"{scheme}:// is not Redis: the gate has two phases (hold with a lease, publish)"
+            )
         )
-    elif config.redis_url is not None and config.redis_url != broker:
+    elif runtime.separate_store(app, config) is not None:
         findings.append(
             Finding(
                 "broker",
                 "warning",
-                f"dedup_redis_url {maybe_sanitize_url(config.redis_url)} is not the broker URL "
-                f"{maybe_sanitize_url(broker)}: keys and messages live apart, so the gate is not atomic",
+                f"dedup_redis_url {maybe_sanitize_url(str(config.redis_url))} is not the broker's database "
+                f"{maybe_sanitize_url(broker)}: keys and messages live apart, so the gate has two phases",
             )
         )
     else:

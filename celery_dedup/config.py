@@ -33,6 +33,9 @@ setting                      default               effect
 ``dedup_max_followers``      ``1000``              duplicates with something to continue (a group or
                                                    chord member, callbacks, a chain) that one key's
                                                    run carries at most; 0: none
+``dedup_publish_lease``      ``30``                seconds the two-phase gate (a broker apart from the
+                                                   store) holds a key while its message is published;
+                                                   at least 1 second
 ===========================  ====================  ===============================================
 
 Every time is in seconds, an int or a float, from 0.001 (Redis keeps times in
@@ -60,7 +63,9 @@ MIN_SECONDS, MAX_SECONDS = 0.001, 1e9
 #: renewed every third of its TTL: a renewal must land within two thirds of
 #: it despite a slow reply, a busy host or a GC pause, so below a second one
 #: hiccup would lose the lock and let another delivery run the key.
-MINIMUM_SECONDS = {"dedup_lock_ttl": 1.0}
+#: A publish lease shorter than a second would end under a slow publisher
+#: confirm, and let a second call's run through beside the first.
+MINIMUM_SECONDS = {"dedup_lock_ttl": 1.0, "dedup_publish_lease": 1.0}
 
 
 def _seconds(setting: str, value: Any, *, task: str | None = None) -> float:
@@ -169,6 +174,7 @@ SETTINGS: dict[str, tuple[Any, Callable[..., Any]]] = {
     "dedup_reap_interval": (60, _interval),
     "dedup_reap_grace": (30, _seconds),
     "dedup_dispatch_interval": (0.1, _seconds),
+    "dedup_publish_lease": (30, _seconds),
 }
 
 
@@ -193,6 +199,7 @@ class DedupConfig:
     reap_interval: float
     reap_grace: float
     dispatch_interval: float
+    publish_lease: float
 
     @property
     def record_ms(self) -> int:

@@ -21,11 +21,12 @@ from .keys import KeySchema, split_member, task_namespace
 from .status import Status
 
 #: Scripts that change status records get the shared helpers of ``lib.lua`` first.
-_WITH_LIB = frozenset({"gate", "start", "finish", "reap", "dispatch", "peek", "release", "purge", "settle"})
+_WITH_LIB = frozenset({"gate", "confirm", "start", "finish", "reap", "dispatch", "peek", "release", "purge", "settle"})
 
 #: Every state a record can be in, and those in which its run has ended (as in ``lib.lua``).
 STATES = (
     "pending",
+    "publishing",
     "queued",
     "started",
     "retry",
@@ -56,6 +57,7 @@ class Scripts:
 
     def __init__(self, client: redis.Redis) -> None:
         self.gate: Script = client.register_script(load_script("gate"))
+        self.confirm: Script = client.register_script(load_script("confirm"))
         self.start: Script = client.register_script(load_script("start"))
         self.finish: Script = client.register_script(load_script("finish"))
         self.renew: Script = client.register_script(load_script("renew"))
@@ -287,10 +289,13 @@ class DedupStore:
         debounce: tuple[int, int, bool] | None = None,
         continues: bool = False,
         follow: int = 0,
+        lease_ms: int = 0,
     ) -> GateCall:
         """The gate script's keys and arguments: hold ``member`` for ``task_id``, push ``message`` onto ``queue``.
 
-        Without a queue it only holds the key (the non-atomic fallback).
+        Without a queue it only holds the key: the two-phase gate, for a
+        broker apart from the store, holds a new run for ``lease_ms`` in state
+        ``publishing`` until :meth:`confirm` (0: no lease, the full hold).
         ``debounce`` is ``(window_ms, max_wait_ms, latest)``: the message is
         parked until due instead of pushed, and calls while held join its run.
         ``continues``: the publish continues run ``task_id`` (a retry, a
@@ -312,6 +317,7 @@ class DedupStore:
             storable(kwargsrepr),
             "1" if continues else "0",
             follow,
+            lease_ms,
         ]
         if queue is not None:
             keys += [queue, *expire]
@@ -337,6 +343,19 @@ class DedupStore:
     def run_gate(self, call: GateCall, *, client: redis.Redis | None = None) -> Outcome:
         """Run one prepared gate call (one round trip)."""
         return _outcome(self.scripts.gate(call.keys, call.args, client=client or self.client))
+
+    def confirm(self, member: str, task_id: str, nonce: str, *, hold_ms: int, grace_ms: int) -> Outcome:
+        """Second step of the two-phase gate: the broker took run ``task_id``'s message.
+
+        The key gets its full hold. ``Outcome.accepted`` is False only when
+        the lease ended and the key passed to another run (``task_id`` names
+        it, "" if none), which then stands for this call: see ``confirm.lua``.
+        """
+        code, owner = self.scripts.confirm(
+            [self.schema.held, self.schema.record(member)],
+            [member, task_id, nonce, hold_ms, grace_ms, self.schema.prefix, self.history_length],
+        )
+        return Outcome(int(code) != 0, _text(owner))
 
     def stats(self) -> dict[str, dict[str, int]]:
         """Decision counters: escaped task name -> decision -> count (see lib.lua's ``count``)."""

@@ -53,7 +53,7 @@ class GatedChannelMixin:
 
     def basic_publish(self, message: dict[str, Any], exchange: str, routing_key: str, **kwargs: Any) -> Any:
         gate = GateHeader.decode(message.get("headers"))
-        if gate is None:
+        if gate is None or gate.held:  # not keyed, or gated already by a store apart from this broker
             return super().basic_publish(message, exchange, routing_key, **kwargs)  # type: ignore[misc]
         if kwargs.get("_publish_batch") is not None:
             raise DedupRoutingError(

@@ -141,6 +141,9 @@ class RabbitApps:
             "result_backend": self.server.url,
             "dedup_redis_url": self.server.url,
             "task_default_queue": self.queue,
+            # A heartbeat check every second wakes an in-process worker's event loop, which
+            # otherwise polls up to 10 s at a time and may outlive its shutdown timeout.
+            "broker_heartbeat": 2,
         }
         app = new_app(self.server, name, install=install, **{**settings, **conf})
         self.apps.append(app)

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import os
 import threading
+import time
 from typing import Any
 
 import redis
@@ -38,8 +39,27 @@ def _record(task: Task[Any, Any], n: int) -> None:
     client.rpush(runs_key(task.name, n), f"{task.request.id} {os.getpid()}")
 
 
-def register(app: Celery, prefix: str = "rabbitmq") -> tuple[Any, Any]:
-    """Define ``<prefix>.plain(n)`` (a plain Celery task) and ``<prefix>.keyed(n)`` (a DedupTask keyed ``n:{n}``).
+def acked_key(task_name: str, n: int) -> str:
+    """Set once a ``slow_ack`` run's body has ended: its ack is 30 s away from then."""
+    return f"rabbitmq:ended:{task_name}:{n}"
+
+
+class SlowAck(DedupTask):
+    """acks_late, and ``after_return`` (after the guard recorded the ending, before the ack) takes 30 s."""
+
+    acks_late = True
+
+    def after_return(self, status: str, retval: Any, task_id: str, args: Any, kwargs: Any, einfo: Any) -> None:
+        url = str(self.app.conf.result_backend)
+        with _clients_lock:
+            client = _clients.setdefault(url, redis.Redis.from_url(url))
+        client.set(acked_key(self.name, args[0]), task_id)
+        time.sleep(30)
+
+
+def register(app: Celery, prefix: str = "rabbitmq") -> tuple[Any, Any, Any]:
+    """Define ``<prefix>.plain(n)`` (a plain Celery task), ``<prefix>.keyed(n)`` (a DedupTask keyed ``n:{n}``)
+    and ``<prefix>.slow_ack(n)`` (keyed too, see :class:`SlowAck`).
 
     A prefix of its own per test keeps the names apart: celery-dedup's publish
     hook looks tasks up by name across the installed apps of earlier tests too.
@@ -55,7 +75,12 @@ def register(app: Celery, prefix: str = "rabbitmq") -> tuple[Any, Any]:
         _record(self, n)
         return n
 
-    return plain, keyed
+    @app.task(name=f"{prefix}.slow_ack", base=SlowAck, dedup_key="n:{n}", bind=True, shared=False)
+    def slow_ack(self: Task[Any, Any], n: int) -> int:
+        _record(self, n)
+        return n
+
+    return plain, keyed, slow_ack
 
 
 _store = os.environ.get("CELERY_DEDUP_TEST_STORE", "redis://127.0.0.1:6379/0")

@@ -68,7 +68,7 @@ def test_a_plain_task_runs(
     make_rabbit_app: RabbitApps, rabbitmq: RabbitMQNode, r: redis.Redis, queue_type: str
 ) -> None:
     app = make_rabbit_app(task_default_queue_type=queue_type)
-    plain, _ = rabbitmq_app.register(app, prefix=f"rabbitmq.plain-{queue_type}")
+    plain, _, _ = rabbitmq_app.register(app, prefix=f"rabbitmq.plain-{queue_type}")
     with in_process_worker(app):
         result = plain.delay(7)
         assert result.get(timeout=30) == 7
@@ -80,7 +80,7 @@ def test_a_countdown_on_a_quorum_queue_waits_in_the_broker(
     make_rabbit_app: RabbitApps, rabbitmq: RabbitMQNode, r: redis.Redis
 ) -> None:
     app = make_rabbit_app(**NATIVE_DELAYED_DELIVERY)
-    plain, _ = rabbitmq_app.register(app, prefix="rabbitmq.delayed")
+    plain, _, _ = rabbitmq_app.register(app, prefix="rabbitmq.delayed")
     # The worker's start declares the delay levels and binds the task queue to them: before it, a
     # delayed message would have nowhere to go.
     with in_process_worker(app):
@@ -102,7 +102,7 @@ def test_two_calls_of_one_key_publish_one_message_and_run_once(
 ) -> None:
     # Publisher confirms: a publish has reached its queue when apply_async returns, so counts are exact.
     app = make_rabbit_app(task_default_queue_type=queue_type, broker_transport_options={"confirm_publish": True})
-    _, keyed = rabbitmq_app.register(app, prefix=f"rabbitmq.dedup-{queue_type}")
+    _, keyed, _ = rabbitmq_app.register(app, prefix=f"rabbitmq.dedup-{queue_type}")
     first = keyed.delay(42)
     again = keyed.delay(42)
     assert_published(first)
@@ -120,7 +120,7 @@ def test_a_worker_reconnects_after_the_broker_restarts(
     make_rabbit_app: RabbitApps, rabbitmq: RabbitMQNode, server: Server, r: redis.Redis
 ) -> None:
     app = make_rabbit_app()
-    plain, _ = rabbitmq_app.register(app)  # the names the worker process's app has
+    plain, _, _ = rabbitmq_app.register(app)  # the names the worker process's app has
     env = {"CELERY_DEDUP_TEST_STORE": server.url, "CELERY_DEDUP_TEST_QUEUE": make_rabbit_app.queue}
     worker = WorkerProcess(rabbitmq.url, app="tests.rabbitmq_app", concurrency=1, env=env).wait_ready()
     try:
