@@ -95,7 +95,7 @@ def _key_prefix(setting: str, value: Any, *, task: str | None = None) -> str:
 
 
 #: URL schemes a dedup store can be reached by.
-STORE_SCHEMES = ("redis", "rediss", "unix", "sentinel")
+STORE_SCHEMES = ("redis", "rediss", "unix", "sentinel", "redis+cluster", "rediss+cluster")
 
 
 def _optional_url(setting: str, value: Any, *, task: str | None = None) -> str | None:
@@ -103,7 +103,9 @@ def _optional_url(setting: str, value: Any, *, task: str | None = None) -> str |
         return None
     scheme = value.partition("://")[0].lower() if isinstance(value, str) and "://" in value else None
     if scheme not in STORE_SCHEMES:
-        raise DedupConfigError(setting, value, "must be a redis:// rediss:// unix:// or sentinel:// URL")
+        raise DedupConfigError(
+            setting, value, "must be a redis:// rediss:// unix:// sentinel:// or redis+cluster:// URL"
+        )
     return str(value)
 
 
