@@ -697,4 +697,4 @@ def test_a_broker_that_is_not_redis_needs_a_store_at_install(bare_app: BareApp, 
     with pytest.raises(DedupConfigError) as info:
         celery_dedup.install(bare_app(broker=broker))
     assert info.value.setting == "dedup_redis_url"
-    assert broker.split("://")[0] in info.value.reason
+    assert broker.split("://", maxsplit=1)[0] in info.value.reason
