@@ -2,10 +2,11 @@
 
 from __future__ import annotations
 
+import logging
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from importlib import resources
-from typing import Any, NamedTuple
+from typing import Any, NamedTuple, cast
 from urllib.parse import parse_qsl, unquote, urlparse
 
 import redis
@@ -21,6 +22,8 @@ from .exceptions import DedupArgumentError, DedupConfigError
 from .gate import Outcome
 from .keys import CLUSTER_SHARDS, KeySchema, split_member, task_namespace
 from .status import Status
+
+logger = logging.getLogger("celery_dedup")
 
 #: Scripts that change status records get the shared helpers of ``lib.lua`` first.
 _WITH_LIB = frozenset({"gate", "confirm", "start", "finish", "reap", "dispatch", "peek", "release", "purge", "settle"})
@@ -245,6 +248,9 @@ class LockRef:
     token: str
 
 
+#: The longest a decision waits for its replicas on a Redis Cluster (see ``DedupStore._replicated``), ms.
+WAIT_MS = 100
+
 #: Cursors beyond this read from here: past any index, and within the range Redis takes.
 _MAX_OFFSET = 2**62
 
@@ -264,6 +270,7 @@ class DedupStore:
         *,
         history_length: int = 10,
         shards: int | None = None,
+        wait_replicas: int = 0,
     ) -> None:
         self.client = client
         if shards is None:
@@ -272,14 +279,45 @@ class DedupStore:
         self.schema = KeySchema(prefix, shards)
         self.scripts = scripts or Scripts(client)
         self.history_length = history_length
+        #: On a Redis Cluster: replicas that must have a decision's writes before it is answered.
+        self.wait_replicas = wait_replicas if isinstance(client, RedisCluster) else 0
 
     def with_prefix(self, prefix: str) -> DedupStore:
         """The same server and scripts under another key prefix (a message's own)."""
         if prefix == self.schema.prefix:
             return self
         return DedupStore(
-            self.client, prefix, self.scripts, history_length=self.history_length, shards=self.schema.shards
+            self.client,
+            prefix,
+            self.scripts,
+            history_length=self.history_length,
+            shards=self.schema.shards,
+            wait_replicas=self.wait_replicas,
         )
+
+    def _replicated(self, key: str) -> None:
+        """Wait until ``wait_replicas`` replicas of ``key``'s master have its writes (at most ``WAIT_MS``).
+
+        Redis replicates asynchronously: a decision a master answered and
+        lost in a failover before any replica had it would be undone on the
+        promoted replica, and a second run of its key could be accepted. A
+        degraded cluster (fewer replicas in sync) answers after ``WAIT_MS``,
+        with a warning.
+        """
+        if not self.wait_replicas:
+            return
+        cluster = cast(RedisCluster, self.client)
+        node = cluster.get_node_from_key(key)  # type: ignore[no-untyped-call]
+        wait = ("WAIT", self.wait_replicas, WAIT_MS)
+        acked = int(cluster.execute_command(*wait, target_nodes=node))  # type: ignore[no-untyped-call]
+        if acked < self.wait_replicas:
+            logger.warning(
+                "dedup store: %d of %d replicas of %s acknowledged a decision within %d ms",
+                acked,
+                self.wait_replicas,
+                node.name,
+                WAIT_MS,
+            )
 
     def _at(self, member: str) -> KeySchema:
         """The key names of ``member``'s shard (the store's own, on a single server)."""
@@ -360,7 +398,9 @@ class DedupStore:
 
     def run_gate(self, call: GateCall, *, client: redis.Redis | None = None) -> Outcome:
         """Run one prepared gate call (one round trip)."""
-        return _outcome(self.scripts.gate(call.keys, call.args, client=client or self.client))
+        outcome = _outcome(self.scripts.gate(call.keys, call.args, client=client or self.client))
+        self._replicated(call.keys[1])
+        return outcome
 
     def confirm(self, member: str, task_id: str, nonce: str, *, hold_ms: int, grace_ms: int) -> Outcome:
         """Second step of the two-phase gate: the broker took run ``task_id``'s message.
@@ -373,6 +413,7 @@ class DedupStore:
         code, owner = self.scripts.confirm(
             [at.held, at.record(member)], [member, task_id, nonce, hold_ms, grace_ms, at.prefix, self.history_length]
         )
+        self._replicated(at.record(member))
         return Outcome(int(code) != 0, _text(owner))
 
     def stats(self) -> dict[str, dict[str, int]]:
@@ -476,6 +517,7 @@ class DedupStore:
             "1" if keep_payload else "0",
         ]
         reply = self.scripts.start(keys, args)
+        self._replicated(keys[1])
         payload = _text(reply[2]) if len(reply) > 2 else ""
         return StartDecision(int(reply[0]), _text(reply[1]), payload)
 

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import random
 import time
+from typing import Any
 
 import pytest
 import redis
@@ -54,7 +55,7 @@ def test_pages_list_every_record_once_newest_first_across_shards(store: DedupSto
     for member in random.Random(7).sample(names, len(names)):
         gate(store, member, f"{member}~run")
     seen: list[str] = []
-    updated = []
+    updated: list[Any] = []
     cursor = None
     pages = 0
     while True:

@@ -1,0 +1,210 @@
+"""The dedup store on a real Redis Cluster: 3 masters, 3 replicas, started once per test run.
+
+The broker is the session's single server (kombu has no cluster transport),
+so calls take the two-phase gate; the keys live in the cluster's hash-tagged
+shards. Threads race, a master is SIGKILLed mid-run and slots move while
+calls run.
+"""
+
+from __future__ import annotations
+
+import random
+import threading
+import time
+import uuid
+from collections import Counter
+from collections.abc import Iterator
+from typing import Any
+
+import pytest
+import redis
+from celery import Celery
+
+from celery_dedup import DedupTask, DedupUnavailableError, runtime
+from celery_dedup.keys import CLUSTER_SHARDS, KeySchema, member_for
+from celery_dedup.testing import RedisCluster
+
+from .conftest import AppFactory, in_process_worker, queued_messages, wait_for
+
+SCHEMA = KeySchema("dedup", CLUSTER_SHARDS)
+
+
+@pytest.fixture
+def app(make_app: AppFactory, cluster: RedisCluster) -> Iterator[Celery]:
+    yield make_app(
+        dedup_redis_url=cluster.url,
+        dedup_publish_lease=2,
+        task_default_queue=f"cluster-{uuid.uuid4().hex[:8]}",
+        task_ignore_result=True,
+        broker_transport_options={"polling_interval": 0.05},
+    )
+
+
+def keyed(app: Celery, r: redis.Redis, name: str) -> Any:
+    """A keyed task appending its run's id to ``runs:<name>:<n>`` on the broker's server."""
+
+    @app.task(base=DedupTask, dedup_key="n:{n}", bind=True, shared=False, name=name)
+    def task(self: Any, n: int) -> int:
+        r.rpush(f"runs:{name}:{n}", self.request.id)
+        return n
+
+    return task
+
+
+def runs(r: redis.Redis, task: Any, n: int) -> list[str]:
+    return [entry.decode() for entry in r.lrange(f"runs:{task.name}:{n}", 0, -1)]
+
+
+def held(cluster: RedisCluster) -> set[str]:
+    client = cluster.client()
+    try:
+        return {m.decode() for at in SCHEMA.shards_all() for m in client.smembers(at.held)}
+    finally:
+        client.close()
+
+
+def still_held(app: Celery, task: Any, count: int) -> list[int]:
+    """Keys ``n:0``... whose hold has not passed (as a call now would meet it)."""
+    store = runtime.store_for(app)
+    return [n for n in range(count) if store.holder(member_for(task.name, f"n:{n}")) is not None]
+
+
+def race(task: Any, keys: range, threads: int) -> tuple[dict[int, set[str]], list[BaseException]]:
+    """``threads`` threads each call every key once, in their own order; every id each key was answered with."""
+    answers: dict[int, set[str]] = {n: set() for n in keys}
+    errors: list[BaseException] = []
+    lock = threading.Lock()
+    start = threading.Barrier(threads)
+
+    def caller(seed: int) -> None:
+        order = list(keys)
+        random.Random(seed).shuffle(order)
+        start.wait()
+        for n in order:
+            try:
+                result = task.delay(n)
+            except DedupUnavailableError as exc:
+                with lock:
+                    errors.append(exc)
+                continue
+            with lock:
+                answers[n].add(result.id)
+
+    pool = [threading.Thread(target=caller, args=(seed,)) for seed in range(threads)]
+    for thread in pool:
+        thread.start()
+    for thread in pool:
+        thread.join(180)
+    return answers, errors
+
+
+def test_a_cluster_url_gives_a_sharded_store_and_the_two_phase_gate(app: Celery) -> None:
+    state = runtime.runtime_for(app)
+    assert not state.atomic
+    assert state.store.schema.shards == CLUSTER_SHARDS
+
+
+def test_sixteen_threads_racing_over_two_hundred_keys_run_each_once_on_every_master(
+    app: Celery, r: redis.Redis, cluster: RedisCluster
+) -> None:
+    task = keyed(app, r, "cluster.race")
+    answers, errors = race(task, range(200), 16)
+
+    assert not errors
+    assert all(len(ids) == 1 for ids in answers.values()), "every caller of a key got one id"
+    assert len(queued_messages(r, app.conf.task_default_queue)) == 200, "one message per key"
+    per_master = Counter(
+        cluster.node_of_key(SCHEMA.shard_of(member_for(task.name, f"n:{n}")).held).port for n in answers
+    )
+    assert len(per_master) == 3 and min(per_master.values()) >= 20, per_master
+    with in_process_worker(app, pool="threads", concurrency=4):
+        wait_for(lambda: not held(cluster), 60, lambda: f"{len(held(cluster))} keys still held")
+    for n, ids in answers.items():
+        assert runs(r, task, n) == list(ids), f"key {n}"
+
+    listed: list[str] = []
+    cursor = None
+    while True:
+        page = runtime.store_for(app).records(cursor=cursor, limit=9, state="succeeded")
+        listed += [status.member for status in page.records]
+        if page.cursor is None:
+            break
+        cursor = page.cursor
+    assert sorted(listed) == sorted(member_for(task.name, f"n:{n}") for n in answers), "each record once"
+    assert runtime.store_for(app).stats()[task.name]["accepted"] == 200
+
+
+def test_the_reaper_covers_every_shard(app: Celery, r: redis.Redis, cluster: RedisCluster) -> None:
+    """Holds that passed (a producer gone after holding, in every shard) are released by one pass."""
+    store = runtime.store_for(app)
+    members = [member_for("cluster.reaped", f"n:{n}") for n in range(64)]
+    for member in members:
+        assert store.gate(member, f"{member}~x", "nonce", hold_ms=1, grace_ms=60_000, task_name="cluster.reaped")
+    assert {SCHEMA.shard_of(m).prefix for m in members} == {at.prefix for at in SCHEMA.shards_all()}
+    time.sleep(0.05)
+    report = runtime.reap(app)
+    assert report.released == 64
+    assert not held(cluster)
+
+
+@pytest.mark.slow
+def test_a_master_killed_mid_run_loses_no_key_and_runs_none_twice(
+    app: Celery, r: redis.Redis, cluster: RedisCluster
+) -> None:
+    """SIGKILL a master while threads call and a worker runs: a replica takes over; after it, every key ran once."""
+    task = keyed(app, r, "cluster.failover")
+    victim = cluster.master_ports()[0]
+    outcome: dict[str, Any] = {}
+
+    def calls() -> None:
+        outcome["answers"], outcome["errors"] = race(task, range(150), 8)
+
+    with in_process_worker(app, pool="threads", concurrency=4):
+        caller = threading.Thread(target=calls)
+        caller.start()
+        time.sleep(0.3)
+        cluster.kill_master(victim)
+        new_master = cluster.wait_failover(victim)
+        caller.join(180)
+        assert not caller.is_alive()
+        assert new_master != victim
+        # Keys whose calls all failed during the failover, or whose hold's reply was lost (its lease), are free
+        # once the lease ends: every key is called again then.
+        time.sleep(2.5)
+        _, errors = race(task, range(150), 2)
+        assert not errors, errors[:3]
+        wait_for(lambda: not still_held(app, task, 150), 60, lambda: f"held: {still_held(app, task, 150)}")
+    executed = {n: runs(r, task, n) for n in range(150)}
+    assert all(len(ids) <= 1 for ids in executed.values()), {n: ids for n, ids in executed.items() if len(ids) > 1}
+    assert all(len(ids) == 1 for ids in executed.values()), "every key ran once after the failover"
+    failed = outcome["errors"]
+    assert all(isinstance(exc, DedupUnavailableError) for exc in failed)
+
+
+@pytest.mark.slow
+def test_slots_moved_while_calls_run_lose_nothing(app: Celery, r: redis.Redis, cluster: RedisCluster) -> None:
+    """Every shard's slot moves to another master while 8 threads call: each key runs once, none stays held."""
+    task = keyed(app, r, "cluster.reshard")
+    outcome: dict[str, Any] = {}
+
+    def calls() -> None:
+        outcome["answers"], outcome["errors"] = race(task, range(300), 8)
+
+    caller = threading.Thread(target=calls)
+    caller.start()
+    masters = cluster.master_ports()
+    for at in SCHEMA.shards_all():
+        slot = cluster.slot_of(at.held)
+        source = cluster.master_port_for_slot(slot)
+        target = masters[(masters.index(source) + 1) % len(masters)]
+        cluster.migrate_slots([slot], target)
+    caller.join(180)
+    assert not caller.is_alive()
+    time.sleep(2.5)  # the leases of calls whose reply was lost end
+    with in_process_worker(app, pool="threads", concurrency=4):
+        race(task, range(300), 1)  # keys whose calls failed (a typed error) are called again
+        wait_for(lambda: not still_held(app, task, 300), 60, lambda: f"held: {still_held(app, task, 300)}")
+    for n in range(300):
+        assert len(runs(r, task, n)) == 1, f"key {n}: {runs(r, task, n)}"
+    answers: dict[int, set[str]] = outcome["answers"]
+    assert all(len(ids) <= 1 for ids in answers.values()), "no key was answered with two runs"
