@@ -92,7 +92,10 @@ class Runtime:
             with self._lock:
                 if self._store is None:
                     self._store = DedupStore(
-                        self._client(), self.config.key_prefix, history_length=self.config.history_length
+                        self._client(),
+                        self.config.key_prefix,
+                        history_length=self.config.history_length,
+                        wait_replicas=self.config.cluster_wait_replicas,
                     )
         return self._store
 

@@ -75,6 +75,7 @@ def test_defaults(bare_app: BareApp) -> None:
         reap_grace=30,
         dispatch_interval=0.1,
         publish_lease=30,
+        cluster_wait_replicas=1,
     )
     assert {f"dedup_{field}" for field in vars(config)} == set(SETTINGS)
 
@@ -205,7 +206,7 @@ def test_every_time_setting_refuses_less_than_a_millisecond(bare_app: BareApp) -
     numeric = [
         n for n, (default, _) in SETTINGS.items() if isinstance(default, (int, float)) and not isinstance(default, bool)
     ]
-    counts = {"dedup_max_key_length", "dedup_history_length", "dedup_max_followers"}
+    counts = {"dedup_max_key_length", "dedup_history_length", "dedup_max_followers", "dedup_cluster_wait_replicas"}
     assert sorted(TIME_SETTINGS) == sorted(set(numeric) - counts)
     for setting in TIME_SETTINGS:
         with pytest.raises(DedupConfigError) as info:
