@@ -7,7 +7,10 @@ FLUSHALLed between tests: never point it at data you want to keep).
 
 Tests that need a RabbitMQ broker ask for ``rabbitmq`` (a private node,
 started once per session) and build apps with ``make_rabbit_app``; they skip
-where RabbitMQ is not installed.
+where RabbitMQ is not installed. Tests that need a Redis Cluster ask for
+``cluster`` (three masters and three replicas, started once per session,
+put back in its starting layout with no keys before each test); they skip
+where the server binary cannot run one.
 """
 
 from __future__ import annotations
@@ -35,7 +38,14 @@ from kombu import Connection
 from kombu.utils.json import loads
 
 import celery_dedup
-from celery_dedup.testing import RabbitMQNode, RabbitMQNotFound, RedisServer
+from celery_dedup.testing import (
+    ClusterNotSupported,
+    RabbitMQNode,
+    RabbitMQNotFound,
+    RedisCluster,
+    RedisServer,
+    ServerNotFound,
+)
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -119,6 +129,24 @@ def rabbitmq() -> Iterator[RabbitMQNode]:
         pytest.skip("rabbitmq-server not installed; run-tests installs it as root")
     with node:
         yield node
+
+
+@pytest.fixture(scope="session")
+def redis_cluster() -> Iterator[RedisCluster]:
+    """Three masters, one replica each (see ``RedisCluster``), started once per session by the first test that asks."""
+    try:
+        cluster = RedisCluster()
+    except (ServerNotFound, ClusterNotSupported) as exc:
+        pytest.skip(f"no Redis Cluster: {exc}")
+    with cluster:
+        yield cluster
+
+
+@pytest.fixture
+def cluster(redis_cluster: RedisCluster) -> RedisCluster:
+    """The session's cluster in its starting layout (killed nodes back, first masters master, first slots) and empty."""
+    redis_cluster.reset()
+    return redis_cluster
 
 
 class RabbitApps:
