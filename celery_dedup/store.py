@@ -636,12 +636,19 @@ class DedupStore:
         counting anything: held, with a record whose hold has not passed on
         the server's clock.
         """
+        at = self._at(member)
         with self.client.pipeline(transaction=True) as pipe:
-            pipe.sismember(self._at(member).held, member)
-            pipe.hmget(self._at(member).record(member), "task_id", "held_until")
-            pipe.time()
-            held, (task_id, held_until), (seconds, micros) = pipe.execute()
-        now_ms = seconds * 1000 + micros // 1000
+            pipe.sismember(at.held, member)
+            pipe.hmget(at.record(member), "task_id", "held_until")
+            if self.schema.shards == 1:
+                pipe.time()
+            held, (task_id, held_until), *clock = pipe.execute()
+        if not clock:  # a cluster pipeline takes no keyless command: ask the key's master
+            cluster = cast(RedisCluster, self.client)
+            node = cluster.get_node_from_key(at.held)  # type: ignore[no-untyped-call]
+            clock = [cluster.execute_command("TIME", target_nodes=node)]  # type: ignore[no-untyped-call]
+        seconds, micros = clock[0]
+        now_ms = int(seconds) * 1000 + int(micros) // 1000
         if not held or task_id is None or int(held_until or 0) <= now_ms:
             return None
         return _text(task_id)
