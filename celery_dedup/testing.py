@@ -22,6 +22,8 @@ starts until one does. Like that module, it needs pytest to import.
 - ``celery_dedup_worker_parameters`` (session, override it) and
   ``celery_dedup_worker``: a worker for that app in a thread of the test.
 
+:func:`in_process_worker` starts such a worker for any app, as a context manager.
+
 Assertions: :func:`assert_deduplicated`, :func:`assert_published`,
 :func:`assert_held`, :func:`assert_not_held`, :func:`assert_state`.
 docs/testing.md shows them in use.
@@ -42,6 +44,7 @@ import subprocess
 import tempfile
 import time
 from collections.abc import Callable, Collection, Iterable, Iterator, Mapping
+from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 from types import TracebackType
@@ -56,6 +59,7 @@ from celery.contrib.testing.app import setup_default_app
 from celery.contrib.testing.worker import start_worker
 from celery.result import AsyncResult
 from celery.worker import WorkController
+from kombu.asynchronous import get_event_loop, set_event_loop
 from redis.crc import key_slot
 
 from . import install, runtime
@@ -1103,8 +1107,27 @@ def celery_dedup_worker(
     It knows the tasks defined when it starts; call its ``reload()`` after
     defining more.
     """
-    with start_worker(celery_dedup_app, **{**WORKER_DEFAULTS, **celery_dedup_worker_parameters}) as worker:
+    with in_process_worker(celery_dedup_app, **{**WORKER_DEFAULTS, **celery_dedup_worker_parameters}) as worker:
         yield worker
+
+
+@contextmanager
+def in_process_worker(app: Celery, **options: Any) -> Iterator[WorkController]:
+    """Celery's ``start_worker(app, **options)``, leaving the process ready for the next worker.
+
+    A worker adopts the process's current event loop, and with it that loop's
+    timer. kombu 5.5 leaves a stopped worker's closed loop current, so the next
+    worker in the process would wait on a timer nothing drives: its countdowns,
+    ETAs and reaper would never fire. kombu 5.6 and later drop it in ``Hub.close``.
+    """
+    worker: WorkController | None = None
+    try:
+        with start_worker(app, **options) as worker:
+            yield worker
+    finally:
+        hub = getattr(worker, "hub", None)
+        if hub is not None and get_event_loop() is hub:
+            set_event_loop(None)
 
 
 # --------------------------------------------------------------------------- assertions

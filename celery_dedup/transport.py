@@ -77,7 +77,7 @@ class GatedChannelMixin:
         prefix = self.global_keyprefix
         expire: list[str] = []
         expires_ms = None
-        # Queue x-expires came with kombu 5.6: older channels have no such table.
+        # The Redis transport honours x-expires since kombu 5.7: older channels have no such table.
         queue_expires: dict[str, int] = getattr(self, "_expires", None) or {}
         if queue in queue_expires:
             expire = [prefix + self._q_for_pri(queue, p) for p in self.priority_steps]  # type: ignore[attr-defined]

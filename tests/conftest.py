@@ -32,12 +32,12 @@ from typing import Any, TypeVar
 import pytest
 import redis
 from celery import Celery
-from celery.contrib.testing.worker import start_worker
 from celery.worker import state as worker_state
 from kombu import Connection
 from kombu.utils.json import loads
 
 import celery_dedup
+from celery_dedup import testing
 from celery_dedup.testing import (
     ClusterNotSupported,
     RabbitMQNode,
@@ -216,8 +216,12 @@ def wait_for(predicate: Callable[[], T], timeout: float, what: str | Callable[[]
 
 @contextlib.contextmanager
 def in_process_worker(app: Celery, pool: str = "solo", concurrency: int = 1) -> Iterator[Any]:
-    """A real Celery worker consuming ``app``'s queues in this process."""
-    with start_worker(
+    """A real Celery worker consuming ``app``'s queues in this process.
+
+    Through the plugin's helper: on kombu 5.5 a worker started after another
+    one in this process would otherwise never fire its timer.
+    """
+    with testing.in_process_worker(
         app, pool=pool, concurrency=concurrency, perform_ping_check=False, shutdown_timeout=10.0, loglevel="WARNING"
     ) as worker:
         try:
