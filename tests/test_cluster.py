@@ -34,6 +34,8 @@ def app(make_app: AppFactory, cluster: RedisCluster) -> Iterator[Celery]:
     yield make_app(
         dedup_redis_url=cluster.url,
         dedup_publish_lease=2,
+        # A delivery that met the failover retries every 4 s (a third of it), three times: past the failover.
+        dedup_lock_ttl=12,
         task_default_queue=f"cluster-{uuid.uuid4().hex[:8]}",
         task_ignore_result=True,
         broker_transport_options={"polling_interval": 0.05},
@@ -69,9 +71,14 @@ def still_held(app: Celery, task: Any, count: int) -> list[int]:
     return [n for n in range(count) if store.holder(member_for(task.name, f"n:{n}")) is not None]
 
 
+def unfinished(task: Any, count: int) -> list[int]:
+    """Keys ``n:0``... whose run has not succeeded (yet)."""
+    return [n for n in range(count) if getattr(task.dedup_status(n), "state", None) != "succeeded"]
+
+
 def explain(app: Celery, task: Any, keys: list[int]) -> str:
     store = runtime.store_for(app)
-    lines = []
+    lines = [f"keys {keys}"]
     for n in keys[:4]:
         status = store.status(member_for(task.name, f"n:{n}"))
         if status is not None:
@@ -169,7 +176,7 @@ def test_a_master_killed_mid_run_loses_no_key_and_runs_none_twice(
     outcome: dict[str, Any] = {}
 
     def calls() -> None:
-        outcome["answers"], outcome["errors"] = race(task, range(150), 8)
+        outcome["answers"], outcome["errors"] = race(task, range(100), 6)
 
     with in_process_worker(app, pool="threads", concurrency=4):
         caller = threading.Thread(target=calls)
@@ -188,11 +195,13 @@ def test_a_master_killed_mid_run_loses_no_key_and_runs_none_twice(
         unanswered = [n for n, ids in answers.items() if not ids]
         _, errors = race(task, unanswered, 2)
         assert not errors, errors[:3]
-        wait_for(lambda: not still_held(app, task, 150), 60, lambda: explain(app, task, still_held(app, task, 150)))
-    executed = {n: runs(r, task, n) for n in range(150)}
+        # until_expired keeps keys held after success: wait for every key's run to have ended instead.
+        wait_for(lambda: not unfinished(task, 100), 90, lambda: explain(app, task, unfinished(task, 100)))
+    executed = {n: runs(r, task, n) for n in range(100)}
     twice = [n for n, ids in executed.items() if len(ids) > 1]
     assert not twice, explain(app, task, twice)
-    assert all(len(ids) == 1 for ids in executed.values()), "every key ran once after the failover"
+    never = [n for n, ids in executed.items() if not ids]
+    assert not never, explain(app, task, never)
     failed = outcome["errors"]
     assert all(isinstance(exc, DedupUnavailableError) for exc in failed)
 
