@@ -399,7 +399,8 @@ class DedupStore:
     def run_gate(self, call: GateCall, *, client: redis.Redis | None = None) -> Outcome:
         """Run one prepared gate call (one round trip)."""
         outcome = _outcome(self.scripts.gate(call.keys, call.args, client=client or self.client))
-        self._replicated(call.keys[1])
+        if outcome.accepted:  # a duplicate's answer changes nothing a lost write could undo
+            self._replicated(call.keys[1])
         return outcome
 
     def confirm(self, member: str, task_id: str, nonce: str, *, hold_ms: int, grace_ms: int) -> Outcome:
@@ -517,7 +518,8 @@ class DedupStore:
             "1" if keep_payload else "0",
         ]
         reply = self.scripts.start(keys, args)
-        self._replicated(keys[1])
+        if int(reply[0]) == StartDecision.RUN:  # a refusal takes nothing a lost write could give back
+            self._replicated(keys[1])
         payload = _text(reply[2]) if len(reply) > 2 else ""
         return StartDecision(int(reply[0]), _text(reply[1]), payload)
 
@@ -741,7 +743,7 @@ class DedupStore:
     def _offsets(self, cursor: str | None) -> list[int]:
         """Each shard's offset in its index, from a page's cursor: ``"N"``, or ``"N.N.N..."`` with shards."""
         shards = self.schema.shards
-        if not cursor:
+        if not cursor or cursor == "0":  # the first page's, whatever the layout
             return [0] * shards
         parts = cursor.split(".")
         if len(parts) != shards or not all(part.isascii() and part.isdigit() for part in parts):
@@ -960,3 +962,14 @@ def cluster_client(url: str, options: Mapping[str, Any]) -> redis.Redis:
     kwargs.update(options)
     nodes = [ClusterNode(host, port) for host, port in seeds]  # type: ignore[no-untyped-call]
     return RedisCluster(startup_nodes=nodes, **kwargs)  # type: ignore[return-value]
+
+
+def masked_url(url: str) -> str:
+    """``url`` with its password masked, for logs and pages (a cluster URL's too)."""
+    if cluster_seeds(url) is None:
+        return str(maybe_sanitize_url(url))
+    scheme, _, rest = url.partition("://")
+    userinfo, at, hosts = rest.rpartition("@")
+    if at and ":" in userinfo:
+        userinfo = userinfo.split(":", 1)[0] + ":**"
+    return f"{scheme}://{userinfo}{at}{hosts}"

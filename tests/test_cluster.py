@@ -20,8 +20,9 @@ import pytest
 import redis
 from celery import Celery
 
-from celery_dedup import DedupTask, DedupUnavailableError, runtime
+from celery_dedup import DedupTask, DedupUnavailableError, checks, runtime
 from celery_dedup.keys import CLUSTER_SHARDS, KeySchema, member_for
+from celery_dedup.store import masked_url
 from celery_dedup.testing import RedisCluster
 
 from .conftest import AppFactory, in_process_worker, queued_messages, wait_for
@@ -233,3 +234,11 @@ def test_slots_moved_while_calls_run_lose_nothing(app: Celery, r: redis.Redis, c
     for n in range(300):
         assert len(runs(r, task, n)) == 1, f"key {n}: {runs(r, task, n)}\n{explain(app, task, [n])}"
     assert all(len(ids) <= 1 for ids in answers.values()), "no key was answered with two runs"
+
+
+def test_check_inspects_every_master_and_masks_the_password(app: Celery, cluster: RedisCluster) -> None:
+    clocks = [finding for finding in checks.run_checks(app) if finding.check == "clock"]
+    assert sorted(finding.message.split(":")[1] for finding in clocks) == sorted(map(str, cluster.master_ports()))
+    assert all(finding.level == "ok" for finding in clocks)
+    secret = cluster.url.replace("redis+cluster://", "redis+cluster://dedup:s3cret@")
+    assert masked_url(secret) == cluster.url.replace("redis+cluster://", "redis+cluster://dedup:**@")

@@ -120,3 +120,16 @@ def test_stats_reaper_and_purge_cover_every_shard(store: DedupStore, r: redis.Re
     purged = store.purge(budget=1000)
     assert (purged.purged, purged.more) == (64, False)
     assert store.records().total == 0
+
+
+def test_the_first_page_cursor_is_zero_whatever_the_layout(store: DedupStore) -> None:
+    gate(store, "shop.charge:order:1", "run")
+    assert [status.member for status in store.records(cursor="0").records] == ["shop.charge:order:1"]
+
+
+def test_the_admin_list_follows_a_sharded_cursor() -> None:
+    from celery_dedup.contrib.django.listing import Query  # noqa: PLC0415 - Django is optional
+
+    query = Query.parse({"cursor": "1.0.2", "trail": "0,1.0.0"})
+    assert (query.cursor, query.trail) == ("1.0.2", ("0", "1.0.0"))
+    assert Query.parse({"cursor": "1.²"}).cursor == "", "not a cursor: the first page"
