@@ -242,3 +242,22 @@ def test_check_inspects_every_master_and_masks_the_password(app: Celery, cluster
     assert all(finding.level == "ok" for finding in clocks)
     secret = cluster.url.replace("redis+cluster://", "redis+cluster://dedup:s3cret@")
     assert masked_url(secret) == cluster.url.replace("redis+cluster://", "redis+cluster://dedup:**@")
+
+
+def test_renewals_of_locks_in_every_shard_go_out_one_slot_at_a_time(app: Celery) -> None:
+    """A worker renews all its locks together: on a cluster, one call per slot (a script's keys share one)."""
+    store = runtime.store_for(app)
+    members = [member_for("cluster.renewed", f"n:{n}") for n in range(48)]
+    refs = []
+    for n, member in enumerate(members):
+        decision = store.start(
+            member, f"run-{n}", f"token-{n}", lock_ms=5_000, gated=False, key_mode="lock", hostname="h", pid=1,
+            retries=0, task_name="cluster.renewed", record_ms=60_000,
+        )  # fmt: skip
+        assert decision.code == decision.RUN
+        refs.append(store.lock_ref(member, f"token-{n}"))
+    assert len({ref.lock_key.split("}")[0] for ref in refs}) == CLUSTER_SHARDS
+    assert store.renew(refs, lock_ms=60_000, record_ms=60_000) == []
+    assert all(60_000 - 1_000 < store.client.pttl(ref.lock_key) <= 60_000 for ref in refs)
+    lost = store.renew([*refs[:3], store.lock_ref(members[3], "not-the-token")], lock_ms=60_000, record_ms=60_000)
+    assert [ref.token for ref in lost] == ["not-the-token"]
