@@ -36,6 +36,8 @@ setting                      default               effect
 ``dedup_publish_lease``      ``30``                seconds the two-phase gate (a broker apart from the
                                                    store) holds a key while its message is published;
                                                    at least 1 second
+``dedup_cluster_wait_replicas``  ``1``             on a Redis Cluster store: replicas that must have
+                                                   a decision's writes before it is answered (WAIT)
 ===========================  ====================  ===============================================
 
 Every time is in seconds, an int or a float, from 0.001 (Redis keeps times in
@@ -95,7 +97,7 @@ def _key_prefix(setting: str, value: Any, *, task: str | None = None) -> str:
 
 
 #: URL schemes a dedup store can be reached by.
-STORE_SCHEMES = ("redis", "rediss", "unix", "sentinel")
+STORE_SCHEMES = ("redis", "rediss", "unix", "sentinel", "redis+cluster", "rediss+cluster")
 
 
 def _optional_url(setting: str, value: Any, *, task: str | None = None) -> str | None:
@@ -103,7 +105,9 @@ def _optional_url(setting: str, value: Any, *, task: str | None = None) -> str |
         return None
     scheme = value.partition("://")[0].lower() if isinstance(value, str) and "://" in value else None
     if scheme not in STORE_SCHEMES:
-        raise DedupConfigError(setting, value, "must be a redis:// rediss:// unix:// or sentinel:// URL")
+        raise DedupConfigError(
+            setting, value, "must be a redis:// rediss:// unix:// sentinel:// or redis+cluster:// URL"
+        )
     return str(value)
 
 
@@ -116,6 +120,12 @@ def _key_length(setting: str, value: Any, *, task: str | None = None) -> int:
 def _flag(setting: str, value: Any, *, task: str | None = None) -> bool:
     if not isinstance(value, bool):
         raise DedupConfigError(setting, value, "must be True or False", task=task)
+    return value
+
+
+def _replicas(setting: str, value: Any, *, task: str | None = None) -> int:
+    if isinstance(value, bool) or not isinstance(value, int) or not 0 <= value <= 16:
+        raise DedupConfigError(setting, value, "must be an integer from 0 (do not wait) to 16", task=task)
     return value
 
 
@@ -175,6 +185,7 @@ SETTINGS: dict[str, tuple[Any, Callable[..., Any]]] = {
     "dedup_reap_grace": (30, _seconds),
     "dedup_dispatch_interval": (0.1, _seconds),
     "dedup_publish_lease": (30, _seconds),
+    "dedup_cluster_wait_replicas": (1, _replicas),
 }
 
 
@@ -200,6 +211,7 @@ class DedupConfig:
     reap_grace: float
     dispatch_interval: float
     publish_lease: float
+    cluster_wait_replicas: int
 
     @property
     def record_ms(self) -> int:

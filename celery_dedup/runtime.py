@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import contextlib
 import functools
+import inspect
 import logging
 import os
 import socket
@@ -22,12 +23,13 @@ import redis
 from kombu import pools as kombu_pools
 from kombu import transport as kombu_transport
 from kombu.transport import TRANSPORT_ALIASES
+from redis.cluster import RedisCluster
 
 from . import decisions
 from .config import DedupConfig
 from .exceptions import DedupArgumentError, DedupConfigError
 from .keys import split_member, task_from_namespace
-from .store import DedupStore, ReapReport, broker_client, client_from_url
+from .store import DedupStore, ReapReport, broker_client, client_from_url, cluster_seeds
 
 logger = logging.getLogger("celery_dedup")
 
@@ -90,7 +92,10 @@ class Runtime:
             with self._lock:
                 if self._store is None:
                     self._store = DedupStore(
-                        self._client(), self.config.key_prefix, history_length=self.config.history_length
+                        self._client(),
+                        self.config.key_prefix,
+                        history_length=self.config.history_length,
+                        wait_replicas=self.config.cluster_wait_replicas,
                     )
         return self._store
 
@@ -187,10 +192,23 @@ def _check_redis_options(app: Any, config: DedupConfig) -> None:
             "applies only to a dedup_redis_url apart from the broker: the store on the broker connects "
             "as the broker does (broker_use_ssl, broker_transport_options)",
         )
-    try:  # builds a connection object, which checks every keyword, without connecting
-        client_from_url(url, config.redis_options).connection_pool.make_connection()
+    try:
+        if cluster_seeds(url) is not None:  # a cluster client connects as it is made: check the names only
+            _check_cluster_options(config.redis_options)
+        else:  # builds a connection object, which checks every keyword, without connecting
+            client_from_url(url, config.redis_options).connection_pool.make_connection()
     except (TypeError, ValueError, redis.RedisError) as exc:
         raise DedupConfigError("dedup_redis_options", config.redis_options, f"refused by redis-py: {exc}") from exc
+
+
+def _check_cluster_options(options: dict[str, Any]) -> None:
+    """Refuse an option neither redis-py's cluster client nor its connections take."""
+    known: set[str] = set()
+    for accepts in (RedisCluster.__init__, redis.connection.AbstractConnection.__init__, redis.SSLConnection.__init__):
+        known.update(inspect.signature(accepts).parameters)
+    unknown = sorted(set(options) - known)
+    if unknown:
+        raise TypeError(f"unexpected keyword argument(s) {', '.join(unknown)}")
 
 
 def _scheme(url: str) -> str:

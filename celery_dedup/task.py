@@ -417,6 +417,14 @@ class DedupTask(_TaskBase):
             )
         except redis.RedisError as exc:
             key = split_member(gate.member)[1]
+            if gate.continues and isinstance(exc, UNREACHABLE):
+                # A retry of a run accepted before (a worker that could not reach the store, say):
+                # its delivery is guarded as any, so it goes on without the hold being stretched.
+                logger.warning(
+                    "%s[%s]: dedup store unreachable; the run goes on unconfirmed (%s)", self.name, run_id, exc
+                )
+                headers[HEADER] = dataclasses.replace(gate, held=True).encode()
+                return None, publish(headers)
             return None, self._store_unreachable(exc, key, run_id, headers, publish)
         if not outcome.accepted:
             return outcome, self.AsyncResult(outcome.task_id)

@@ -75,6 +75,7 @@ def test_defaults(bare_app: BareApp) -> None:
         reap_grace=30,
         dispatch_interval=0.1,
         publish_lease=30,
+        cluster_wait_replicas=1,
     )
     assert {f"dedup_{field}" for field in vars(config)} == set(SETTINGS)
 
@@ -205,7 +206,7 @@ def test_every_time_setting_refuses_less_than_a_millisecond(bare_app: BareApp) -
     numeric = [
         n for n, (default, _) in SETTINGS.items() if isinstance(default, (int, float)) and not isinstance(default, bool)
     ]
-    counts = {"dedup_max_key_length", "dedup_history_length", "dedup_max_followers"}
+    counts = {"dedup_max_key_length", "dedup_history_length", "dedup_max_followers", "dedup_cluster_wait_replicas"}
     assert sorted(TIME_SETTINGS) == sorted(set(numeric) - counts)
     for setting in TIME_SETTINGS:
         with pytest.raises(DedupConfigError) as info:
@@ -697,4 +698,4 @@ def test_a_broker_that_is_not_redis_needs_a_store_at_install(bare_app: BareApp, 
     with pytest.raises(DedupConfigError) as info:
         celery_dedup.install(bare_app(broker=broker))
     assert info.value.setting == "dedup_redis_url"
-    assert broker.split("://")[0] in info.value.reason
+    assert broker.split("://", maxsplit=1)[0] in info.value.reason

@@ -24,10 +24,10 @@ from celery import Celery
 from kombu.transport import redis as kombu_redis
 
 import celery_dedup
-from celery_dedup import DedupTask, runtime
+from celery_dedup import DedupTask, DedupUnavailableError, runtime
 from celery_dedup.keys import KeySchema, member_for
 from celery_dedup.status import Status
-from celery_dedup.testing import RedisServer
+from celery_dedup.testing import RedisServer, free_port
 
 from .conftest import AppFactory, Server, in_process_worker, queued_messages, wait_for
 
@@ -367,3 +367,53 @@ def test_the_reaper_declares_an_unconfirmed_run_lost_and_a_late_confirm_revives_
     with in_process_worker(app):
         assert results[0].get(timeout=10) == 8
     assert runs(r, 8) == [run_id]
+
+
+def test_a_run_that_starts_before_its_confirm_keeps_its_window(
+    make_app: AppFactory, server: Server, r: redis.Redis, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """until_expired, lease 1 s: the delivery proves the message is out, so the key keeps its 30 s window."""
+    url = another_database(server)
+    store_client(url).flushdb()
+    app = separate_app(make_app, url, dedup_publish_lease=1)
+    charge = build(app, dedup_mode="until_expired", dedup_ttl=30)
+    original = kombu_redis.Channel._put
+    ran = threading.Event()
+
+    def never_confirmed(self: Any, queue: str, message: Any, **kwargs: Any) -> None:
+        original(self, queue, message, **kwargs)
+        ran.wait(20)
+        raise redis.ConnectionError("connection reset before the confirm")
+
+    results: list[Any] = []
+    with in_process_worker(app):
+        monkeypatch.setattr(kombu_redis.Channel, "_put", never_confirmed)
+        caller = threading.Thread(target=lambda: results.append(charge.delay(9)), daemon=True)
+        caller.start()
+        wait_for(lambda: getattr(charge.dedup_status(9), "state", None) == "succeeded", 10, "the run ended")
+        ran.set()
+        caller.join(10)
+        monkeypatch.undo()
+    time.sleep(1.5)  # past the lease
+    run = runs(r, 9)
+    assert len(run) == 1
+    assert charge.delay(9).id == run[0], "within its window the key is still the run's"
+
+
+def test_a_retry_publishes_while_the_store_is_unreachable(make_app: AppFactory, r: redis.Redis) -> None:
+    """A continuation of an accepted run (Task.retry from a worker that cannot reach the store) still goes out.
+
+    Its delivery is guarded like any other; refusing it would leave the run's key held with no message.
+    A new call in the same outage is refused (fail_closed): it could be a duplicate.
+    """
+    app = separate_app(make_app, f"redis://127.0.0.1:{free_port()}/0")
+    charge = build(app)
+    header = charge.dedup_gate_header(member_for(charge.name, "order:10")).encode()
+
+    retried = charge.apply_async((10,), task_id="order:10~run", headers={"dedup": header})
+
+    assert retried.id == "order:10~run"
+    [message] = queued_messages(r, app.conf.task_default_queue)
+    assert message["headers"]["id"] == "order:10~run" and message["headers"]["dedup"]["held"] is True
+    with pytest.raises(DedupUnavailableError):
+        charge.delay(10)

@@ -192,6 +192,9 @@ else
   local leased = not queue and lease_ms > 0
   add('task_id', task_id, 'nonce', nonce, 'task', task_name, 'held_until', now + (leased and lease_ms or hold_ms),
     'queued_at', now, 'duplicates', 0, 'attempts', 0)
+  if leased then
+    add('hold_ms', hold_ms)  -- the hold to give once the message is known to be out (confirm.lua, start.lua)
+  end
   if argsrepr ~= '' or kwargsrepr ~= '' then
     add('args', argsrepr, 'kwargs', kwargsrepr)
   end
