@@ -93,14 +93,14 @@ def _order_task(order_id: int) -> int:
 def seed(app: Celery, count: int, *, batch: int = 1000) -> None:
     """``count`` gated runs (keys ``order:000000``...); every tenth then fails."""
     store = runtime.store_for(app)
-    schema = store.schema
     with store.client.pipeline(transaction=False) as pipe:
         for n in range(count):
             key, task = f"order:{n:06d}", TASKS[n % len(TASKS)]
             member = member_for(task, key)
-            hold: list[str | int] = [3_600_000, task, 86_400_000, schema.prefix, 10, "", ""]
-            args: list[str | int] = [member, new_task_id(key), new_nonce(), *hold]
-            store.scripts.gate([schema.held, schema.record(member)], args, client=pipe)
+            call = store.gate_call(
+                member, new_task_id(key), new_nonce(), hold_ms=3_600_000, grace_ms=86_400_000, task_name=task
+            )
+            store.scripts.gate(call.keys, call.args, client=pipe)
             if len(pipe) >= batch:
                 pipe.execute()
         pipe.execute()

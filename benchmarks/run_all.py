@@ -4,7 +4,9 @@ Each script runs as its own subprocess with this Python, from the repository
 root, with its default options. ``--quick`` passes smaller sizes, for a smoke
 run of the whole kit in a few minutes: its numbers are only indicative, so its
 results and chart go to ``benchmarks/results/quick/`` and leave the full
-results and the docs' chart alone. ``benchmarks/bulk.py`` runs when it exists.
+results and the docs' chart alone. ``benchmarks/bulk.py`` runs when it exists;
+``enqueue_rabbitmq`` says it skipped (and succeeds) where RabbitMQ is not
+installed.
 
 Run it from the repository root::
 
@@ -30,6 +32,7 @@ QUICK_RESULTS = HERE / "results" / "quick"
 #: (script, options for --quick), in running order; the chart last, as it reads enqueue's and storm's results.
 SCRIPTS: tuple[tuple[str, tuple[str, ...]], ...] = (
     ("enqueue", ("--calls", "1000", "--repeats", "3", "--warmup", "200", "--rt-calls", "100")),
+    ("enqueue_rabbitmq", ("--calls", "500", "--repeats", "2", "--warmup", "50", "--rt-calls", "50")),
     ("bulk", ("--tasks", "2000", "--repeats", "2")),
     ("worker", ("--tasks", "300", "--repeats", "3", "--rt-tasks", "50", "--warmup", "50", "--guard-pairs", "200")),
     ("memory", ("--keys", "10000", "--sample", "200", "--variant-keys", "200")),
@@ -37,6 +40,7 @@ SCRIPTS: tuple[tuple[str, tuple[str, ...]], ...] = (
     ("debounce", ("--rounds", "2", "--keys", "5", "--calls", "20")),
     ("admin", ("--records", "10000", "--renders", "5", "--later", "3")),
     ("followers", ("--followers", "50")),
+    ("cluster", ("--calls", "300", "--repeats", "1", "--threads", "4")),
     ("chart", ()),
 )
 

@@ -73,15 +73,16 @@ def records(
 
     Pass ``page.cursor`` back for the next page; it is None on the last.
 
-    Filters: ``state`` (one of ``celery_dedup.store.STATES``: pending, queued,
-    started, retry, succeeded, failed, revoked, rejected, ignored, lost,
-    skipped, released, replaced), ``task`` (a task name) and ``prefix``
+    Filters: ``state`` (one of ``celery_dedup.store.STATES``: pending,
+    publishing, queued, started, retry, succeeded, failed, revoked, rejected,
+    ignored, lost, skipped, released, replaced), ``task`` (a task name) and ``prefix``
     (of the business key, e.g. ``"order:4"``; results then come in key order).
     A cursor past the end gives an empty last page.
 
     Raises:
         DedupArgumentError: ``limit`` is below 1, or ``cursor`` is not a
-            page's cursor (a decimal number of ASCII digits).
+            page's cursor (a decimal number of ASCII digits; on a Redis
+            Cluster store, one per shard, joined by dots).
     """
     store = runtime.store_for(app)
     return store.records(state=state, task=task, prefix=prefix, cursor=cursor, limit=limit)

@@ -15,10 +15,11 @@ from typing import Any
 import redis
 from celery import Celery
 from kombu.transport import redis as kombu_redis
-from kombu.utils.url import maybe_sanitize_url
+from redis.cluster import RedisCluster
 
 from . import runtime
 from .exceptions import DedupError
+from .store import masked_url
 from .task import DedupTask
 
 #: kombu's Redis transport redelivers an unacknowledged message after this many seconds by default.
@@ -141,6 +142,17 @@ def _server_findings(client: redis.Redis) -> list[Finding]:
     return findings
 
 
+def _store_findings(client: redis.Redis) -> list[Finding]:
+    """The server's findings; a cluster's per master, each named."""
+    if not isinstance(client, RedisCluster):
+        return _server_findings(client)
+    findings = []
+    for node in client.get_primaries():
+        for found in _server_findings(node.redis_connection):
+            findings.append(Finding(found.check, found.level, f"{node.name}: {found.message}"))
+    return findings
+
+
 def _task_findings(app: Celery, config_lock_ttl: float) -> tuple[list[Finding], list[tuple[float, str]]]:
     """Errors of DedupTasks whose options do not resolve, and the lock TTLs of the setting and each task."""
     findings: list[Finding] = []
@@ -179,15 +191,17 @@ def run_checks(app: Celery, *, countdown: float = 0) -> list[Finding]:
     config = state.config
     if not redis_broker:
         findings.append(
-            Finding("broker", "warning", f"{scheme}:// is not Redis: the gate is not atomic (hold, publish, drop)")
+            Finding(
+                "broker", "warning", f"{scheme}:// is not Redis: the gate has two phases (hold with a lease, publish)"
+            )
         )
-    elif config.redis_url is not None and config.redis_url != broker:
+    elif runtime.separate_store(app, config) is not None:
         findings.append(
             Finding(
                 "broker",
                 "warning",
-                f"dedup_redis_url {maybe_sanitize_url(config.redis_url)} is not the broker URL "
-                f"{maybe_sanitize_url(broker)}: keys and messages live apart, so the gate is not atomic",
+                f"dedup_redis_url {masked_url(str(config.redis_url))} is not the broker's database "
+                f"{masked_url(broker)}: keys and messages live apart, so the gate has two phases",
             )
         )
     else:
@@ -201,9 +215,9 @@ def run_checks(app: Celery, *, countdown: float = 0) -> list[Finding]:
                 float(options.get("visibility_timeout", DEFAULT_VISIBILITY_TIMEOUT)), lock_ttls, countdown
             )
         )
-    store_url = maybe_sanitize_url(config.redis_url or broker)
+    store_url = masked_url(config.redis_url or broker)
     try:
-        findings += _server_findings(state.store.client)
+        findings += _store_findings(state.store.client)
     except (redis.RedisError, DedupError) as exc:
         findings.append(Finding("server", "error", f"cannot inspect the dedup store at {store_url}: {exc}"))
     return findings

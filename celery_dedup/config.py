@@ -33,6 +33,11 @@ setting                      default               effect
 ``dedup_max_followers``      ``1000``              duplicates with something to continue (a group or
                                                    chord member, callbacks, a chain) that one key's
                                                    run carries at most; 0: none
+``dedup_publish_lease``      ``30``                seconds the two-phase gate (a broker apart from the
+                                                   store) holds a key while its message is published;
+                                                   at least 1 second
+``dedup_cluster_wait_replicas``  ``1``             on a Redis Cluster store: replicas that must have
+                                                   a decision's writes before it is answered (WAIT)
 ===========================  ====================  ===============================================
 
 Every time is in seconds, an int or a float, from 0.001 (Redis keeps times in
@@ -60,7 +65,9 @@ MIN_SECONDS, MAX_SECONDS = 0.001, 1e9
 #: renewed every third of its TTL: a renewal must land within two thirds of
 #: it despite a slow reply, a busy host or a GC pause, so below a second one
 #: hiccup would lose the lock and let another delivery run the key.
-MINIMUM_SECONDS = {"dedup_lock_ttl": 1.0}
+#: A publish lease shorter than a second would end under a slow publisher
+#: confirm, and let a second call's run through beside the first.
+MINIMUM_SECONDS = {"dedup_lock_ttl": 1.0, "dedup_publish_lease": 1.0}
 
 
 def _seconds(setting: str, value: Any, *, task: str | None = None) -> float:
@@ -90,7 +97,7 @@ def _key_prefix(setting: str, value: Any, *, task: str | None = None) -> str:
 
 
 #: URL schemes a dedup store can be reached by.
-STORE_SCHEMES = ("redis", "rediss", "unix", "sentinel")
+STORE_SCHEMES = ("redis", "rediss", "unix", "sentinel", "redis+cluster", "rediss+cluster")
 
 
 def _optional_url(setting: str, value: Any, *, task: str | None = None) -> str | None:
@@ -98,7 +105,9 @@ def _optional_url(setting: str, value: Any, *, task: str | None = None) -> str |
         return None
     scheme = value.partition("://")[0].lower() if isinstance(value, str) and "://" in value else None
     if scheme not in STORE_SCHEMES:
-        raise DedupConfigError(setting, value, "must be a redis:// rediss:// unix:// or sentinel:// URL")
+        raise DedupConfigError(
+            setting, value, "must be a redis:// rediss:// unix:// sentinel:// or redis+cluster:// URL"
+        )
     return str(value)
 
 
@@ -111,6 +120,12 @@ def _key_length(setting: str, value: Any, *, task: str | None = None) -> int:
 def _flag(setting: str, value: Any, *, task: str | None = None) -> bool:
     if not isinstance(value, bool):
         raise DedupConfigError(setting, value, "must be True or False", task=task)
+    return value
+
+
+def _replicas(setting: str, value: Any, *, task: str | None = None) -> int:
+    if isinstance(value, bool) or not isinstance(value, int) or not 0 <= value <= 16:
+        raise DedupConfigError(setting, value, "must be an integer from 0 (do not wait) to 16", task=task)
     return value
 
 
@@ -169,6 +184,8 @@ SETTINGS: dict[str, tuple[Any, Callable[..., Any]]] = {
     "dedup_reap_interval": (60, _interval),
     "dedup_reap_grace": (30, _seconds),
     "dedup_dispatch_interval": (0.1, _seconds),
+    "dedup_publish_lease": (30, _seconds),
+    "dedup_cluster_wait_replicas": (1, _replicas),
 }
 
 
@@ -193,6 +210,8 @@ class DedupConfig:
     reap_interval: float
     reap_grace: float
     dispatch_interval: float
+    publish_lease: float
+    cluster_wait_replicas: int
 
     @property
     def record_ms(self) -> int:

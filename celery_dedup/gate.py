@@ -51,6 +51,9 @@ class GateHeader:
     #: or chord, callbacks, a chain): as a duplicate it becomes a follower of
     #: the accepted run, at most this many per run; 0 for any other call.
     follow: int = 0
+    #: The two-phase gate held the key before publishing (a broker apart from
+    #: the store): a gated transport publishes the message as it is.
+    held: bool = False
 
     @property
     def debounce(self) -> bool:
@@ -72,6 +75,8 @@ class GateHeader:
             encoded["continues"] = True
         if self.follow:
             encoded["follow"] = self.follow
+        if self.held:
+            encoded["held"] = True
         return encoded
 
     @classmethod
@@ -94,6 +99,7 @@ class GateHeader:
             bool(latest),
             bool(raw.get("continues", False)),
             int(raw.get("follow", 0)),
+            bool(raw.get("held", False)),
         )
 
 

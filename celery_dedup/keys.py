@@ -48,6 +48,7 @@ import re
 import secrets
 import string
 import uuid
+import zlib
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -300,11 +301,40 @@ def new_nonce() -> str:
     return secrets.token_hex(8)
 
 
+#: Shards of a store on a Redis Cluster: fixed, so every process agrees where a key lives.
+CLUSTER_SHARDS = 16
+
+
 @dataclass(frozen=True)
 class KeySchema:
-    """Every Redis key name celery-dedup uses, from one prefix."""
+    """Every Redis key name celery-dedup uses, from one prefix.
+
+    A store on a Redis Cluster splits its keys into ``shards``: the schema of
+    shard ``n`` (:meth:`shard_of`, :meth:`shards_all`) has the prefix
+    ``{<prefix>:<nn>}``, a hash tag, so every key of one shard, the global
+    structures of that shard (held set, indexes, stats) and every key of its
+    members included, is in one slot, and each script touches one slot. A
+    member's shard follows from the member. With one shard (a single
+    server) the schema is its own shard and the names are the plain ones.
+    """
 
     prefix: str
+    shards: int = 1
+
+    def shard_of(self, member: str) -> KeySchema:
+        """The schema of the shard that holds ``member``'s keys."""
+        if self.shards == 1:
+            return self
+        return self._shard(zlib.crc32(member.encode("utf-8", "surrogatepass")) % self.shards)
+
+    def shards_all(self) -> list[KeySchema]:
+        """Every shard's schema, in order."""
+        if self.shards == 1:
+            return [self]
+        return [self._shard(n) for n in range(self.shards)]
+
+    def _shard(self, n: int) -> KeySchema:
+        return KeySchema(f"{{{self.prefix}:{n:02d}}}")
 
     @property
     def held(self) -> str:

@@ -7,10 +7,14 @@ it through the functions here.
 from __future__ import annotations
 
 import contextlib
+import functools
+import inspect
 import logging
 import os
+import socket
 import threading
 import time
+import urllib.parse
 import weakref
 from collections import Counter
 from typing import Any
@@ -19,12 +23,13 @@ import redis
 from kombu import pools as kombu_pools
 from kombu import transport as kombu_transport
 from kombu.transport import TRANSPORT_ALIASES
+from redis.cluster import RedisCluster
 
 from . import decisions
 from .config import DedupConfig
 from .exceptions import DedupArgumentError, DedupConfigError
 from .keys import split_member, task_from_namespace
-from .store import DedupStore, ReapReport, broker_client, client_from_url
+from .store import DedupStore, ReapReport, broker_client, client_from_url, cluster_seeds
 
 logger = logging.getLogger("celery_dedup")
 
@@ -87,7 +92,10 @@ class Runtime:
             with self._lock:
                 if self._store is None:
                     self._store = DedupStore(
-                        self._client(), self.config.key_prefix, history_length=self.config.history_length
+                        self._client(),
+                        self.config.key_prefix,
+                        history_length=self.config.history_length,
+                        wait_replicas=self.config.cluster_wait_replicas,
                     )
         return self._store
 
@@ -121,8 +129,55 @@ def _broker_url(app: Any) -> str:
 
 
 def separate_store(app: Any, config: DedupConfig) -> str | None:
-    """``dedup_redis_url`` if it names a store apart from the broker, else None."""
-    return config.redis_url if config.redis_url not in (None, _broker_url(app)) else None
+    """``dedup_redis_url`` if it names a store apart from the broker, else None.
+
+    A URL that names the broker's server and database another way
+    (``localhost`` for ``127.0.0.1``, no database for ``/0``, options in the
+    query) is the broker: its keys and messages can be written in one script.
+    """
+    url = config.redis_url
+    if url is None or same_database(url, _broker_url(app)):
+        return None
+    return url
+
+
+@functools.lru_cache(maxsize=64)
+def same_database(first: str, second: str) -> bool:
+    """Whether two Redis URLs reach one database of one server.
+
+    Host names are resolved, so a false "no" (an unresolvable name) only costs
+    the atomic gate; a false "yes" would need two servers on one address.
+    """
+    if first == second:
+        return True
+    one, other = _location(first), _location(second)
+    if one is None or other is None:
+        return False
+    (kind, addresses, port, db), (other_kind, other_addresses, other_port, other_db) = one, other
+    return (kind, port, db) == (other_kind, other_port, other_db) and bool(addresses & other_addresses)
+
+
+def _location(url: str) -> tuple[str, frozenset[str], int, int] | None:
+    """``(kind, addresses, port, database)`` of a redis://, rediss:// or unix:// URL; None for others."""
+    try:
+        parts = urllib.parse.urlsplit(url)
+        query = urllib.parse.parse_qs(parts.query)
+        scheme = parts.scheme.lower()
+        if scheme == "unix":
+            return "unix", frozenset({os.path.realpath(parts.path)}), 0, int(query.get("db", ["0"])[0])
+        if scheme not in ("redis", "rediss"):
+            return None
+        path = parts.path.strip("/")
+        db = int(path) if path else int(query.get("db", ["0"])[0])
+        host, port = parts.hostname or "localhost", parts.port or 6379
+    except ValueError:
+        return None
+    try:
+        found = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM)
+        addresses = frozenset(str(info[4][0]) for info in found)
+    except OSError:
+        addresses = frozenset({host})
+    return "tcp", addresses, port, db
 
 
 def _check_redis_options(app: Any, config: DedupConfig) -> None:
@@ -137,10 +192,23 @@ def _check_redis_options(app: Any, config: DedupConfig) -> None:
             "applies only to a dedup_redis_url apart from the broker: the store on the broker connects "
             "as the broker does (broker_use_ssl, broker_transport_options)",
         )
-    try:  # builds a connection object, which checks every keyword, without connecting
-        client_from_url(url, config.redis_options).connection_pool.make_connection()
+    try:
+        if cluster_seeds(url) is not None:  # a cluster client connects as it is made: check the names only
+            _check_cluster_options(config.redis_options)
+        else:  # builds a connection object, which checks every keyword, without connecting
+            client_from_url(url, config.redis_options).connection_pool.make_connection()
     except (TypeError, ValueError, redis.RedisError) as exc:
         raise DedupConfigError("dedup_redis_options", config.redis_options, f"refused by redis-py: {exc}") from exc
+
+
+def _check_cluster_options(options: dict[str, Any]) -> None:
+    """Refuse an option neither redis-py's cluster client nor its connections take."""
+    known: set[str] = set()
+    for accepts in (RedisCluster.__init__, redis.connection.AbstractConnection.__init__, redis.SSLConnection.__init__):
+        known.update(inspect.signature(accepts).parameters)
+    unknown = sorted(set(options) - known)
+    if unknown:
+        raise TypeError(f"unexpected keyword argument(s) {', '.join(unknown)}")
 
 
 def _scheme(url: str) -> str:
@@ -167,17 +235,49 @@ def install(app: Any) -> Runtime:
         runtime.atomic = separate_store(app, config) is None
         if not runtime.atomic:
             logger.warning(
-                "dedup_redis_url differs from the broker URL: keys and messages live apart, so the gate is "
-                "not atomic (hold, publish, drop-on-failure); see the guarantees doc"
+                "dedup_redis_url is not the broker's database: keys and messages live apart, so the gate has "
+                "two phases (hold with a %gs lease, publish, confirm); see the guarantees doc",
+                config.publish_lease,
             )
     else:
+        if config.redis_url is None:
+            raise DedupConfigError(
+                "dedup_redis_url",
+                None,
+                f"the broker {scheme}:// is not Redis: set dedup_redis_url to the Redis server that keeps the keys",
+            )
         logger.warning(
-            "broker %s:// is not Redis: the gate is not atomic (hold, publish, drop-on-failure); "
+            "broker %s:// is not Redis: the gate has two phases (hold with a %gs lease, publish, confirm); "
             "see the guarantees doc",
             scheme,
+            config.publish_lease,
         )
+        if scheme in AMQP_SCHEMES:
+            _confirm_publishes(app)
     setattr(app, _ATTR, runtime)
     return runtime
+
+
+#: Schemes of kombu's py-amqp transport, which takes ``confirm_publish``.
+AMQP_SCHEMES = frozenset({"amqp", "amqps", "pyamqp"})
+
+
+def _confirm_publishes(app: Any) -> None:
+    """Turn on RabbitMQ publisher confirms unless the app chose otherwise.
+
+    The two-phase gate gives a key its full hold once the publish returns;
+    with confirms that means the broker has the message, so a message the
+    broker dropped leaves its key held only for the publish lease.
+    """
+    options = dict(app.conf.broker_transport_options or {})
+    if "confirm_publish" not in options:
+        app.conf.broker_transport_options = {**options, "confirm_publish": True}
+        _replace_connections(app)
+    elif not options["confirm_publish"]:
+        logger.warning(
+            "broker_transport_options confirm_publish is off: a keyed message the broker drops keeps its key "
+            "held for its whole dedup_ttl; see the guarantees doc"
+        )
 
 
 def _register_transports() -> None:

@@ -361,6 +361,8 @@ FIELD_DOC = {doc.name: doc for doc in FIELD_DOCS}
 #: What each state means, in one line, for people.
 STATE_HELP = {
     "pending": "Debounce: waiting for its burst of calls to go quiet before its message is pushed.",
+    "publishing": "Accepted, its message on the way to a broker apart from the store: the key is held for "
+    "dedup_publish_lease until the broker has it (or the lease ends).",
     "queued": "Accepted: its message waits in the queue for a worker.",
     "started": "A worker is running the task's body.",
     "retry": "The body asked for a retry: the run starts again later and keeps the key.",

@@ -2,30 +2,36 @@
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Mapping, Sequence
+import logging
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from importlib import resources
-from typing import Any, NamedTuple
-from urllib.parse import unquote, urlparse
+from typing import Any, NamedTuple, cast
+from urllib.parse import parse_qsl, unquote, urlparse
 
 import redis
 from kombu.transport import redis as kombu_redis
 from kombu.transport import virtual as kombu_virtual
 from kombu.utils.url import maybe_sanitize_url
+from redis.cluster import ClusterNode, RedisCluster
 from redis.commands.core import Script
+from redis.crc import key_slot
 from redis.sentinel import Sentinel
 
 from .exceptions import DedupArgumentError, DedupConfigError
 from .gate import Outcome
-from .keys import KeySchema, split_member, task_namespace
+from .keys import CLUSTER_SHARDS, KeySchema, split_member, task_namespace
 from .status import Status
 
+logger = logging.getLogger("celery_dedup")
+
 #: Scripts that change status records get the shared helpers of ``lib.lua`` first.
-_WITH_LIB = frozenset({"gate", "start", "finish", "reap", "dispatch", "peek", "release", "purge", "settle"})
+_WITH_LIB = frozenset({"gate", "confirm", "start", "finish", "reap", "dispatch", "peek", "release", "purge", "settle"})
 
 #: Every state a record can be in, and those in which its run has ended (as in ``lib.lua``).
 STATES = (
     "pending",
+    "publishing",
     "queued",
     "started",
     "retry",
@@ -56,6 +62,7 @@ class Scripts:
 
     def __init__(self, client: redis.Redis) -> None:
         self.gate: Script = client.register_script(load_script("gate"))
+        self.confirm: Script = client.register_script(load_script("confirm"))
         self.start: Script = client.register_script(load_script("start"))
         self.finish: Script = client.register_script(load_script("finish"))
         self.renew: Script = client.register_script(load_script("renew"))
@@ -241,6 +248,9 @@ class LockRef:
     token: str
 
 
+#: The longest a decision waits for its replicas on a Redis Cluster (see ``DedupStore._replicated``), ms.
+WAIT_MS = 100
+
 #: Cursors beyond this read from here: past any index, and within the range Redis takes.
 _MAX_OFFSET = 2**62
 
@@ -253,18 +263,65 @@ class DedupStore:
     """
 
     def __init__(
-        self, client: redis.Redis, prefix: str, scripts: Scripts | None = None, *, history_length: int = 10
+        self,
+        client: redis.Redis,
+        prefix: str,
+        scripts: Scripts | None = None,
+        *,
+        history_length: int = 10,
+        shards: int | None = None,
+        wait_replicas: int = 0,
     ) -> None:
         self.client = client
-        self.schema = KeySchema(prefix)
+        if shards is None:
+            shards = CLUSTER_SHARDS if isinstance(client, RedisCluster) else 1
+        #: The store's keys; on a Redis Cluster in ``shards`` hash-tagged shards (see KeySchema).
+        self.schema = KeySchema(prefix, shards)
         self.scripts = scripts or Scripts(client)
         self.history_length = history_length
+        #: On a Redis Cluster: replicas that must have a decision's writes before it is answered.
+        self.wait_replicas = wait_replicas if isinstance(client, RedisCluster) else 0
 
     def with_prefix(self, prefix: str) -> DedupStore:
         """The same server and scripts under another key prefix (a message's own)."""
         if prefix == self.schema.prefix:
             return self
-        return DedupStore(self.client, prefix, self.scripts, history_length=self.history_length)
+        return DedupStore(
+            self.client,
+            prefix,
+            self.scripts,
+            history_length=self.history_length,
+            shards=self.schema.shards,
+            wait_replicas=self.wait_replicas,
+        )
+
+    def _replicated(self, key: str) -> None:
+        """Wait until ``wait_replicas`` replicas of ``key``'s master have its writes (at most ``WAIT_MS``).
+
+        Redis replicates asynchronously: a decision a master answered and
+        lost in a failover before any replica had it would be undone on the
+        promoted replica, and a second run of its key could be accepted. A
+        degraded cluster (fewer replicas in sync) answers after ``WAIT_MS``,
+        with a warning.
+        """
+        if not self.wait_replicas:
+            return
+        cluster = cast(RedisCluster, self.client)
+        node = cluster.get_node_from_key(key)  # type: ignore[no-untyped-call]
+        wait = ("WAIT", self.wait_replicas, WAIT_MS)
+        acked = int(cluster.execute_command(*wait, target_nodes=node))  # type: ignore[no-untyped-call]
+        if acked < self.wait_replicas:
+            logger.warning(
+                "dedup store: %d of %d replicas of %s acknowledged a decision within %d ms",
+                acked,
+                self.wait_replicas,
+                node.name,
+                WAIT_MS,
+            )
+
+    def _at(self, member: str) -> KeySchema:
+        """The key names of ``member``'s shard (the store's own, on a single server)."""
+        return self.schema.shard_of(member)
 
     def gate_call(
         self,
@@ -287,10 +344,13 @@ class DedupStore:
         debounce: tuple[int, int, bool] | None = None,
         continues: bool = False,
         follow: int = 0,
+        lease_ms: int = 0,
     ) -> GateCall:
         """The gate script's keys and arguments: hold ``member`` for ``task_id``, push ``message`` onto ``queue``.
 
-        Without a queue it only holds the key (the non-atomic fallback).
+        Without a queue it only holds the key: the two-phase gate, for a
+        broker apart from the store, holds a new run for ``lease_ms`` in state
+        ``publishing`` until :meth:`confirm` (0: no lease, the full hold).
         ``debounce`` is ``(window_ms, max_wait_ms, latest)``: the message is
         parked until due instead of pushed, and calls while held join its run.
         ``continues``: the publish continues run ``task_id`` (a retry, a
@@ -298,7 +358,8 @@ class DedupStore:
         a duplicate, park the message as one of at most this many followers
         of the accepted run (0: the call has nothing to continue).
         """
-        keys = [self.schema.held, self.schema.record(member)]
+        at = self._at(member)
+        keys = [at.held, at.record(member)]
         args: list[Any] = [
             member,
             task_id,
@@ -306,12 +367,13 @@ class DedupStore:
             hold_ms,
             task_name,
             grace_ms,
-            self.schema.prefix,
+            at.prefix,
             self.history_length,
             storable(argsrepr),
             storable(kwargsrepr),
             "1" if continues else "0",
             follow,
+            lease_ms,
         ]
         if queue is not None:
             keys += [queue, *expire]
@@ -336,23 +398,51 @@ class DedupStore:
 
     def run_gate(self, call: GateCall, *, client: redis.Redis | None = None) -> Outcome:
         """Run one prepared gate call (one round trip)."""
-        return _outcome(self.scripts.gate(call.keys, call.args, client=client or self.client))
+        outcome = _outcome(self.scripts.gate(call.keys, call.args, client=client or self.client))
+        if outcome.accepted:  # a duplicate's answer changes nothing a lost write could undo
+            self._replicated(call.keys[1])
+        return outcome
+
+    def confirm(self, member: str, task_id: str, nonce: str, *, hold_ms: int, grace_ms: int) -> Outcome:
+        """Second step of the two-phase gate: the broker took run ``task_id``'s message.
+
+        The key gets its full hold. ``Outcome.accepted`` is False only when
+        the lease ended and the key passed to another run (``task_id`` names
+        it, "" if none), which then stands for this call: see ``confirm.lua``.
+        """
+        at = self._at(member)
+        code, owner = self.scripts.confirm(
+            [at.held, at.record(member)], [member, task_id, nonce, hold_ms, grace_ms, at.prefix, self.history_length]
+        )
+        self._replicated(at.record(member))
+        return Outcome(int(code) != 0, _text(owner))
 
     def stats(self) -> dict[str, dict[str, int]]:
         """Decision counters: escaped task name -> decision -> count (see lib.lua's ``count``)."""
         found: dict[str, dict[str, int]] = {}
-        for field, value in self.client.hgetall(self.schema.stats).items():
-            namespace, _, decision = _text(field).rpartition(":")
-            found.setdefault(namespace, {})[decision] = int(value)
+        for shard in self._each_shard(lambda pipe, at: pipe.hgetall(at.stats)):
+            for field, value in shard.items():
+                namespace, _, decision = _text(field).rpartition(":")
+                counts = found.setdefault(namespace, {})
+                counts[decision] = counts.get(decision, 0) + int(value)
         return found
+
+    def _each_shard(self, command: Callable[[Any, KeySchema], Any]) -> list[Any]:
+        """``command(pipe, shard)`` for every shard, in one pipeline; the replies in shard order."""
+        with self.client.pipeline(transaction=False) as pipe:
+            for at in self.schema.shards_all():
+                command(pipe, at)
+            return list(pipe.execute())
 
     def count(self, task_name: str, decision: str, amount: int = 1) -> None:
         """Add to a decision counter from Python (for decisions made without Redis: fail_open)."""
-        self.client.hincrby(self.schema.stats, f"{task_namespace(task_name)}:{decision}", amount)
+        field = f"{task_namespace(task_name)}:{decision}"
+        self.client.hincrby(self.schema.shard_of(field).stats, field, amount)
 
     def peek(self, member: str) -> str | None:
         """The run holding ``member`` (its duplicate counter incremented), or None if it is free."""
-        code, owner = self.scripts.peek([self.schema.held, self.schema.record(member)], [member, self.schema.prefix])
+        at = self._at(member)
+        code, owner = self.scripts.peek([at.held, at.record(member)], [member, at.prefix])
         return _text(owner) if int(code) == 0 else None
 
     def gate_many(self, chunks: Iterable[Sequence[GateCall]], *, client: redis.Redis | None = None) -> list[Outcome]:
@@ -407,7 +497,8 @@ class DedupStore:
 
         ``keep_payload=False`` deletes the record's payload once the delivery runs.
         """
-        keys = [self.schema.held, self.schema.record(member), self.schema.lock(member)]
+        at = self._at(member)
+        keys = [at.held, at.record(member), at.lock(member)]
         args: list[Any] = [
             member,
             task_id,
@@ -419,7 +510,7 @@ class DedupStore:
             pid,
             retries,
             task_name,
-            self.schema.prefix,
+            at.prefix,
             self.history_length,
             record_ms,
             "1" if want_payload else "0",
@@ -427,6 +518,8 @@ class DedupStore:
             "1" if keep_payload else "0",
         ]
         reply = self.scripts.start(keys, args)
+        if int(reply[0]) == StartDecision.RUN:  # a refusal takes nothing a lost write could give back
+            self._replicated(keys[1])
         payload = _text(reply[2]) if len(reply) > 2 else ""
         return StartDecision(int(reply[0]), _text(reply[1]), payload)
 
@@ -454,7 +547,8 @@ class DedupStore:
         and key until it is through. ``result``: the run's return value, kept
         for its followers (see :class:`Finished`).
         """
-        keys = [self.schema.held, self.schema.record(member), self.schema.lock(member)]
+        at = self._at(member)
+        keys = [at.held, at.record(member), at.lock(member)]
         args = [
             member,
             task_id,
@@ -462,7 +556,7 @@ class DedupStore:
             "1" if drop else "0",
             record_ms,
             token,
-            self.schema.prefix,
+            at.prefix,
             self.history_length,
             storable(error),
             payload,
@@ -475,8 +569,9 @@ class DedupStore:
 
     def settle(self, member: str, run_id: str, *, result: str, unkept: str = "", record_ms: int) -> int:
         """Give a succeeded run's followers its return value and release them (see ``settle.lua``)."""
-        args: list[str | int] = [member, run_id, result, storable(unkept), self.schema.prefix, record_ms]
-        return int(self.scripts.settle([self.schema.followers(member)], args))
+        at = self._at(member)
+        args: list[str | int] = [member, run_id, result, storable(unkept), at.prefix, record_ms]
+        return int(self.scripts.settle([at.followers(member)], args))
 
     def unclaim(self, member: str, task_id: str) -> bool:
         """Undo a hold whose message was never published (owner only, and only before its run began)."""
@@ -484,6 +579,14 @@ class DedupStore:
 
     def renew(self, locks: Sequence[LockRef], *, lock_ms: int, record_ms: int) -> list[LockRef]:
         """Extend every lock in one call; returns the ones no longer held by their token."""
+        if self.schema.shards > 1:  # one call per slot: a script's keys share one
+            by_slot: dict[int, list[LockRef]] = {}
+            for ref in locks:
+                by_slot.setdefault(key_slot(ref.lock_key.encode("utf-8", "surrogatepass")), []).append(ref)
+            return [ref for group in by_slot.values() for ref in self._renew(group, lock_ms, record_ms)]
+        return self._renew(locks, lock_ms, record_ms)
+
+    def _renew(self, locks: Sequence[LockRef], lock_ms: int, record_ms: int) -> list[LockRef]:
         if not locks:
             return []
         keys = [k for ref in locks for k in (ref.lock_key, ref.record_key)]
@@ -492,22 +595,22 @@ class DedupStore:
 
     def lock_holder(self, member: str) -> str | None:
         """The token of ``member``'s live execution lock, or None."""
-        token = self.client.get(self.schema.lock(member))
+        token = self.client.get(self._at(member).lock(member))
         return None if token is None else _text(token)
 
     def lock_ref(self, member: str, token: str) -> LockRef:
-        return LockRef(self.schema.lock(member), self.schema.record(member), token)
+        return LockRef(self._at(member).lock(member), self._at(member).record(member), token)
 
     def record(self, member: str) -> dict[str, str] | None:
         """The member's status record, or None if there is none."""
-        raw = self.client.hgetall(self.schema.record(member))
+        raw = self.client.hgetall(self._at(member).record(member))
         return {_text(k): _text(v) for k, v in raw.items()} or None
 
     def status(self, member: str) -> Status | None:
         """The member's record and history as a :class:`Status` (one round trip), or None without a record."""
         with self.client.pipeline(transaction=True) as pipe:
-            pipe.hgetall(self.schema.record(member))
-            pipe.lrange(self.schema.history(member), 0, -1)
+            pipe.hgetall(self._at(member).record(member))
+            pipe.lrange(self._at(member).history(member), 0, -1)
             raw, history = pipe.execute()
         if not raw:
             return None
@@ -515,18 +618,18 @@ class DedupStore:
 
     def history(self, member: str) -> list[str]:
         """The member's recent transitions, newest first: ``"<ms> <state> <task id> [note]"``."""
-        return [_text(entry) for entry in self.client.lrange(self.schema.history(member), 0, -1)]
+        return [_text(entry) for entry in self.client.lrange(self._at(member).history(member), 0, -1)]
 
     def annotate(self, member: str, task_id: str, note: str) -> bool:
         """Add ``note`` to the history entry run ``task_id``'s publish wrote (see ``annotate.lua``).
 
         False, and nothing written, once the record names another run.
         """
-        keys = [self.schema.record(member), self.schema.history(member)]
+        keys = [self._at(member).record(member), self._at(member).history(member)]
         return bool(self.scripts.annotate(keys, [task_id, note, self.history_length]))
 
     def is_held(self, member: str) -> bool:
-        return bool(self.client.sismember(self.schema.held, member))
+        return bool(self.client.sismember(self._at(member).held, member))
 
     def holder(self, member: str) -> str | None:
         """The run whose hold on ``member`` a call made now would meet, or None when the key is free.
@@ -535,19 +638,26 @@ class DedupStore:
         counting anything: held, with a record whose hold has not passed on
         the server's clock.
         """
+        at = self._at(member)
         with self.client.pipeline(transaction=True) as pipe:
-            pipe.sismember(self.schema.held, member)
-            pipe.hmget(self.schema.record(member), "task_id", "held_until")
-            pipe.time()
-            held, (task_id, held_until), (seconds, micros) = pipe.execute()
-        now_ms = seconds * 1000 + micros // 1000
+            pipe.sismember(at.held, member)
+            pipe.hmget(at.record(member), "task_id", "held_until")
+            if self.schema.shards == 1:
+                pipe.time()
+            held, (task_id, held_until), *clock = pipe.execute()
+        if not clock:  # a cluster pipeline takes no keyless command: ask the key's master
+            cluster = cast(RedisCluster, self.client)
+            node = cluster.get_node_from_key(at.held)  # type: ignore[no-untyped-call]
+            clock = [cluster.execute_command("TIME", target_nodes=node)]  # type: ignore[no-untyped-call]
+        seconds, micros = clock[0]
+        now_ms = int(seconds) * 1000 + int(micros) // 1000
         if not held or task_id is None or int(held_until or 0) <= now_ms:
             return None
         return _text(task_id)
 
     def detail(self, member: str) -> KeyDetail:
         """The member's record, history, hold and execution lock, in one pipeline."""
-        schema = self.schema
+        schema = self._at(member)
         with self.client.pipeline(transaction=True) as pipe:
             pipe.hgetall(schema.record(member))
             pipe.lrange(schema.history(member), 0, -1)
@@ -570,14 +680,16 @@ class DedupStore:
         One round trip of ZCARDs (constant time each); counts include entries
         whose record expired and the reaper has not removed yet.
         """
-        schema = self.schema
         with self.client.pipeline(transaction=False) as pipe:
-            pipe.zcard(schema.index)
-            for state in states:
-                pipe.zcard(schema.state_index(state))
-            for task in tasks:
-                pipe.zcard(schema.task_index(task_namespace(task)))
-            sizes = [int(n) for n in pipe.execute()]
+            for schema in self.schema.shards_all():
+                pipe.zcard(schema.index)
+                for state in states:
+                    pipe.zcard(schema.state_index(state))
+                for task in tasks:
+                    pipe.zcard(schema.task_index(task_namespace(task)))
+            replies = [int(n) for n in pipe.execute()]
+        width = 1 + len(states) + len(tasks)
+        sizes = [sum(replies[i::width]) for i in range(width)]
         return IndexSizes(
             total=sizes[0],
             states=dict(zip(states, sizes[1 : 1 + len(states)], strict=True)),
@@ -604,70 +716,106 @@ class DedupStore:
         """
         if limit < 1:
             raise DedupArgumentError("limit", limit, "must be at least 1")
-        if cursor and not (cursor.isascii() and cursor.isdigit()):
-            raise DedupArgumentError("cursor", cursor, "must be the cursor of a page: a number, 0 or more")
+        offsets = self._offsets(cursor)
         namespace = task_namespace(task) if task is not None else None
-        offset = min(int(cursor or 0), _MAX_OFFSET)  # beyond any index, still an offset Redis accepts
         found: list[Status] = []
         scanned = 0
         total = 0
         while scanned < 20 * limit:
             batch = limit - len(found)  # each page reads what it shows, more only for skipped entries
-            members, total = self._index_slice(state, namespace, prefix, offset, batch)
+            entries, total = self._index_slice(state, namespace, prefix, offsets, batch)
+            members = [member for _, member in entries]
             wanted = [m for m in members if namespace is None or split_member(m)[0] == namespace]
             fetched = dict(zip(wanted, self._fetch(wanted), strict=True))
-            for member in members:
-                offset += 1  # the cursor moves past exactly what this page consumed
+            for shard, member in entries:
+                offsets[shard] += 1  # the cursor moves past exactly what this page consumed
                 scanned += 1
                 fields = fetched.get(member)
                 if fields and (state is None or fields.get("state") == state):
                     found.append(Status.from_record(member, fields))
                     if len(found) == limit:
-                        return Page(found, str(offset) if offset < total else None, total)
-            if len(members) < batch:
+                        more = sum(offsets) < total
+                        return Page(found, self._cursor(offsets) if more else None, total)
+            if len(entries) < batch:
                 return Page(found, None, total)
-        return Page(found, str(offset), total)
+        return Page(found, self._cursor(offsets), total)
+
+    def _offsets(self, cursor: str | None) -> list[int]:
+        """Each shard's offset in its index, from a page's cursor: ``"N"``, or ``"N.N.N..."`` with shards."""
+        shards = self.schema.shards
+        if not cursor or cursor == "0":  # the first page's, whatever the layout
+            return [0] * shards
+        parts = cursor.split(".")
+        if len(parts) != shards or not all(part.isascii() and part.isdigit() for part in parts):
+            raise DedupArgumentError("cursor", cursor, "must be the cursor of a page: a number, 0 or more")
+        return [min(int(part), _MAX_OFFSET) for part in parts]  # past any index, still what Redis accepts
+
+    @staticmethod
+    def _cursor(offsets: Sequence[int]) -> str:
+        return ".".join(str(offset) for offset in offsets)
 
     def _index_slice(
-        self, state: str | None, namespace: str | None, prefix: str | None, offset: int, count: int
-    ) -> tuple[list[str], int]:
-        schema = self.schema
-        if prefix is not None:
-            low, high = f"[{prefix}".encode(), f"[{prefix}".encode() + b"\xff"
-            entries = self.client.zrangebylex(schema.name_index, low, high, start=offset, num=count)
-            total = int(self.client.zlexcount(schema.name_index, low, high))
-            members = []
-            for entry in entries:
-                key, _, ns = _text(entry).rpartition("\0")
-                members.append(f"{ns}:{key}")
-            return members, total
-        index = schema.state_index(state) if state else schema.task_index(namespace) if namespace else schema.index
+        self, state: str | None, namespace: str | None, prefix: str | None, offsets: Sequence[int], count: int
+    ) -> tuple[list[tuple[int, str]], int]:
+        """The next ``count`` entries of the index in page order, merged over the shards, as ``(shard, member)``.
+
+        Newest first by last update; by business key for a prefix search.
+        """
+        shards = self.schema.shards_all()
         with self.client.pipeline(transaction=False) as pipe:
-            pipe.zrevrange(index, offset, offset + count - 1)
-            pipe.zcard(index)
-            members, total = pipe.execute()
-        return [_text(m) for m in members], int(total)
+            for at, offset in zip(shards, offsets, strict=True):
+                if prefix is not None:
+                    low, high = f"[{prefix}".encode(), f"[{prefix}".encode() + b"\xff"
+                    pipe.zrangebylex(at.name_index, low, high, start=offset, num=count)
+                    pipe.zlexcount(at.name_index, low, high)
+                else:
+                    index = at.state_index(state) if state else at.task_index(namespace) if namespace else at.index
+                    pipe.zrevrange(index, offset, offset + count - 1, withscores=True)
+                    pipe.zcard(index)
+            replies = pipe.execute()
+        merged: list[tuple[Any, int, str]] = []
+        for shard, entries in enumerate(replies[0::2]):
+            for entry in entries:
+                if prefix is not None:  # in the index's own order: by the entry's bytes
+                    key, _, ns = _text(entry).rpartition("\0")
+                    merged.append((bytes(entry), shard, f"{ns}:{key}"))
+                else:
+                    member, score = entry
+                    merged.append((-float(score), shard, _text(member)))
+        merged.sort(key=lambda item: item[0])  # stable: ties keep each shard's own order
+        total = sum(int(n) for n in replies[1::2])
+        return [(shard, member) for _, shard, member in merged[:count]], total
 
     def _fetch(self, members: Sequence[str]) -> list[dict[str, str]]:
         with self.client.pipeline(transaction=False) as pipe:
             for member in members:
-                pipe.hgetall(self.schema.record(member))
+                pipe.hgetall(self._at(member).record(member))
             raw = pipe.execute()
         return [{_text(k): _text(v) for k, v in item.items()} for item in raw]
 
     def dispatch(self, *, limit: int = 100) -> Dispatch:
-        """Push the parked messages of debounced runs that are due (see ``dispatch.lua``)."""
-        pushed, next_ms = self.scripts.dispatch([self.schema.due], [self.schema.prefix, limit, self.history_length])
-        return Dispatch(int(pushed), None if int(next_ms) < 0 else int(next_ms) / 1000)
+        """Push the parked messages of debounced runs that are due (see ``dispatch.lua``), shard by shard."""
+        total, soonest = 0, None
+        for at in self.schema.shards_all():
+            pushed, next_ms = self.scripts.dispatch([at.due], [at.prefix, limit, self.history_length])
+            total += int(pushed)
+            if int(next_ms) >= 0:
+                soonest = int(next_ms) if soonest is None else min(soonest, int(next_ms))
+        return Dispatch(total, None if soonest is None else soonest / 1000)
 
     def reap(self, *, budget: int = 500, record_ms: int, grace_ms: int = 30_000) -> ReapReport:
-        """One bounded clean-up pass (see ``reap.lua``)."""
-        released, lost, stale, vanished, reaped = self.scripts.reap(
-            [self.schema.held], [self.schema.prefix, budget, record_ms, self.history_length, grace_ms]
-        )
-        flat = [_text(item) for item in reaped]
-        runs = tuple((flat[i], flat[i + 1], flat[i + 2]) for i in range(0, len(flat), 3))
-        return ReapReport(int(released), int(lost), int(stale), int(vanished), runs)
+        """One bounded clean-up pass (see ``reap.lua``) over every shard, ``budget`` per shard and step."""
+        totals = [0, 0, 0, 0]
+        runs: list[tuple[str, str, str]] = []
+        for at in self.schema.shards_all():
+            *counts, reaped = self.scripts.reap(
+                [at.held], [at.prefix, budget, record_ms, self.history_length, grace_ms]
+            )
+            totals = [total + int(n) for total, n in zip(totals, counts, strict=True)]
+            flat = [_text(item) for item in reaped]
+            runs += [(flat[i], flat[i + 1], flat[i + 2]) for i in range(0, len(flat), 3)]
+        released, lost, stale, vanished = totals
+        return ReapReport(released, lost, stale, vanished, tuple(runs))
 
     def release(self, member: str, *, record_ms: int, force_token: str = "", by: str = "") -> ReleaseResult:
         """Free ``member``'s key (see ``release.lua``): owner-safe, noted in its history as ``by``.
@@ -675,8 +823,9 @@ class DedupStore:
         A live execution lock refuses the release unless ``force_token`` is the
         lock's current token; the lock is then deleted.
         """
-        keys = [self.schema.held, self.schema.record(member), self.schema.lock(member)]
-        args: list[str | int] = [member, self.schema.prefix, self.history_length, record_ms, force_token, by]
+        at = self._at(member)
+        keys = [at.held, at.record(member), at.lock(member)]
+        args: list[str | int] = [member, at.prefix, self.history_length, record_ms, force_token, by]
         code, detail, was_held, forced = self.scripts.release(keys, args)
         return ReleaseResult(int(code), _text(detail), bool(was_held), bool(forced))
 
@@ -685,8 +834,12 @@ class DedupStore:
 
         Records whose key is held or whose lock is alive are kept.
         """
-        purged, kept, more = self.scripts.purge([self.schema.held], [self.schema.prefix, budget, *states])
-        return PurgeReport(int(purged), int(kept), bool(more))
+        purged = kept = 0
+        more = False
+        for at in self.schema.shards_all():
+            done, spared, left = self.scripts.purge([at.held], [at.prefix, budget, *states])
+            purged, kept, more = purged + int(done), kept + int(spared), more or bool(left)
+        return PurgeReport(purged, kept, more)
 
 
 def broker_client(connection: Any) -> redis.Redis:
@@ -724,14 +877,17 @@ def broker_client(connection: Any) -> redis.Redis:
 def client_from_url(url: str, options: Mapping[str, Any] | None = None) -> redis.Redis:
     """A client of a dedup store apart from the broker (``dedup_redis_url``, ``dedup_redis_options``).
 
-    ``url`` is ``redis://``, ``rediss://``, ``unix://`` or ``sentinel://`` (several
-    Sentinels joined by ``;``). ``options`` are redis-py connection keywords
+    ``url`` is ``redis://``, ``rediss://``, ``unix://``, ``sentinel://`` (several
+    Sentinels joined by ``;``) or ``redis+cluster://`` (``rediss+cluster://``;
+    seeds of a Redis Cluster, see :func:`cluster_client`). ``options`` are redis-py connection keywords
     (``ssl_ca_certs``, ``socket_timeout``, ``username``, ``credential_provider``...),
     over those of the URL's query string; a Sentinel URL also takes
     ``master_name`` (required) and ``sentinel_kwargs`` from them.
     """
     kwargs = dict(options or {})
     first = url.split(";", maxsplit=1)[0]
+    if cluster_seeds(url) is not None:
+        return cluster_client(url, kwargs)
     if not first.startswith("sentinel://"):
         return redis.Redis.from_url(first, **kwargs)
     master_name = kwargs.pop("master_name", None)
@@ -752,3 +908,68 @@ def client_from_url(url: str, options: Mapping[str, Any] | None = None) -> redis
     sentinel = Sentinel(sentinels, sentinel_kwargs=sentinel_kwargs)  # type: ignore[no-untyped-call]
     client: redis.Redis = sentinel.master_for(master_name, **kwargs)  # type: ignore[no-untyped-call]
     return client
+
+
+#: Schemes of a Redis Cluster store: ``redis+cluster://[user:password@]host:port[,host:port...][?options]``.
+CLUSTER_SCHEMES = ("redis+cluster", "rediss+cluster")
+
+
+def cluster_seeds(url: str) -> list[tuple[str, int]] | None:
+    """The seed nodes of a ``redis+cluster://`` URL, or None for any other URL.
+
+    Raises:
+        DedupConfigError: a cluster URL without seeds, with a port that is no
+            number, or naming a database other than 0 (a cluster has only 0).
+    """
+    scheme, _, rest = url.partition("://")
+    if scheme.lower() not in CLUSTER_SCHEMES:
+        return None
+    location, _, _ = rest.partition("?")
+    location, _, path = location.partition("/")
+    hosts = location.rpartition("@")[2]
+    seeds = []
+    for host in hosts.split(","):
+        name, _, port = host.strip().rpartition(":")
+        if not name or not port.isdigit():
+            raise DedupConfigError("dedup_redis_url", url, f"seed {host!r} is not host:port")
+        seeds.append((name.strip("[]"), int(port)))
+    if path.strip("/") not in ("", "0"):
+        raise DedupConfigError("dedup_redis_url", url, "a Redis Cluster has database 0 only")
+    return seeds
+
+
+def cluster_client(url: str, options: Mapping[str, Any]) -> redis.Redis:
+    """A Redis Cluster client from a ``redis+cluster://`` URL (:func:`cluster_seeds`) and redis-py options.
+
+    The seeds are where discovery starts; the client follows the cluster's
+    topology from there (MOVED, ASK, failovers) as redis-py's does. The
+    URL's credentials and query string apply to every node; ``options``
+    (``dedup_redis_options``) over them.
+    """
+    seeds = cluster_seeds(url) or []
+    scheme, _, rest = url.partition("://")
+    location, _, query = rest.partition("?")
+    userinfo = location.partition("/")[0].rpartition("@")[0]
+    kwargs: dict[str, Any] = dict(parse_qsl(query))
+    for name in ("socket_timeout", "socket_connect_timeout"):
+        if name in kwargs:
+            kwargs[name] = float(kwargs[name])
+    if userinfo:
+        username, _, password = userinfo.partition(":")
+        kwargs["username"], kwargs["password"] = unquote(username) or None, unquote(password) or None
+    if scheme.lower().startswith("rediss"):
+        kwargs["ssl"] = True
+    kwargs.update(options)
+    nodes = [ClusterNode(host, port) for host, port in seeds]  # type: ignore[no-untyped-call]
+    return RedisCluster(startup_nodes=nodes, **kwargs)  # type: ignore[return-value]
+
+
+def masked_url(url: str) -> str:
+    """``url`` with its password masked, for logs and pages (a cluster URL's too)."""
+    if cluster_seeds(url) is None:
+        return str(maybe_sanitize_url(url))
+    scheme, _, rest = url.partition("://")
+    userinfo, at, hosts = rest.rpartition("@")
+    if at and ":" in userinfo:
+        userinfo = userinfo.split(":", 1)[0] + ":**"
+    return f"{scheme}://{userinfo}{at}{hosts}"

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import contextlib
+import dataclasses
 import difflib
 import inspect
 import logging
@@ -9,8 +11,10 @@ from collections.abc import Callable, Iterable, Mapping, Sequence
 from typing import TYPE_CHECKING, Any, ClassVar, cast
 
 import redis
+from amqp import exceptions as amqp_exceptions
 from celery import Task
 from celery.utils.saferepr import saferepr
+from kombu.exceptions import OperationalError
 
 from . import decisions, runtime
 from .bulk import apply_async_many
@@ -50,6 +54,8 @@ TASK_OPTIONS = (
 #: Publish failures whose outcome ``_after_lost_reply`` finds out (an error reply is told apart there).
 _RECOVERABLE: tuple[type[Exception], ...] = (*UNREACHABLE, redis.ResponseError)
 _Publish = Callable[[dict[str, Any]], "DedupResult"]
+#: A publish the broker refused: it has no message (py-amqp's negative confirm and channel errors).
+_REFUSED: tuple[type[BaseException], ...] = (amqp_exceptions.MessageNacked, amqp_exceptions.ChannelError)
 
 
 #: Options by which Celery hands a call something to resolve or continue.
@@ -328,7 +334,6 @@ class DedupTask(_TaskBase):
             policy.spec.business_key(args, kwargs)  # a bad key fails here, not on the worker
             plain = super().apply_async(args, kwargs, task_id, producer, link, link_error, shadow, **options)
             return cast(DedupResult, plain)
-        config = runtime.config_for(app)
         # Celery would add the run to the calling task's children before the
         # gate's answer is known: done below, only for a run this call published.
         add_to_parent = bool(options.pop("add_to_parent", True))
@@ -372,30 +377,60 @@ class DedupTask(_TaskBase):
                 logger.warning("%s[%s] was published without passing the gate (another transport?)", self.name, run_id)
             outcome = ticket.outcome or Outcome(True, run_id)
         else:
-            store = runtime.store_for(app)
-            try:
-                outcome = store.gate(
-                    member,
-                    run_id,
-                    gate.nonce,
-                    hold_ms=gate.hold_ms,
-                    grace_ms=gate.grace_ms,
-                    task_name=self.name,
-                    argsrepr=saferepr(args) if config.record_args and args else "",
-                    kwargsrepr=saferepr(kwargs) if config.record_args and kwargs else "",
-                    continues=continues,
-                )
-            except redis.RedisError as exc:
-                published = self._store_unreachable(exc, business_key, run_id, headers, publish)
-                return self._add_to_parent(published, add_to_parent)
-            if outcome.accepted:
-                result = self._publish_or_unclaim(store, member, run_id, gate.nonce, headers, publish)
+            reached, answer = self._two_phase(gate, run_id, args, kwargs, headers, publish)
+            if reached is None:  # the store was unreachable, and dedup_on_redis_error answered
+                return self._add_to_parent(answer, add_to_parent)
+            outcome, result = reached, answer
         if not outcome.collapsed:
             runtime.runtime_for(app).recent.saw(member, gate.hold_ms / 1000)
         if not outcome.accepted:
             return self._answer(outcome, business_key, run_id, options, follows=follows)
         decisions.log("accepted", self.name, business_key, run_id)
         return self._add_to_parent(result, add_to_parent)
+
+    def _two_phase(
+        self, gate: GateHeader, run_id: str, args: Any, kwargs: Any, headers: dict[str, Any], publish: _Publish
+    ) -> tuple[Outcome | None, DedupResult]:
+        """The gate for a broker apart from the store: hold with a lease, publish, confirm.
+
+        Returns the outcome and the published run's result (for a duplicate,
+        the result of nothing: only the outcome counts); outcome None when the
+        store was unreachable and ``dedup_on_redis_error`` answered instead.
+        """
+        app = self.app
+        config = runtime.config_for(app)
+        store = runtime.store_for(app)
+        eager = app.conf.task_always_eager
+        try:
+            outcome = store.gate(
+                gate.member,
+                run_id,
+                gate.nonce,
+                hold_ms=gate.hold_ms,
+                grace_ms=gate.grace_ms,
+                task_name=self.name,
+                argsrepr=saferepr(args) if config.record_args and args else "",
+                kwargsrepr=saferepr(kwargs) if config.record_args and kwargs else "",
+                continues=gate.continues,
+                # Eager calls run inside their publish: nothing can be lost between.
+                lease_ms=0 if eager else int(config.publish_lease * 1000),
+            )
+        except redis.RedisError as exc:
+            key = split_member(gate.member)[1]
+            if gate.continues and isinstance(exc, UNREACHABLE):
+                # A retry of a run accepted before (a worker that could not reach the store, say):
+                # its delivery is guarded as any, so it goes on without the hold being stretched.
+                logger.warning(
+                    "%s[%s]: dedup store unreachable; the run goes on unconfirmed (%s)", self.name, run_id, exc
+                )
+                headers[HEADER] = dataclasses.replace(gate, held=True).encode()
+                return None, publish(headers)
+            return None, self._store_unreachable(exc, key, run_id, headers, publish)
+        if not outcome.accepted:
+            return outcome, self.AsyncResult(outcome.task_id)
+        headers[HEADER] = dataclasses.replace(gate, held=True).encode()
+        result = self._publish_or_unclaim(store, gate, run_id, headers, publish)
+        return (outcome if eager else self._confirm(store, gate, run_id)), result
 
     def _answer(
         self, outcome: Outcome, key: str, run_id: str, options: dict[str, Any], *, follows: bool
@@ -488,21 +523,24 @@ class DedupTask(_TaskBase):
         return known
 
     def _publish_or_unclaim(
-        self, store: DedupStore, member: str, run_id: str, nonce: str, headers: dict[str, Any], publish: _Publish
+        self, store: DedupStore, gate: GateHeader, run_id: str, headers: dict[str, Any], publish: _Publish
     ) -> DedupResult:
-        """Second step of the non-atomic path: publish, and drop the key if nothing was published.
+        """Second step of the two-phase gate: publish, and drop the key if nothing was published.
 
         An error raised after the broker took the message (a failed
         ``task-sent`` event), or after the run began (eager mode, where
         publishing runs the task and ``task_eager_propagates`` re-raises its
         error), is no failed publish: the key and record stay with the run,
-        whose ending the guard records. A crash between holding and publishing
-        leaves the key held until its TTL; see the guarantees doc.
+        whose ending the guard records. A connection that broke mid-publish
+        may have delivered the message: the key keeps its publish lease, so
+        that message, if it arrives, runs once. A crash between holding and
+        publishing leaves the key held until the lease ends.
         """
-        with open_ticket(nonce) as ticket:
+        member = gate.member
+        with open_ticket(gate.nonce) as ticket:
             try:
                 return publish(headers)
-            except BaseException:
+            except BaseException as exc:
                 if ticket.sent:
                     logger.warning(
                         "%s[%s] was published, but publishing raised afterwards; key %r stays with the run",
@@ -510,12 +548,70 @@ class DedupTask(_TaskBase):
                         run_id,
                         member,
                     )
+                    if not self.app.conf.task_always_eager:
+                        self._confirm(store, gate, run_id)
+                    raise
+                if self._outcome_unknown(exc):
+                    logger.warning(
+                        "%s[%s]: the publish failed where the broker may have taken the message (%r); key %r "
+                        "stays held until its publish lease ends",
+                        self.name,
+                        run_id,
+                        exc,
+                        member,
+                    )
                     raise
                 try:
                     store.unclaim(member, run_id)  # only while the run has not begun (see finish.lua)
                 except redis.RedisError:
-                    logger.exception("could not drop key %r after a failed publish; it expires by its TTL", member)
+                    logger.exception("could not drop key %r after a failed publish; its lease frees it", member)
                 raise
+
+    def _outcome_unknown(self, exc: BaseException) -> bool:
+        """Whether a failed publish may have reached the broker: the connection broke or timed out.
+
+        Not when the broker said no (a negative publisher confirm, a channel
+        error), however kombu wrapped that after its retries.
+        """
+        chain: list[BaseException] = []
+        cause: BaseException | None = exc
+        while cause is not None and cause not in chain:
+            chain.append(cause)
+            cause = cause.__cause__ or cause.__context__
+        if any(isinstance(error, _REFUSED) for error in chain):
+            return False
+        broken: tuple[type[BaseException], ...] = (OSError, OperationalError)
+        with contextlib.suppress(Exception):
+            broken += tuple(self.app.connection_for_write().connection_errors)
+        return isinstance(exc, broken)
+
+    def _confirm(self, store: DedupStore, gate: GateHeader, run_id: str) -> Outcome:
+        """Third step of the two-phase gate: the broker has the message, so the key gets its full hold.
+
+        If the lease ended first and another call took the key, that call's
+        run stands for this one (the guard skips this run's message).
+        """
+        try:
+            confirmed = store.confirm(gate.member, run_id, gate.nonce, hold_ms=gate.hold_ms, grace_ms=gate.grace_ms)
+        except redis.RedisError:
+            logger.exception(
+                "%s[%s] was published, but its key %r could not be confirmed: it stays held until its publish "
+                "lease ends",
+                self.name,
+                run_id,
+                gate.member,
+            )
+            return Outcome(True, run_id)
+        if confirmed.accepted or not confirmed.task_id:
+            return Outcome(True, run_id)
+        logger.warning(
+            "%s[%s] was published after its publish lease ended; key %r belongs to run %s now, which stands for it",
+            self.name,
+            run_id,
+            gate.member,
+            confirmed.task_id,
+        )
+        return confirmed
 
     def _add_to_parent(self, result: DedupResult, add_to_parent: bool) -> DedupResult:
         """Add a run this call published to the calling task's children, as Celery's ``send_task`` does.

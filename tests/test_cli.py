@@ -495,9 +495,9 @@ def test_check_says_what_to_raise_visibility_timeout_to(dedup: Invoke) -> None:
     assert level == "warning" and "at least 7200" in why
 
 
-def test_check_warns_that_the_gate_is_not_atomic(dedup: Invoke) -> None:
+def test_check_warns_that_the_gate_has_two_phases(dedup: Invoke) -> None:
     level, why = findings(dedup("check", "--json", app="separate_store"))["broker"]
-    assert level == "warning" and "not atomic" in why
+    assert level == "warning" and "two phases" in why
 
     amqp = findings(dedup("check", "--json", app="amqp_broker"))
     assert amqp["broker"][0] == "warning" and "amqp:// is not Redis" in amqp["broker"][1]

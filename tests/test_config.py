@@ -16,7 +16,7 @@ import redis
 from celery import Celery
 
 import celery_dedup
-from celery_dedup import DedupConfigError, DedupTask
+from celery_dedup import DedupConfigError, DedupTask, runtime
 from celery_dedup.config import SETTINGS, DedupConfig
 from celery_dedup.keys import KeySchema
 from celery_dedup.modes import MODES
@@ -74,6 +74,8 @@ def test_defaults(bare_app: BareApp) -> None:
         reap_interval=60,
         reap_grace=30,
         dispatch_interval=0.1,
+        publish_lease=30,
+        cluster_wait_replicas=1,
     )
     assert {f"dedup_{field}" for field in vars(config)} == set(SETTINGS)
 
@@ -195,6 +197,7 @@ TIME_SETTINGS = [
     "dedup_reap_interval",
     "dedup_reap_grace",
     "dedup_dispatch_interval",
+    "dedup_publish_lease",
 ]
 
 
@@ -203,7 +206,7 @@ def test_every_time_setting_refuses_less_than_a_millisecond(bare_app: BareApp) -
     numeric = [
         n for n, (default, _) in SETTINGS.items() if isinstance(default, (int, float)) and not isinstance(default, bool)
     ]
-    counts = {"dedup_max_key_length", "dedup_history_length", "dedup_max_followers"}
+    counts = {"dedup_max_key_length", "dedup_history_length", "dedup_max_followers", "dedup_cluster_wait_replicas"}
     assert sorted(TIME_SETTINGS) == sorted(set(numeric) - counts)
     for setting in TIME_SETTINGS:
         with pytest.raises(DedupConfigError) as info:
@@ -599,11 +602,11 @@ def test_install_refuses_a_conflicting_custom_transport(bare_app: BareApp, broke
 def test_install_on_a_non_redis_broker_keeps_its_transport(
     bare_app: BareApp, broker: str, caplog: pytest.LogCaptureFixture
 ) -> None:
-    """On memory:// (or RabbitMQ) the transport is untouched, the non-atomic path is used, and install says so."""
-    app = bare_app(broker=broker)
+    """On memory:// (or RabbitMQ) the transport is untouched, the two-phase gate is used, and install says so."""
+    app = bare_app(broker=broker, dedup_redis_url=REDIS)
     with caplog.at_level(logging.WARNING, logger="celery_dedup"):
         celery_dedup.install(app)
-    assert any("not atomic" in rec.getMessage() for rec in caplog.records)
+    assert any("two phases" in rec.getMessage() for rec in caplog.records)
     assert app.conf.broker_transport is None
     state = runtime_for(app)
     assert state.installed
@@ -612,12 +615,13 @@ def test_install_on_a_non_redis_broker_keeps_its_transport(
         assert type(conn.transport) not in (Transport, SentinelTransport)
 
 
-def test_separate_dedup_store_makes_the_gate_non_atomic(bare_app: BareApp, caplog: pytest.LogCaptureFixture) -> None:
-    """With dedup_redis_url on another server the transport is still gated, but not atomically, and install says so."""
+def test_separate_dedup_store_makes_the_gate_two_phase(bare_app: BareApp, caplog: pytest.LogCaptureFixture) -> None:
+    """With dedup_redis_url on another server the transport stays gated (for the broker's own keyed messages),
+    but keyed calls of this app take the two-phase gate, and install says so."""
     app = bare_app(broker=REDIS, dedup_redis_url="redis://127.0.0.1:6390/0")
     with caplog.at_level(logging.WARNING, logger="celery_dedup"):
         celery_dedup.install(app)
-    assert any("not atomic" in rec.getMessage() for rec in caplog.records)
+    assert any("two phases" in rec.getMessage() for rec in caplog.records)
     with app.connection_for_write() as conn:
         assert type(conn.transport) is Transport
     assert not runtime_for(app).atomic
@@ -642,3 +646,56 @@ def test_dedup_task_on_an_app_without_install_is_refused(make_app: AppFactory, r
         charge.apply_async((2,), countdown=1)
     assert queued_messages(r) == []
     assert r.exists(KeySchema("dedup").held) == 0
+
+
+def test_install_on_rabbitmq_turns_publisher_confirms_on_unless_the_app_chose(
+    bare_app: BareApp, caplog: pytest.LogCaptureFixture
+) -> None:
+    """The two-phase gate confirms a run once the publish returns: with confirms, once the broker has it."""
+    app = bare_app(
+        broker="amqp://guest@127.0.0.1:5672//", dedup_redis_url=REDIS, broker_transport_options={"max_retries": 1}
+    )
+    celery_dedup.install(app)
+    assert app.conf.broker_transport_options == {"max_retries": 1, "confirm_publish": True}
+
+    chosen = bare_app(
+        broker="amqp://guest@127.0.0.1:5672//",
+        dedup_redis_url=REDIS,
+        broker_transport_options={"confirm_publish": False},
+    )
+    with caplog.at_level(logging.WARNING, logger="celery_dedup"):
+        celery_dedup.install(chosen)
+    assert chosen.conf.broker_transport_options == {"confirm_publish": False}
+    assert any("confirm_publish is off" in rec.getMessage() for rec in caplog.records)
+
+
+@pytest.mark.parametrize(
+    ("store", "broker", "same"),
+    [
+        ("redis://localhost:6379/0", "redis://127.0.0.1:6379/0", True),
+        ("redis://127.0.0.1:6379", "redis://127.0.0.1:6379/0", True),
+        ("redis://127.0.0.1/0?socket_timeout=5", "redis://127.0.0.1:6379/0", True),
+        ("redis://:secret@127.0.0.1:6379/0", "redis://127.0.0.1:6379/0", True),
+        ("redis://127.0.0.1:6379/?db=2", "redis://127.0.0.1:6379/2", True),
+        ("unix:///tmp/../tmp/redis.sock", "unix:///tmp/redis.sock", True),
+        ("redis://127.0.0.1:6379/1", "redis://127.0.0.1:6379/0", False),
+        ("redis://127.0.0.1:6380/0", "redis://127.0.0.1:6379/0", False),
+        ("redis://127.0.0.2:6379/0", "redis://127.0.0.1:6379/0", False),
+        ("unix:///tmp/redis.sock", "redis://127.0.0.1:6379/0", False),
+        ("redis://no-such-host.invalid:6379/0", "redis://127.0.0.1:6379/0", False),
+        ("sentinel://127.0.0.1:26379/0", "sentinel://127.0.0.1:26379/0", True),
+        ("sentinel://127.0.0.1:26379/0", "sentinel://localhost:26379/0", False),
+    ],
+)
+def test_a_store_url_is_the_brokers_database_however_it_is_spelled(store: str, broker: str, same: bool) -> None:
+    """Only the same server and database count; any doubt gives the two-phase gate, which is always safe."""
+    assert runtime.same_database(store, broker) is same
+
+
+@pytest.mark.parametrize("broker", ["memory://", "amqp://guest@127.0.0.1:5672//", "sqs://"])
+def test_a_broker_that_is_not_redis_needs_a_store_at_install(bare_app: BareApp, broker: str) -> None:
+    """Not at the first call: the keys need a Redis server, and none was named."""
+    with pytest.raises(DedupConfigError) as info:
+        celery_dedup.install(bare_app(broker=broker))
+    assert info.value.setting == "dedup_redis_url"
+    assert broker.split("://", maxsplit=1)[0] in info.value.reason

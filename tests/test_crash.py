@@ -199,12 +199,24 @@ def tasks(make_app: AppFactory) -> crash_app.Tasks:
 
 # --- 1. visibility-timeout redelivery of a countdown task -------------------------------------------
 
+#: A held copy is re-pushed by the first sweep at least this long after its delivery (seconds).
+REDELIVERY_VISIBILITY_TIMEOUT = 3
+#: Sweeps run every second, so the n-th re-push of a copy delivered at d comes between
+#: d + 3n (the visibility timeout after each delivery) and d + 4n (plus a missed sweep each
+#: time): the 2nd by d + 8, the 3rd not before d + 9. A countdown of 8.5 s lets the message
+#: be re-pushed exactly twice whatever the sweeps' phase, on a worker's own timer (kombu
+#: 5.7) or the test's (:class:`Sweeper`, started just before the publish). With a 2 s
+#: timeout and a 6 s countdown the 2nd re-push (d + 4 to d + 6) could fall either side of
+#: the ETA: after it whenever a sweep fell between the publish and the delivery, as the
+#: test's sweeper often did on kombu 5.6 (2 runs instead of 3).
+REDELIVERY_COUNTDOWN = 8.5
+
 
 @pytest.mark.slow
 def test_visibility_timeout_redelivers_a_countdown_task_plain_runs_thrice_dedup_once(
     fleet: Fleet, tasks: crash_app.Tasks, r: redis.Redis
 ) -> None:
-    """A countdown=6 message on a broker with visibility_timeout=2 is re-pushed while the worker holds it.
+    """A countdown=8.5 message on a broker with visibility_timeout=3 is re-pushed twice while the worker holds it.
 
     Proves the premise and the fix side by side, on one worker at one time: the
     plain task runs 3 times (every run is the same message id), the DedupTask
@@ -214,11 +226,11 @@ def test_visibility_timeout_redelivers_a_countdown_task_plain_runs_thrice_dedup_
     """
     fleet.start(
         conf={"dedup_lock_ttl": LOCK_TTL, "dedup_reap_interval": 1},
-        transport={"visibility_timeout": 2, **RESTORE_EVERY_SECOND},
+        transport={"visibility_timeout": REDELIVERY_VISIBILITY_TIMEOUT, **RESTORE_EVERY_SECOND},
     )
 
-    plain = tasks.plain_tick.apply_async((1,), countdown=6)
-    dedup = tasks.tick.apply_async((1,), countdown=6)
+    plain = tasks.plain_tick.apply_async((1,), countdown=REDELIVERY_COUNTDOWN)
+    dedup = tasks.tick.apply_async((1,), countdown=REDELIVERY_COUNTDOWN)
     tick = member("tick", "tick:1")
 
     try:

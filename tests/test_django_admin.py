@@ -677,17 +677,15 @@ def test_an_unreachable_store_is_a_page_that_says_so(
 def seed(app: Celery, tasks: tuple[str, ...], count: int, *, batch: int = 1000) -> None:
     """``count`` queued records (keys ``order:000000``...), gated by the real script, ``batch`` per pipeline."""
     store = runtime.store_for(app)
-    schema = store.schema
     with store.client.pipeline(transaction=False) as pipe:
         for n in range(count):
             task = tasks[n % len(tasks)]
             key = f"order:{n:06d}"
             member = member_for(task, key)
-            store.scripts.gate(
-                [schema.held, schema.record(member)],
-                [member, new_task_id(key), new_nonce(), 3_600_000, task, 60_000, schema.prefix, 10, "", ""],
-                client=pipe,
+            call = store.gate_call(
+                member, new_task_id(key), new_nonce(), hold_ms=3_600_000, grace_ms=60_000, task_name=task
             )
+            store.scripts.gate(call.keys, call.args, client=pipe)
             if len(pipe) >= batch:
                 assert all(code == 1 for code, _ in pipe.execute())
         assert all(code == 1 for code, _ in pipe.execute())

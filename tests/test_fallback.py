@@ -20,7 +20,7 @@ from celery_dedup.gate import GateHeader
 from celery_dedup.keys import KeySchema, member_for
 from celery_dedup.testing import free_port
 
-from .conftest import AppFactory, Server, in_process_worker, queued_messages
+from .conftest import AppFactory, Server, in_process_worker, queued_messages, wait_for
 
 HELD = KeySchema("dedup").held
 # Publishing to a dead broker must give up quickly instead of retrying for seconds.
@@ -146,29 +146,15 @@ def _fail_put(monkeypatch: pytest.MonkeyPatch, exc: BaseException, times: int) -
     return failures
 
 
-@pytest.mark.parametrize(
-    ("exc", "times", "expected"),
-    [
-        pytest.param(BrokerRefused("refused"), 1, BrokerRefused, id="refused-once"),
-        # A connection error is retried by kombu; failing every retry exhausts the policy.
-        pytest.param(BrokerConnectionError("broker gone"), 100, OperationalError, id="down-for-good"),
-    ],
-)
-def test_memory_broker_publish_failure_drops_the_key(
-    make_app: AppFactory,
-    server: Server,
-    r: redis.Redis,
-    monkeypatch: pytest.MonkeyPatch,
-    exc: BaseException,
-    times: int,
-    expected: type[BaseException] | tuple[type[BaseException], ...],
+def test_memory_broker_publish_refused_drops_the_key(
+    make_app: AppFactory, server: Server, r: redis.Redis, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    """A publish that fails after the key was held leaves no key, no record, and no message behind."""
+    """A publish the broker refused leaves no key, no record, and no message behind."""
     app = memory_app(make_app, server)
     charge = keyed_task(app)
-    failures = _fail_put(monkeypatch, exc, times)
+    failures = _fail_put(monkeypatch, BrokerRefused("refused"), 1)
 
-    with pytest.raises(expected):
+    with pytest.raises(BrokerRefused):
         charge.delay(5)
 
     assert failures, "the broker was never asked to publish"
@@ -182,6 +168,29 @@ def test_memory_broker_publish_failure_drops_the_key(
     assert not again.deduplicated
     assert memory_queue_size(app) == 1
     assert getattr(charge.dedup_status(5), "task_id", None) == again.id
+
+
+def test_memory_broker_down_for_good_keeps_the_key_for_the_publish_lease_only(
+    make_app: AppFactory, server: Server, r: redis.Redis, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """kombu's retries end in a connection error: whether the broker took the message is unknown.
+
+    The key stays ``publishing`` (a message that did arrive runs once) until
+    the lease ends; then the next call is accepted.
+    """
+    app = memory_app(make_app, server, dedup_publish_lease=1)
+    charge = keyed_task(app)
+    _fail_put(monkeypatch, BrokerConnectionError("broker gone"), 100)
+
+    with pytest.raises(OperationalError):
+        charge.delay(5)
+
+    status = charge.dedup_status(5)
+    assert status is not None and status.state == "publishing"
+    assert charge.delay(5).deduplicated, "within the lease the key is the failed publish's"
+    monkeypatch.undo()
+    later = wait_for(lambda: (c := charge.delay(5)) and not c.deduplicated and c, 10, "the lease to end")
+    assert [h["id"] for h in drain_memory_queue(app)] == [later.id]
 
 
 def test_memory_broker_publish_retried_by_kombu_keeps_one_key_and_one_message(

@@ -157,7 +157,7 @@ def test_producer_batch_is_refused(make_app: AppFactory, r: redis.Redis) -> None
     charge = charge_task(app)
     with app.producer_or_acquire() as producer:
         if not hasattr(producer, "batch"):
-            pytest.skip(f"kombu {version('kombu')} has no Producer.batch (it came with kombu 5.6)")
+            pytest.skip(f"kombu {version('kombu')} has no Producer.batch (it came with kombu 5.7)")
     with app.producer_or_acquire() as producer, pytest.raises(DedupRoutingError, match="batch"), producer.batch():
         charge.apply_async((1,), producer=producer)
     assert r.scard(HELD) == 0

@@ -95,6 +95,58 @@ def test_fixtures_and_assertions_hold_for_a_users_tasks(user_suite: pytest.Pytes
     result.assert_outcomes(passed=4)
 
 
+def test_each_tests_worker_runs_countdowns_and_the_reaper(user_suite: pytest.Pytester) -> None:
+    """Two tests in a row, each with its own worker: the second worker's timer still fires.
+
+    A countdown run and the reaper both wait on the worker's timer. On kombu
+    5.5 a stopped worker's closed event loop stayed the process's, and the next
+    worker in the process adopted it, timer and all, so its own timer never
+    fired: the second test's countdown never ran.
+    """
+    user_suite.makeconftest(
+        TASKS
+        + """
+
+@pytest.fixture(scope="session")
+def celery_dedup_config():
+    return {"dedup_reap_interval": 0.2}
+"""
+    )
+    user_suite.makepyfile(
+        test_timers="""
+        import time
+
+        import pytest
+        from celery_dedup import runtime
+        from celery_dedup.keys import member_for
+        from celery_dedup.testing import assert_not_held, assert_state
+
+
+        @pytest.mark.parametrize("order", [1, 2])
+        def test_countdown_and_reaper(charge, celery_dedup_worker, order):
+            run = charge.apply_async((order,), countdown=0.3)
+            assert run.get(timeout=10) == order * 10
+            assert_state(charge.s(order), "succeeded", run=run, timeout=10)
+
+            # A key held for 0.1 s whose message never existed: only the worker's reaper frees it.
+            abandoned = charge.s(order + 100)
+            store = runtime.store_for(charge.app)
+            member = member_for(charge.name, f"order:{order + 100}")
+            assert store.gate(member, "gone", "nonce", hold_ms=100, grace_ms=60_000, task_name=charge.name).accepted
+            deadline = time.monotonic() + 10
+            while True:
+                try:
+                    assert_not_held(abandoned)
+                    break
+                except AssertionError:
+                    if time.monotonic() > deadline:
+                        raise
+                    time.sleep(0.05)
+        """
+    )
+    run_suite(user_suite, "-v").assert_outcomes(passed=2)
+
+
 def test_failed_assertions_say_what_happened(user_suite: pytest.Pytester) -> None:
     user_suite.makepyfile(
         test_wrong="""

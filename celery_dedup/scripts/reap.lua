@@ -17,7 +17,10 @@
 --
 -- Five steps:
 --   1. held members whose hold deadline passed (or whose record is gone) leave
---      the held set (SSCAN, resuming where the last call stopped);
+--      the held set (SSCAN, resuming where the last call stopped); a run still
+--      `publishing` then (two-phase gate: its publisher never confirmed within
+--      the lease) is marked `lost` (its message, if it reached the broker, may
+--      still run it);
 --   2. records still `started` whose execution lock is gone belong to a dead
 --      worker: marked `lost`, their key released;
 --   3. index entries of records that expired are removed;
@@ -49,9 +52,9 @@
 --
 --   5. followers parked longer than ARGV[5] whose run has ended, or lost its
 --      record to another run, are released (SSCAN of P:following, resuming).
--- Returns {expired holds released, dead runs marked lost, index entries
--- removed, vanished messages' runs marked lost, {member, task id, why, ...}
--- for each run marked lost}.
+-- Returns {expired holds released, dead runs and unconfirmed publishes marked
+-- lost, index entries removed, vanished messages' runs marked lost, {member,
+-- task id, why, ...} for each run marked lost}.
 
 local held, prefix = KEYS[1], ARGV[1]
 local budget, record_ms, history_len = tonumber(ARGV[2]), tonumber(ARGV[3]), tonumber(ARGV[4])
@@ -133,18 +136,26 @@ local function reap(member, task_id, why)
   count(prefix, member, 'reaped')
 end
 
-local released = 0
+local released, lost = 0, 0
 local scan = redis.call('SSCAN', held, redis.call('GET', cursor_key) or '0', 'COUNT', budget)
 redis.call('SET', cursor_key, scan[1])
 for _, member in ipairs(scan[2]) do
-  local until_ms = redis.call('HGET', prefix .. ':rec:' .. member, 'held_until')
+  local record = prefix .. ':rec:' .. member
+  local current = redis.call('HMGET', record, 'held_until', 'state', 'task_id')
+  local until_ms = current[1]
   if not until_ms or tonumber(until_ms) <= now then
     redis.call('SREM', held, member)
     released = released + 1
+    if current[2] == 'publishing' then
+      local why = 'its publisher never confirmed the publish within its lease'
+      redis.call('HSET', record, 'held_until', 0, 'finished_at', now)
+      transition(prefix, record, member, 'lost', now, current[3], 'reaped: publish lease ended', history_len)
+      lost = lost + 1
+      reap(member, current[3], why)
+    end
   end
 end
 
-local lost = 0
 local started_index = prefix .. ':idx:state:started'
 local started = walk(started_index)
 for _, member in ipairs(started.members) do

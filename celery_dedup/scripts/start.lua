@@ -108,6 +108,14 @@ redis.call('HSET', record, 'started_at', now, 'worker', hostname, 'pid', pid, 'r
   'lock', token)
 redis.call('HDEL', record, 'finished_at', 'lock_lost_at', 'window_until', 'missing_since')
 local held_until = tonumber(redis.call('HGET', record, 'held_until') or 0)
+local unconfirmed = redis.call('HMGET', record, 'hold_ms', 'queued_at')
+if unconfirmed[1] then
+  -- Two-phase gate: the message is out (here it is) though its confirm has not come (or never
+  -- will): the key gets the hold the confirm would have given it.
+  held_until = math.max(held_until, tonumber(unconfirmed[2] or now) + tonumber(unconfirmed[1]))
+  redis.call('HDEL', record, 'hold_ms')
+  redis.call('SADD', held, member)  -- the reaper may have let it go when the lease ended
+end
 if key_mode == 'release' then
   redis.call('SREM', held, member)
   held_until = 0

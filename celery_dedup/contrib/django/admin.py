@@ -9,6 +9,7 @@ work itself is in :mod:`celery_dedup.operations`.
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import logging
 from collections.abc import Callable
@@ -30,7 +31,7 @@ from kombu.exceptions import OperationalError
 import celery_dedup
 from celery_dedup import DedupTask, operations, runtime
 from celery_dedup.decisions import DECISIONS
-from celery_dedup.exceptions import DedupOperationError, DedupUnavailableError
+from celery_dedup.exceptions import DedupArgumentError, DedupOperationError, DedupUnavailableError
 from celery_dedup.gate import decode_payload
 from celery_dedup.keys import split_member, task_from_namespace
 from celery_dedup.status import STATE_HELP
@@ -157,13 +158,19 @@ class RecordAdmin(admin.ModelAdmin):  # type: ignore[type-arg]
         app = celery_app()
         store = runtime.store_for(app)
         query = Query.parse(request.GET)
-        page = store.records(
-            state=query.state or None,
-            task=query.task or None,
-            prefix=query.search or None,
-            cursor=query.cursor or None,
-            limit=PAGE_SIZE,
-        )
+        try:
+            page = store.records(
+                state=query.state or None,
+                task=query.task or None,
+                prefix=query.search or None,
+                cursor=query.cursor or None,
+                limit=PAGE_SIZE,
+            )
+        except DedupArgumentError:  # a cursor of another store's layout: the first page
+            query = dataclasses.replace(query, cursor="", trail=())
+            page = store.records(
+                state=query.state or None, task=query.task or None, prefix=query.search or None, limit=PAGE_SIZE
+            )
         names = task_names(app.tasks, DedupTask)
         sizes = store.index_sizes(states=STATES, tasks=names)
         listing = Listing.build(

@@ -7,10 +7,10 @@ from importlib import import_module
 from celery import Celery
 from celery.app import app_or_default
 from django.conf import settings
-from kombu.utils.url import maybe_sanitize_url
 
 from celery_dedup import runtime
 from celery_dedup.exceptions import DedupConfigError
+from celery_dedup.store import masked_url
 
 SETTING = "CELERY_DEDUP_APP"
 
@@ -69,6 +69,6 @@ def store_url(app: Celery) -> str:
 
 def _masked(url: str) -> str:
     try:
-        return str(maybe_sanitize_url(url))
+        return masked_url(url)
     except ValueError:  # not even a URL's shape: show the scheme only, in case the rest holds a password
         return url.split("://", 1)[0] + "://..."

@@ -21,8 +21,9 @@ STATE, TASK, SEARCH, CURSOR, TRAIL = "state", "task", "q", "cursor", "trail"
 
 
 def _is_number(text: str) -> bool:
-    """ASCII digits only: ``"²".isdigit()`` and ``"٣".isdigit()`` are true too."""
-    return text.isascii() and text.isdigit()
+    """A page's cursor: ASCII digits (``"²".isdigit()`` and ``"٣".isdigit()`` are true too), one group
+    per shard joined by dots on a Redis Cluster store."""
+    return all(part.isascii() and part.isdigit() for part in text.split("."))
 
 
 @dataclass(frozen=True)
@@ -37,7 +38,7 @@ class Query:
 
     @classmethod
     def parse(cls, params: Mapping[str, str]) -> Query:
-        """Read the filters; a cursor or trail that is not a number means the first page.
+        """Read the filters; a cursor or trail that is not a page's cursor means the first page.
 
         A number past the end of the index is an empty last page (the store's rule).
         """

@@ -1,0 +1,443 @@
+"""Enqueue cost on a RabbitMQ broker: a plain Celery task against a DedupTask, with and without publisher confirms.
+
+What it measures: calls per second and the p50/p99 latency of ``apply_async``
+on a private RabbitMQ node (``celery_dedup.testing.RabbitMQNode``), the dedup
+store on a private Redis-compatible server (``dedup_redis_url``), for
+
+- ``plain, no confirms``: an ordinary task, Celery's default publish;
+- ``plain``: the same with publisher confirms (``confirm_publish``: each
+  publish waits for the broker's ack);
+- ``dedup new key``: a DedupTask keyed ``"order:{order_id}"``, with a key no
+  call has used before, publisher confirms on (the two-phase gate turns
+  them on);
+- ``dedup duplicate``: the same DedupTask with a key already held (nothing is
+  published);
+
+each ``--calls`` calls from one thread and from several (``--threads``; the
+calls are split between them, each thread publishes through a producer of its
+own). Cases run one after the other in each repeat, the order rotating every
+repeat; between cases the queue is checked to hold exactly one message per
+publishing call, then purged. The Redis commands a call sends (each a round
+trip, unless pipelined) and those run inside Lua are counted with ``MONITOR``
+over ``--rt-calls`` separate, untimed calls of each case from one thread.
+
+Run it from the repository root::
+
+    .venv/bin/python benchmarks/enqueue_rabbitmq.py [--calls 2000] [--threads 1,4] [--repeats 3]
+
+It needs RabbitMQ (Debian's ``rabbitmq-server``; ``run-tests`` installs it as
+root) and says so, exiting 0, where it is missing. Prints a Markdown table and
+writes ``benchmarks/results/enqueue_rabbitmq.json``. Nothing here asserts on
+time; the numbers are for reading.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import datetime
+import gc
+import itertools
+import os
+import platform
+import statistics
+import sys
+import threading
+import time
+from collections import Counter
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import redis
+from celery import Celery
+from kombu import Connection
+
+ROOT = Path(__file__).resolve().parent.parent
+if str(ROOT) not in sys.path:
+    sys.path.insert(0, str(ROOT))  # run as ``python benchmarks/<name>.py``: make ``benchmarks.*`` importable
+
+import celery_dedup  # noqa: E402
+from benchmarks._common import save, versions  # noqa: E402
+from benchmarks.enqueue import CommandLog  # noqa: E402
+from celery_dedup import DedupTask  # noqa: E402
+from celery_dedup.testing import RabbitMQNode, RabbitMQNotFound, RedisServer  # noqa: E402
+
+DEFAULT_OUTPUT = ROOT / "benchmarks" / "results" / "enqueue_rabbitmq.json"
+QUEUE = "bench-enqueue-rabbitmq"
+DUPLICATE_ORDER = 0  # new-key calls count up from 1, so they never meet the held key
+
+#: A call through the given producer.
+Call = Callable[[Any], None]
+
+
+@dataclass
+class Case:
+    """One measured way of calling ``apply_async``; per thread count, one sample per repeat."""
+
+    name: str
+    confirms: bool
+    call: Call
+    publishes: bool
+    samples: dict[int, list[Sample]] = field(default_factory=dict)
+
+
+@dataclass
+class Sample:
+    """One run of ``calls`` calls of a case: its wall time and every call's latency."""
+
+    calls: int
+    wall_s: float
+    latencies_ns: list[int]
+
+
+def build_app(broker: str, store: str, *, confirms: bool, queue_type: str) -> Celery:
+    app = Celery(f"bench_rabbitmq_{'confirms' if confirms else 'no_confirms'}", set_as_current=False)
+    app.conf.update(
+        broker_url=broker,
+        dedup_redis_url=store,
+        task_default_queue=QUEUE,
+        task_default_queue_type=queue_type,
+        task_ignore_result=True,
+        broker_connection_retry_on_startup=False,
+        broker_transport_options={"confirm_publish": confirms},
+    )
+    celery_dedup.install(app)
+    return app
+
+
+class Bench:
+    """The two apps (publisher confirms on and off), their tasks, and the order ids new keys take."""
+
+    def __init__(self, broker: str, store: str, queue_type: str) -> None:
+        self.broker = broker
+        self.confirming = build_app(broker, store, confirms=True, queue_type=queue_type)
+        self.unconfirmed = build_app(broker, store, confirms=False, queue_type=queue_type)
+        self.orders = itertools.count(1)  # next() on it is atomic under the GIL: threads share it
+
+        # Same signature and argument everywhere: the messages differ only in the task name.
+        @self.unconfirmed.task(name="bench.plain_unconfirmed", shared=False)
+        def plain_unconfirmed(order_id: int) -> None:
+            return None
+
+        @self.confirming.task(name="bench.plain", shared=False)
+        def plain(order_id: int) -> None:
+            return None
+
+        @self.confirming.task(name="bench.keyed", base=DedupTask, dedup_key="order:{order_id}", shared=False)
+        def keyed(order_id: int) -> None:
+            return None
+
+        self.plain_unconfirmed, self.plain, self.keyed = plain_unconfirmed, plain, keyed
+
+    def cases(self) -> list[Case]:
+        return [
+            Case("plain, no confirms", False, self.call_plain_unconfirmed, publishes=True),
+            Case("plain", True, self.call_plain, publishes=True),
+            Case("dedup new key", True, self.call_new_key, publishes=True),
+            Case("dedup duplicate", True, self.call_duplicate, publishes=False),
+        ]
+
+    def app_of(self, case: Case) -> Celery:
+        return self.confirming if case.confirms else self.unconfirmed
+
+    def call_plain_unconfirmed(self, producer: Any) -> None:
+        self.plain_unconfirmed.apply_async((next(self.orders),), producer=producer)
+
+    def call_plain(self, producer: Any) -> None:
+        self.plain.apply_async((next(self.orders),), producer=producer)
+
+    def call_new_key(self, producer: Any) -> None:
+        if self.keyed.apply_async((next(self.orders),), producer=producer).deduplicated:
+            raise RuntimeError("a new key was answered as a duplicate")
+
+    def call_duplicate(self, producer: Any) -> None:
+        if not self.keyed.apply_async((DUPLICATE_ORDER,), producer=producer).deduplicated:
+            raise RuntimeError("a call with the held key published")
+
+    def hold_duplicate_key(self) -> None:
+        """Make the duplicate case's key held (its message is purged with the queue; the key stays)."""
+        first = self.keyed.apply_async((DUPLICATE_ORDER,))
+        again = self.keyed.apply_async((DUPLICATE_ORDER,))
+        if first.deduplicated or not again.deduplicated or again.id != first.id:
+            raise RuntimeError(f"the duplicate key is not held as expected: {first.id!r} vs {again.id!r}")
+
+    def queued(self) -> int:
+        with Connection(self.broker) as connection:
+            channel: Any = connection.default_channel
+            return int(channel.queue_declare(QUEUE, passive=True).message_count)
+
+    def purge(self, expected: int) -> None:
+        """Check the queue holds ``expected`` messages (waiting for unconfirmed ones to land), then empty it."""
+        deadline = time.monotonic() + 30
+        while (queued := self.queued()) != expected:
+            if queued > expected or time.monotonic() > deadline:
+                raise RuntimeError(f"queue holds {queued} messages, expected {expected}: a case misbehaved")
+            time.sleep(0.05)
+        with Connection(self.broker) as connection:
+            channel: Any = connection.default_channel
+            channel.queue_purge(QUEUE)
+
+    def close(self) -> None:
+        self.confirming.close()
+        self.unconfirmed.close()
+
+
+def run_calls(app: Celery, call: Call, calls: int, threads: int) -> tuple[float, list[int]]:
+    """``calls`` calls split over ``threads`` threads started together; the wall time and every call's latency."""
+    shares = [calls // threads + (1 if i < calls % threads else 0) for i in range(threads)]
+    latencies: list[list[int]] = [[] for _ in range(threads)]
+    errors: list[BaseException] = []
+    start = threading.Barrier(threads + 1)
+    clock = time.perf_counter_ns
+
+    def work(share: int, sink: list[int]) -> None:
+        try:
+            with app.producer_or_acquire() as producer:
+                producer.connection.ensure_connection()
+                start.wait()
+                for _ in range(share):
+                    began = clock()
+                    call(producer)
+                    sink.append(clock() - began)
+        except BaseException as exc:  # re-raised in the main thread
+            errors.append(exc)
+            start.abort()
+
+    workers = [threading.Thread(target=work, args=(share, sink)) for share, sink in zip(shares, latencies, strict=True)]
+    for worker in workers:
+        worker.start()
+    with contextlib.suppress(threading.BrokenBarrierError):
+        start.wait()
+    began = time.perf_counter()
+    for worker in workers:
+        worker.join()
+    wall = time.perf_counter() - began
+    if errors:
+        raise errors[0]
+    return wall, [t for sink in latencies for t in sink]
+
+
+def run_case(bench: Bench, case: Case, calls: int, threads: int) -> Sample:
+    gc.collect()
+    wall, latencies = run_calls(bench.app_of(case), case.call, calls, threads)
+    bench.purge(calls if case.publishes else 0)
+    return Sample(calls, wall, latencies)
+
+
+def count_round_trips(bench: Bench, case: Case, calls: int, url: str) -> dict[str, Any]:
+    """Redis commands per call of ``case`` from one thread: sent by the client, and run inside Lua."""
+    admin: redis.Redis = redis.Redis.from_url(url)
+    admin_port = str(admin.client_info()["addr"]).rsplit(":", 1)[1]
+    log = CommandLog(url)
+    with bench.app_of(case).producer_or_acquire() as producer:
+        for _ in range(calls):
+            case.call(producer)
+    entries = log.close(admin)
+    admin.close()
+    bench.purge(calls if case.publishes else 0)
+    sent: Counter[str] = Counter()
+    in_lua: Counter[str] = Counter()
+    for entry in entries:
+        if entry["client_type"] != "lua" and entry["client_port"] == admin_port:
+            continue
+        name = entry["command"].split(" ", 1)[0].lower()
+        (in_lua if entry["client_type"] == "lua" else sent)[name] += 1
+    return {
+        "commands_sent_per_call": sum(sent.values()) / calls,
+        "lua_commands_per_call": sum(in_lua.values()) / calls,
+        "client_commands_per_call": {k: v / calls for k, v in sorted(sent.items())},
+        "commands_inside_lua_per_call": {k: v / calls for k, v in sorted(in_lua.items())},
+    }
+
+
+def percentile(sorted_values: Sequence[float], fraction: float) -> float:
+    """Nearest-rank percentile of already sorted values."""
+    index = max(0, min(len(sorted_values) - 1, round(fraction * len(sorted_values) + 0.5) - 1))
+    return sorted_values[index]
+
+
+def summarize(
+    cases: Sequence[Case], thread_counts: Sequence[int], trips: dict[str, dict[str, Any]]
+) -> list[dict[str, Any]]:
+    rows: list[dict[str, Any]] = []
+    for threads in thread_counts:
+        for case in cases:
+            samples = case.samples[threads]
+            rates = [s.calls / s.wall_s for s in samples]
+            pooled = sorted(t / 1000 for s in samples for t in s.latencies_ns)
+            rows.append(
+                {
+                    "case": case.name,
+                    "publisher_confirms": case.confirms,
+                    "threads": threads,
+                    "calls_per_repeat": samples[0].calls,
+                    "repeats": len(samples),
+                    "calls_per_s": statistics.median(rates),
+                    "repeat_calls_per_s": rates,
+                    "p50_us": percentile(pooled, 0.50),
+                    "p99_us": percentile(pooled, 0.99),
+                    **trips[case.name],
+                }
+            )
+        base = next(r["calls_per_s"] for r in rows if r["threads"] == threads and r["case"] == "plain")
+        for row in rows:
+            if row["threads"] == threads:
+                row["ratio_to_plain"] = row["calls_per_s"] / base
+    return rows
+
+
+def table(rows: Sequence[dict[str, Any]]) -> str:
+    lines = [
+        "| case | publisher confirms | threads | calls/s (median) | per-repeat min\N{EN DASH}max | p50 µs | p99 µs "
+        "| calls/s vs plain with confirms | Redis commands sent/call | Redis commands inside Lua/call |",
+        "|---|---|---:|---:|---:|---:|---:|---:|---:|---:|",
+    ]
+    for row in rows:
+        rates = row["repeat_calls_per_s"]
+        lines.append(
+            f"| {row['case']} | {'on' if row['publisher_confirms'] else 'off'} | {row['threads']} | "
+            f"{row['calls_per_s']:,.0f} | {min(rates):,.0f}\N{EN DASH}{max(rates):,.0f} | {row['p50_us']:,.0f} | "
+            f"{row['p99_us']:,.0f} | {row['ratio_to_plain']:.2f}x | {row['commands_sent_per_call']:g} | "
+            f"{row['lua_commands_per_call']:g} |"
+        )
+    return "\n".join(lines)
+
+
+def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n", 1)[0] if __doc__ else None)
+    parser.add_argument("--calls", type=int, default=2000, help="calls per case, thread count, repeat (default 2000)")
+    parser.add_argument("--threads", default="1,4", help="thread counts, comma-separated (default 1,4)")
+    parser.add_argument("--repeats", type=int, default=3, help="repeats (default 3)")
+    parser.add_argument("--warmup", type=int, default=200, help="untimed calls per case and thread count first")
+    parser.add_argument("--rt-calls", type=int, default=100, help="calls per case for command counts (default 100)")
+    parser.add_argument(
+        "--queue-type", choices=("classic", "quorum"), default="classic", help="the task queue's type (default classic)"
+    )
+    parser.add_argument("--output", type=Path, default=DEFAULT_OUTPUT, help="JSON result file")
+    args = parser.parse_args(argv)
+    try:
+        args.threads = [int(n) for n in args.threads.split(",") if n.strip()]
+    except ValueError:
+        parser.error("--threads takes comma-separated integers")
+    if not args.threads or min(args.threads) < 1:
+        parser.error("--threads needs thread counts of at least 1")
+    for name in ("calls", "repeats", "rt_calls"):
+        if getattr(args, name) < 1:
+            parser.error(f"--{name} must be at least 1")
+    if args.calls < max(args.threads):
+        parser.error("--calls must be at least the largest thread count")
+    return args
+
+
+@dataclass
+class Run:
+    """Everything one run measured, for the table and the JSON file."""
+
+    broker_version: str
+    node_start_s: float
+    store_version: str
+    load_before: float
+    load_after: float
+    elapsed_s: float
+    rows: list[dict[str, Any]]
+
+
+def measure(args: argparse.Namespace, node: RabbitMQNode) -> Run:
+    """Start the node and a Redis server, time the cases, and stop both."""
+    with RedisServer() as store, node:
+        assert node.started_in is not None
+        broker_version = node.version()
+        print(f"broker: {broker_version}, a private node started in {node.started_in:.1f} s")
+        print(f"dedup store: {store.binary} ({store.version()})")
+        print(", ".join(f"{k} {v}" for k, v in versions("amqp").items()))
+        load_before = os.getloadavg()[0]
+        print(f"load average before: {load_before:.2f} (cpus: {os.cpu_count()})", flush=True)
+        bench = Bench(node.url, store.url, args.queue_type)
+        try:
+            cases = bench.cases()
+            bench.hold_duplicate_key()
+            bench.purge(1)
+            for threads in args.threads:
+                for case in cases:
+                    if args.warmup:
+                        run_case(bench, case, max(args.warmup, threads), threads)
+            started = time.monotonic()
+            for repeat in range(args.repeats):
+                for threads in args.threads:
+                    for case in cases[repeat % len(cases) :] + cases[: repeat % len(cases)]:
+                        case.samples.setdefault(threads, []).append(run_case(bench, case, args.calls, threads))
+                print(f"repeat {repeat + 1}/{args.repeats} done", file=sys.stderr)
+            elapsed = time.monotonic() - started
+            load_after = os.getloadavg()[0]
+            trips = {case.name: count_round_trips(bench, case, args.rt_calls, store.url) for case in cases}
+        finally:
+            bench.close()
+        return Run(
+            broker_version,
+            node.started_in,
+            store.version(),
+            load_before,
+            load_after,
+            elapsed,
+            summarize(cases, args.threads, trips),
+        )
+
+
+def print_report(args: argparse.Namespace, run: Run) -> None:
+    print()
+    print(
+        f"apply_async on RabbitMQ ({args.queue_type} queue): {args.calls} calls per case and thread count x "
+        f"{args.repeats} repeats, {run.elapsed_s:.1f} s, load average after {run.load_after:.2f}"
+    )
+    print()
+    print(table(run.rows))
+    print()
+    print(
+        f"Redis commands per call from MONITOR over {args.rt_calls} more calls per case from one thread: each one "
+        "sent is a round trip unless pipelined. A duplicate publishes nothing."
+    )
+
+
+def write_result(args: argparse.Namespace, run: Run) -> None:
+    result = {
+        "benchmark": "enqueue_rabbitmq",
+        "when": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+        "broker": {"version": run.broker_version, "node_start_s": run.node_start_s, "queue_type": args.queue_type},
+        "store": {"version": run.store_version},
+        "versions": versions("amqp"),
+        "machine": {
+            "platform": platform.platform(),
+            "cpus": os.cpu_count(),
+            "loadavg_1m_before": run.load_before,
+            "loadavg_1m_after": run.load_after,
+        },
+        "settings": {
+            "calls": args.calls,
+            "threads": args.threads,
+            "repeats": args.repeats,
+            "warmup": args.warmup,
+            "rt_calls": args.rt_calls,
+        },
+        "elapsed_s": run.elapsed_s,
+        "timing": run.rows,
+    }
+    save(args.output, result)
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    args = parse_args(argv)
+    try:
+        node = RabbitMQNode()
+    except RabbitMQNotFound as exc:
+        print(f"skipped: {exc}; run-tests installs it when run as root")
+        return 0
+    run = measure(args, node)
+    print_report(args, run)
+    write_result(args, run)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,46 @@
+-- confirm: the second step of the two-phase gate. The broker took the message
+-- of a run that gate.lua holds in state `publishing`: give the key its full hold.
+--
+-- KEYS[1]  held set
+-- KEYS[2]  the member's status record (HASH)
+-- ARGV[1]  member
+-- ARGV[2]  task id of the run
+-- ARGV[3]  publish nonce of that run's hold
+-- ARGV[4]  hold, ms, from now (as gate.lua's ARGV[4])
+-- ARGV[5]  record grace, ms
+-- ARGV[6]  key prefix
+-- ARGV[7]  history length
+--
+-- A confirm can come late: after a worker started (or ended) the run, which
+-- then owns its record; after the reaper declared the run lost when its lease
+-- ended (the run is queued after all, and gets its hold back); or after the
+-- lease ended and another call took the key over, whose run then stands for
+-- this call (the guard skips this run's delivery: start.lua's "superseded").
+--
+-- Returns {code, task id}:
+--   {1, ARGV[2]}  confirmed: the record says `queued`, the key is held for ARGV[4]
+--   {2, ARGV[2]}  nothing to do: the run began or ended before its confirm (or
+--                 this is not the publish that holds it)
+--   {0, owner}    the key passed to run `owner` (or to no run: owner ""); this
+--                 run's message will not run
+
+local held, record = KEYS[1], KEYS[2]
+local member, task_id, nonce = ARGV[1], ARGV[2], ARGV[3]
+local hold_ms, grace_ms, prefix, history_len = tonumber(ARGV[4]), tonumber(ARGV[5]), ARGV[6], tonumber(ARGV[7])
+
+local current = redis.call('HMGET', record, 'task_id', 'state', 'nonce', 'started_at')
+if current[1] ~= task_id then
+  return {0, current[1] or ''}
+end
+-- The reaper may have declared the run lost when its lease ended: it is not.
+local waiting = current[2] == 'publishing' or (current[2] == 'lost' and not current[4])
+if not waiting or current[3] ~= nonce then
+  return {2, task_id}
+end
+local now = now_ms()
+redis.call('SADD', held, member)
+redis.call('HSET', record, 'held_until', now + hold_ms, 'pushed_at', now)
+redis.call('HDEL', record, 'finished_at', 'hold_ms')
+transition(prefix, record, member, 'queued', now, task_id, '', history_len, current[2])
+expire_record(prefix, record, member, hold_ms + grace_ms)
+return {1, task_id}
