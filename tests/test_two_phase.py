@@ -385,15 +385,23 @@ def test_a_run_that_starts_before_its_confirm_keeps_its_window(
         ran.wait(20)
         raise redis.ConnectionError("connection reset before the confirm")
 
-    results: list[Any] = []
+    raised: list[BaseException] = []
+
+    def call() -> None:
+        try:
+            charge.delay(9)
+        except Exception as exc:  # the cut publish raises, as it should: read below
+            raised.append(exc)
+
     with in_process_worker(app):
         monkeypatch.setattr(kombu_redis.Channel, "_put", never_confirmed)
-        caller = threading.Thread(target=lambda: results.append(charge.delay(9)), daemon=True)
+        caller = threading.Thread(target=call, daemon=True)
         caller.start()
         wait_for(lambda: getattr(charge.dedup_status(9), "state", None) == "succeeded", 10, "the run ended")
         ran.set()
         caller.join(10)
         monkeypatch.undo()
+    assert [str(exc) for exc in raised] == ["connection reset before the confirm"]
     time.sleep(1.5)  # past the lease
     run = runs(r, 9)
     assert len(run) == 1
