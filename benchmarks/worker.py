@@ -63,7 +63,7 @@ if str(ROOT) not in sys.path:
 
 from benchmarks._common import save, versions  # noqa: E402
 from benchmarks.enqueue import CommandLog, commandstats  # noqa: E402
-from benchmarks.worker_app import PREFIX, QUEUE, READY_MARKER, build_app  # noqa: E402
+from benchmarks.worker_app import PREFIX, QUEUE, READY_MARKER, build_app, peer_bases  # noqa: E402
 from celery_dedup import runtime  # noqa: E402
 from celery_dedup.keys import member_for, new_nonce, new_task_id  # noqa: E402
 from celery_dedup.lock import new_token  # noqa: E402
@@ -457,10 +457,10 @@ def time_guard_calls(bench: Bench, pairs: int) -> dict[str, float]:
 # --- throughput ----------------------------------------------------------------------------------
 
 
-def drain(bench: Bench, case: Case, count: int) -> tuple[float, float]:
+def drain(bench: Bench, case: Case, count: int, *, store_results: bool = False) -> tuple[float, float]:
     """Tasks/s for ``count`` pre-queued no-op tasks of ``case``, and server µs per task spent in EVALSHA."""
     bench.clear()
-    bench.stage(case, count, store_results=False)
+    bench.stage(case, count, store_results=store_results)
     bench.wait_idle(30)
     usec_before = server_usec(bench.admin)
     started = time.perf_counter()
@@ -477,6 +477,9 @@ def drain(bench: Bench, case: Case, count: int) -> tuple[float, float]:
 
 PLAIN = Case("plain no-op", "bench.plain", keyed=False)
 DEDUP = Case("dedup no-op", "bench.keyed", keyed=True)
+#: The same no-op task keyed by each peer library installed (throughput only).
+PEERS = [Case(f"{name.removeprefix('bench.')} no-op", name, keyed=False) for name, _, _ in peer_bases()]
+PEER_LABELS = {"bench.once": "celery-once", "bench.singleton": "celery-singleton"}
 
 
 def rt_cases(sleep_ms: float) -> list[Case]:
@@ -498,25 +501,37 @@ def measure_pool(bench: Bench, pool: str, args: argparse.Namespace) -> tuple[lis
         # scripts and starts its renewer thread outside the counts.
         for case in rt_cases(args.sleep_ms):
             warm(bench, case, args.warmup if not case.sleep_s else min(args.warmup, 20))
-        trips = [count_round_trips(bench, case, pool, args.rt_tasks) for case in rt_cases(args.sleep_ms)]
+        trips = (
+            [count_round_trips(bench, case, pool, args.rt_tasks) for case in rt_cases(args.sleep_ms)]
+            if args.round_trips
+            else []
+        )
         print(f"{pool}: round trips counted", file=sys.stderr)
-        rates: dict[str, list[float]] = {PLAIN.name: [], DEDUP.name: []}
+        cases = [PLAIN, DEDUP, *(PEERS if args.peers else [])]
+        for case in cases[2:]:
+            warm(bench, case, args.warmup)
+        # rates[results][case name]: one tasks/s figure per repeat.
+        rates: dict[str, dict[str, list[float]]] = {mode: {case.name: [] for case in cases} for mode in args.results}
         lua_us: list[float] = []
         for repeat in range(args.repeats):
-            # Alternate which case goes first, so drift in machine load hits both alike.
-            for case in (PLAIN, DEDUP) if repeat % 2 == 0 else (DEDUP, PLAIN):
-                rate, lua = drain(bench, case, args.tasks)
-                rates[case.name].append(rate)
-                if case.keyed:
-                    lua_us.append(lua)
+            for mode in args.results:
+                # Rotate which case goes first, so drift in machine load hits all alike.
+                shift = repeat % len(cases)
+                for case in cases[shift:] + cases[:shift]:
+                    rate, lua = drain(bench, case, args.tasks, store_results=mode == "on")
+                    rates[mode][case.name].append(rate)
+                    if case.keyed and mode == "off":
+                        lua_us.append(lua)
             print(f"{pool}: throughput repeat {repeat + 1}/{args.repeats} done", file=sys.stderr)
         bench.clear()
-    plain, dedup = rates[PLAIN.name], rates[DEDUP.name]
+    first = rates[args.results[0]]
+    plain, dedup = first[PLAIN.name], first[DEDUP.name]
     throughput = {
         "pool": pool,
         "concurrency": 1 if pool == "solo" else args.concurrency,
         "tasks": args.tasks,
         "repeats": args.repeats,
+        "results": args.results[0],
         "plain_tasks_per_s": plain,
         "dedup_tasks_per_s": dedup,
         "plain_median": statistics.median(plain),
@@ -525,6 +540,8 @@ def measure_pool(bench: Bench, pool: str, args: argparse.Namespace) -> tuple[lis
         "pair_ratios": [d / p for d, p in zip(dedup, plain, strict=True)],
         # No MONITOR here (it slows every command, Lua's most): the scripts' own server time.
         "dedup_server_lua_us_per_task": lua_us,
+        # Every case with and without a result backend: {results: {case: tasks/s per repeat}}.
+        "by_results": rates,
     }
     return trips, throughput
 
@@ -588,6 +605,34 @@ def detail_table(rows: Sequence[dict[str, Any]]) -> str:
             f"| {row['pool']} | {row['case']} | {fmt_counts(detail['broker'])} | "
             f"{fmt_counts(detail['result backend'])} |"
         )
+    return "\n".join(lines)
+
+
+def library_table(rows: Sequence[dict[str, Any]]) -> str:
+    """Every case's tasks/s, with and without a result backend, against plain Celery in the same drains."""
+    lines = [
+        "| pool | result backend | task | tasks/s median | min\N{EN DASH}max | vs plain (medians) "
+        "| per-repeat ratios median (min\N{EN DASH}max) |",
+        "|---|---|---|---:|---:|---:|---:|",
+    ]
+    labels = {PLAIN.name: "plain Celery", DEDUP.name: "celery-dedup"}
+    labels.update({case.name: PEER_LABELS.get(case.task, case.task) for case in PEERS})
+    for row in rows:
+        pool = row["pool"] if row["pool"] == "solo" else f"prefork ({row['concurrency']})"
+        for mode, by_case in row["by_results"].items():
+            plain = by_case[PLAIN.name]
+            for name, rates in by_case.items():
+                ratios = [r / p for r, p in zip(rates, plain, strict=True)]
+                vs = "" if name == PLAIN.name else f"{statistics.median(rates) / statistics.median(plain):.2f}"
+                spread = (
+                    ""
+                    if name == PLAIN.name
+                    else f"{statistics.median(ratios):.2f} ({min(ratios):.2f}\N{EN DASH}{max(ratios):.2f})"
+                )
+                lines.append(
+                    f"| {pool} | {'Redis' if mode == 'on' else 'none (ignore_result)'} | {labels.get(name, name)} | "
+                    f"{statistics.median(rates):.0f} | {min(rates):.0f}\N{EN DASH}{max(rates):.0f} | {vs} | {spread} |"
+                )
     return "\n".join(lines)
 
 
@@ -660,8 +705,20 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     )
     parser.add_argument("--concurrency", type=int, default=2, help="prefork children (default 2)")
     parser.add_argument("--pools", default="solo,prefork", help="comma-separated: solo, prefork (default both)")
+    parser.add_argument(
+        "--results", default="off,on", help="throughput without (off) and/or with (on) a result backend (default both)"
+    )
+    parser.add_argument(
+        "--no-peers", dest="peers", action="store_false", help="leave celery-once and celery-singleton out"
+    )
+    parser.add_argument(
+        "--no-round-trips", dest="round_trips", action="store_false", help="skip the MONITOR round-trip counts"
+    )
     parser.add_argument("--output", type=Path, default=DEFAULT_OUTPUT, help="JSON result file")
     args = parser.parse_args(argv)
+    args.results = [m.strip() for m in args.results.split(",") if m.strip()]
+    if not args.results or any(m not in ("off", "on") for m in args.results):
+        parser.error("--results takes off and/or on")
     for name in ("tasks", "repeats", "rt_tasks", "warmup", "concurrency", "guard_pairs"):
         if getattr(args, name) < 1:
             parser.error(f"--{name.replace('_', '-')} must be at least 1")
@@ -757,6 +814,13 @@ def print_report(args: argparse.Namespace, run: Run) -> None:
     print(throughput_table(run.throughput))
     print()
     print(
+        "Every task, without a result backend (ignore_result) and with the Redis one; cases rotate which goes "
+        "first each repeat"
+    )
+    print()
+    print(library_table(run.throughput))
+    print()
+    print(
         "The worker, the server and this benchmark share the machine's cores (the solo worker shares this "
         "process); compare the two cases within one pool and run, not absolute numbers across machines."
     )
@@ -813,6 +877,8 @@ def write_result(args: argparse.Namespace, run: Run) -> None:
             "warmup": args.warmup,
             "concurrency": args.concurrency,
             "pools": args.pools,
+            "results": args.results,
+            "peers": [case.task for case in PEERS] if args.peers else [],
             "worker": "task_acks_late=True, dedup_reap_interval=0",
             "dedup_lock_ttl_s": args.lock_ttl_s,
         },

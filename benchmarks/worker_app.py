@@ -5,7 +5,9 @@ configured from ``CELERY_DEDUP_BENCH_BROKER`` so the spawned worker talks to
 the benchmark's own server; the in-process (solo) case builds the same app
 with :func:`build_app`. Two pairs of tasks with the same signatures, so plain
 and keyed messages are the same size: ``bench.plain``/``bench.keyed`` do
-nothing, ``bench.plain_sleep``/``bench.keyed_sleep`` sleep for ``seconds``.
+nothing, ``bench.plain_sleep``/``bench.keyed_sleep`` sleep for ``seconds``;
+``bench.once`` and ``bench.singleton`` do nothing, keyed by celery-once and
+celery-singleton (when installed) for the throughput comparison.
 No task touches Redis itself: every command the worker sends is Celery's,
 kombu's or celery-dedup's.
 """
@@ -42,6 +44,10 @@ def build_app(url: str, name: str = "bench_worker") -> Celery:
         dedup_key_prefix=PREFIX,
         # The reaper runs per worker per interval, not per task: off, so it cannot land in a count.
         dedup_reap_interval=0,
+        # celery-once and celery-singleton, for the throughput comparison (their own keys, same server).
+        ONCE={"backend": "celery_once.backends.Redis", "settings": {"url": url, "default_timeout": 3600}},
+        singleton_backend_url=url,
+        singleton_key_prefix="bench-singleton:",
     )
     celery_dedup.install(app)
 
@@ -61,7 +67,31 @@ def build_app(url: str, name: str = "bench_worker") -> Celery:
     def keyed_sleep(order_id: int, seconds: float = 0.0) -> None:
         time.sleep(seconds)
 
+    for task_name, base, options in peer_bases():
+
+        @app.task(name=task_name, base=base, shared=False, **options)
+        def peer(order_id: int) -> None:
+            return None
+
     return app
+
+
+def peer_bases() -> list[tuple[str, type[Any], dict[str, Any]]]:
+    """``(task name, base, options)`` of the no-op task keyed on ``order_id`` by each peer library installed."""
+    peers: list[tuple[str, type[Any], dict[str, Any]]] = []
+    try:
+        from celery_once import QueueOnce  # noqa: PLC0415 - optional: the bench extra
+    except ImportError:
+        pass
+    else:
+        peers.append(("bench.once", QueueOnce, {"once": {"keys": ["order_id"]}}))
+    try:
+        from celery_singleton import Singleton  # noqa: PLC0415 - optional: the bench extra
+    except ImportError:
+        pass
+    else:
+        peers.append(("bench.singleton", Singleton, {"unique_on": ["order_id"]}))
+    return peers
 
 
 app = build_app(BROKER)
