@@ -69,14 +69,21 @@ class Renewer:
         self._locks: set[ExecutionLock] = set()
         self._cond = threading.Condition()
         self._thread: threading.Thread | None = None
+        #: When the thread wakes next at the latest (clock time), and how long it sleeps when idle: the
+        #: shortest renewal interval seen, so a lock added to an idle renewer is due no sooner than that.
+        self._wake_at = 0.0
+        self._idle_wait = 60.0
 
     def add(self, lock: ExecutionLock) -> None:
         with self._cond:
             self._locks.add(lock)
+            self._idle_wait = min(self._idle_wait, lock.ttl_ms / 1000 * RENEW_FRACTION)
             if self._thread is None or not self._thread.is_alive():
                 self._thread = threading.Thread(target=self._run, name="celery-dedup-renewer", daemon=True)
                 self._thread.start()
-            self._cond.notify()
+            elif lock.renew_at < self._wake_at:
+                # Waking the thread costs a switch per task: only when this lock is due before it wakes anyway.
+                self._cond.notify()
 
     def remove(self, lock: ExecutionLock) -> None:
         with self._cond:
@@ -93,8 +100,10 @@ class Renewer:
                 due = [lock for lock in self._locks if lock.renew_at <= now]
                 if not due:
                     # A new lock only wakes us to recompute the wait: it is not due yet.
-                    next_due = min((lock.renew_at for lock in self._locks), default=now + 60)
+                    next_due = min((lock.renew_at for lock in self._locks), default=now + self._idle_wait)
+                    self._wake_at = next_due
                     self._cond.wait(max(next_due - now, 0.01))
+                    self._wake_at = 0.0  # awake: a lock added now is seen before the next wait
                     continue
             self.renew(due)
 

@@ -102,11 +102,14 @@ end
 
 local now = now_ms()
 
--- Drop the key, or hold it to its deadline (a window ends on time).
-local function settle_key()
+-- Drop the key, or hold it to its deadline (a window ends on time). `cleared`: the
+-- caller has set held_until to 0 already.
+local function settle_key(cleared)
   if drop then
     redis.call('SREM', held, member)
-    redis.call('HSET', record, 'held_until', 0)
+    if not cleared then
+      redis.call('HSET', record, 'held_until', 0)
+    end
     expire_record(prefix, record, member, record_ms)
     return
   end
@@ -136,14 +139,18 @@ if ENDED[current[3]] then
   return {1, lock_kept, 0}
 end
 
+local fields = {}
 if state ~= 'retry' and state ~= 'queued' then
-  redis.call('HSET', record, 'finished_at', now)
+  fields[#fields + 1], fields[#fields + 2] = 'finished_at', now
 end
 if err ~= '' then
-  redis.call('HSET', record, 'error', err)
+  fields[#fields + 1], fields[#fields + 2] = 'error', err
 end
 if payload ~= '' then
-  redis.call('HSET', record, 'payload', payload)
+  fields[#fields + 1], fields[#fields + 2] = 'payload', payload
+end
+if drop and not running then
+  fields[#fields + 1], fields[#fields + 2] = 'held_until', 0  -- settle_key drops the key below
 end
 if lock_kept == 0 then
   redis.call('HSETNX', record, 'lock_lost_at', now)
@@ -152,7 +159,7 @@ end
 if token ~= '' then
   redis.call('HDEL', record, 'lock')
 end
-transition(prefix, record, member, state, now, task_id, note, history_len)
+transition(prefix, record, member, state, now, task_id, note, history_len, current[3], fields)
 local wants_result = 0
 if final and settle_followers(prefix, member, task_id, state, err, result, record_ms) then
   wants_result = 1
@@ -162,6 +169,6 @@ if running then
   local held_until = tonumber(redis.call('HGET', record, 'held_until') or 0)
   expire_record(prefix, record, member, math.max(held_until - now, 0) + record_ms)
 else
-  settle_key()
+  settle_key(true)
 end
 return {1, lock_kept, wants_result}

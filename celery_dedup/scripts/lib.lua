@@ -31,16 +31,19 @@ end
 
 -- Move M's record to `state`: fields, indexes and history, in one place.
 -- `known_old`: the record's state if the caller knows it (false: none); nil: read it.
-local function transition(prefix, record, member, state, now, task_id, note, history_len, known_old)
+-- `fields`: more field-value pairs of the record to set in the same HSET.
+local function transition(prefix, record, member, state, now, task_id, note, history_len, known_old, fields)
   local old = known_old
   if old == nil then
     old = redis.call('HGET', record, 'state')
   end
   local ns, key = split_member(member)
-  redis.call('HSET', record, 'state', state, 'updated_at', now)
+  redis.call('HSET', record, 'state', state, 'updated_at', now, unpack(fields or {}))
   local idx = prefix .. ':idx'
-  redis.call('ZADD', idx, now, member)
-  redis.call('ZADD', idx .. ':name', 0, key .. '\0' .. ns)
+  if redis.call('ZADD', idx, now, member) == 1 then
+    -- P:idx and P:idx:name gain and lose M together (unindex): only a new entry needs its name.
+    redis.call('ZADD', idx .. ':name', 0, key .. '\0' .. ns)
+  end
   if old and old ~= state then
     redis.call('ZREM', idx .. ':state:' .. old, member)
   end
@@ -52,8 +55,9 @@ local function transition(prefix, record, member, state, now, task_id, note, his
       entry = entry .. ' ' .. note
     end
     local hist = prefix .. ':hist:' .. member
-    redis.call('LPUSH', hist, entry)
-    redis.call('LTRIM', hist, 0, history_len - 1)
+    if redis.call('LPUSH', hist, entry) > history_len then
+      redis.call('LTRIM', hist, 0, history_len - 1)
+    end
   end
 end
 

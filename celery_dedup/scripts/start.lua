@@ -63,7 +63,7 @@ if parked then
 end
 
 local now = now_ms()
-local current = redis.call('HMGET', record, 'task_id', 'state', 'held_until', 'ended')
+local current = redis.call('HMGET', record, 'task_id', 'state', 'held_until', 'ended', 'hold_ms', 'queued_at', 'payload')
 local owner, state = current[1], current[2]
 
 if owner == task_id and ENDED[state] then
@@ -93,27 +93,34 @@ if holder then
 end
 
 redis.call('SET', lock, token, 'PX', lock_ms)
+-- What this run's record holds already (a record this script starts holds none of it).
+local held_until, hold_ms, queued_at, payload = 0, false, false, ''
+if owner == task_id then
+  held_until, hold_ms, queued_at, payload = tonumber(current[3] or 0), current[5], current[6], current[7] or ''
+end
 if owner == task_id and state == 'started' then
   -- Started before, lock gone, never finished: that delivery's worker died.
   transition(prefix, record, member, 'lost', now, task_id, 'lock expired', history_len)
+  state = 'lost'
 end
 if owner ~= task_id then
   -- No record for this run (ungated, or the record expired): start one.
   local fields = retire(prefix, record, member, now, history_len, state, owner, task_id, record_ms)
   redis.call('HSET', record, 'task_id', task_id, 'task', task_name, 'duplicates', 0, 'attempts', 0,
     'held_until', 0, unpack(fields))
+  state = false
 end
 local attempts = redis.call('HINCRBY', record, 'attempts', 1)
-redis.call('HSET', record, 'started_at', now, 'worker', hostname, 'pid', pid, 'retries', retries,
-  'lock', token)
-redis.call('HDEL', record, 'finished_at', 'lock_lost_at', 'window_until', 'missing_since')
-local held_until = tonumber(redis.call('HGET', record, 'held_until') or 0)
-local unconfirmed = redis.call('HMGET', record, 'hold_ms', 'queued_at')
-if unconfirmed[1] then
+if keep_payload then
+  redis.call('HDEL', record, 'finished_at', 'lock_lost_at', 'window_until', 'missing_since', 'hold_ms')
+else
+  redis.call('HDEL', record, 'finished_at', 'lock_lost_at', 'window_until', 'missing_since', 'hold_ms', 'payload')
+end
+local fields = {'started_at', now, 'worker', hostname, 'pid', pid, 'retries', retries, 'lock', token}
+if hold_ms then
   -- Two-phase gate: the message is out (here it is) though its confirm has not come (or never
   -- will): the key gets the hold the confirm would have given it.
-  held_until = math.max(held_until, tonumber(unconfirmed[2] or now) + tonumber(unconfirmed[1]))
-  redis.call('HDEL', record, 'hold_ms')
+  held_until = math.max(held_until, tonumber(queued_at or now) + tonumber(hold_ms))
   redis.call('SADD', held, member)  -- the reaper may have let it go when the lease ended
 end
 if key_mode == 'release' then
@@ -121,22 +128,18 @@ if key_mode == 'release' then
   held_until = 0
 elseif held_until > 0 and (key_mode == 'lock' or held_until < now + lock_ms) then
   if key_mode == 'window' then
-    redis.call('HSET', record, 'window_until', held_until)  -- finish.lua returns to it
+    fields[#fields + 1], fields[#fields + 2] = 'window_until', held_until  -- finish.lua returns to it
   end
   held_until = now + lock_ms  -- renewals extend it while the run lives
 end
-redis.call('HSET', record, 'held_until', held_until)
+fields[#fields + 1], fields[#fields + 2] = 'held_until', held_until
 local note = ''
 if attempts > 1 then
   note = 'attempt ' .. attempts
 end
-transition(prefix, record, member, 'started', now, task_id, note, history_len)
+transition(prefix, record, member, 'started', now, task_id, note, history_len, state, fields)
 expire_record(prefix, record, member, math.max(held_until - now, lock_ms) + record_ms)
-local payload = ''
-if want_payload then
-  payload = redis.call('HGET', record, 'payload') or ''
-end
-if not keep_payload then
-  redis.call('HDEL', record, 'payload')
+if not want_payload then
+  payload = ''
 end
 return {1, attempts, payload}
