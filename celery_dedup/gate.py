@@ -85,6 +85,16 @@ class GateHeader:
         raw = (headers or {}).get(HEADER)
         if not isinstance(raw, Mapping) or "member" not in raw:
             return None
+        last = _last_decoded
+        if last[0] is raw:
+            # One publish decodes its header at every layer it passes (task, sender, producer, transport).
+            return last[1]
+        gate = cls._decode(raw)
+        globals()["_last_decoded"] = (raw, gate)  # a strong reference: its id cannot be reused meanwhile
+        return gate
+
+    @classmethod
+    def _decode(cls, raw: Mapping[str, Any]) -> GateHeader:
         window_ms, max_wait_ms, latest = raw.get("debounce") or (0, 0, True)
         return cls(
             str(raw["prefix"]),
@@ -101,6 +111,11 @@ class GateHeader:
             int(raw.get("follow", 0)),
             bool(raw.get("held", False)),
         )
+
+
+#: The header mapping decoded last and what it decoded to. Headers are never changed in
+#: place (a changed header is a new mapping: see ``GateHeader.encode``), so identity suffices.
+_last_decoded: tuple[Mapping[str, Any] | None, GateHeader | None] = (None, None)
 
 
 def message_payload(message: Mapping[str, Any]) -> str:

@@ -183,7 +183,10 @@ if same_run then
   local until_ms = math.max(tonumber(owner[3] or 0), now + hold_ms)
   redis.call('HSET', record, 'nonce', nonce, 'nonces', remember(owner_nonce, owner_nonces), 'held_until', until_ms)
 else
-  local fields = retire(prefix, record, member, now, history_len, owner_state, owner_id, task_id, grace_ms)
+  -- A key no record names yet (the usual new call) has nothing to retire.
+  local known = owner_id or owner_state or owner_nonce or owner[5] or owner[7]
+  local fields = known and retire(prefix, record, member, now, history_len, owner_state, owner_id, task_id, grace_ms)
+    or {}
   local function add(...)
     for _, value in ipairs({...}) do
       fields[#fields + 1] = value
@@ -215,8 +218,7 @@ else
   if queue then
     add('queue', queue, 'tag', tag, 'unacked', unacked, 'pushed_at', now)
   end
-  redis.call('HSET', record, unpack(fields))
-  transition(prefix, record, member, leased and 'publishing' or 'queued', now, task_id, '', history_len, false)
+  transition(prefix, record, member, leased and 'publishing' or 'queued', now, task_id, '', history_len, false, fields)
   count(prefix, member, 'accepted')
 end
 expire_record(prefix, record, member, hold_ms + grace_ms)
