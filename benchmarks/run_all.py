@@ -41,6 +41,7 @@ SCRIPTS: tuple[tuple[str, tuple[str, ...]], ...] = (
     ("admin", ("--records", "10000", "--renders", "5", "--later", "3")),
     ("followers", ("--followers", "50")),
     ("cluster", ("--calls", "300", "--repeats", "1", "--threads", "4")),
+    ("scale", ("--quick", "--calls", "1000", "--passes", "3", "--renders", "5")),
     ("chart", ()),
 )
 

@@ -1,0 +1,289 @@
+"""Does a keyed task's cost grow with the number of keys in flight? At 10k, 100k and 1M held keys.
+
+The store is filled through the real gate script, pipelined (``DedupStore.gate_many``,
+1,000 calls per chunk): every key is held, queued with its record, history and
+index entries, and its (small) message is on a queue, as ``apply_async`` leaves
+it. At each size, on the same server:
+
+- **gate**: ``--calls`` ``apply_async`` calls of new keys, then as many of
+  held keys (duplicates), each timed alone: p50 and p99 µs;
+- **worker**: the guard's two calls (``start``, then ``finish`` as a success)
+  on ``--calls`` of the queued keys, timed as a pair: p50 and p99 µs;
+- **reaper**: ``--passes`` passes of ``DedupStore.reap`` with the default
+  budget (500 entries per step): median ms per pass;
+- **admin**: the Django admin's record list (first page, ``?state=queued``
+  and a key-prefix search), rendered ``--renders`` times each: median ms.
+
+Run it from the repository root::
+
+    .venv/bin/python benchmarks/scale.py [--sizes 10000,100000,1000000] [--calls 2000]
+
+``--quick`` means ``--sizes 10000,100000``. It starts its own server, prints a
+Markdown table with each figure's growth from the smallest size to the largest,
+and writes ``benchmarks/results/scale.json``. The 1M fill takes a minute or two
+and about 1.5 GB of server memory. Nothing here asserts on time.
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import json
+import os
+import platform
+import statistics
+import sys
+import time
+from collections.abc import Callable, Iterator, Sequence
+from pathlib import Path
+from typing import Any
+
+import redis
+
+ROOT = Path(__file__).resolve().parent.parent
+if str(ROOT) not in sys.path:
+    sys.path.insert(0, str(ROOT))  # run as ``python benchmarks/scale.py``: make ``benchmarks.*`` importable
+
+from benchmarks._common import save, versions  # noqa: E402
+from benchmarks.admin import LIST, TASKS, build_app, configure_django, render  # noqa: E402
+from celery_dedup import runtime  # noqa: E402
+from celery_dedup.keys import member_for, new_nonce, new_task_id  # noqa: E402
+from celery_dedup.lock import new_token  # noqa: E402
+from celery_dedup.store import GateCall  # noqa: E402
+from celery_dedup.testing import RedisServer  # noqa: E402
+
+DEFAULT_OUTPUT = ROOT / "benchmarks" / "results" / "scale.json"
+QUEUE = "bench-scale"
+HOLD_MS = 86_400_000
+RECORD_MS = 86_400_000
+
+
+def percentile(values: Sequence[float], fraction: float) -> float:
+    ordered = sorted(values)
+    return ordered[min(len(ordered) - 1, int(fraction * len(ordered)))]
+
+
+def timed(calls: Sequence[Callable[[], Any]]) -> list[float]:
+    """µs of each call, one at a time."""
+    times = []
+    for call in calls:
+        began = time.perf_counter_ns()
+        call()
+        times.append((time.perf_counter_ns() - began) / 1000)
+    return times
+
+
+class Scale:
+    """The server, the app and the keys filled so far (``order:<n>`` of ``shop.charge``, n from 0)."""
+
+    def __init__(self, url: str) -> None:
+        self.app = build_app(url)
+        self.task = self.app.tasks[TASKS[0]]
+        self.store = runtime.store_for(self.app)
+        self.admin = redis.Redis.from_url(url)
+        self.filled = 0
+        self.fresh = 10**9  # keys of the timed new-key calls, far from the filled ones
+
+    def _calls(self, start: int, stop: int, chunk: int = 1000) -> Iterator[list[GateCall]]:
+        for low in range(start, stop, chunk):
+            calls = []
+            for n in range(low, min(stop, low + chunk)):
+                key = f"order:{n:08d}"
+                member, task_id = member_for(self.task.name, key), new_task_id(key)
+                message = json.dumps(
+                    {"headers": {"id": task_id, "task": self.task.name}, "properties": {"delivery_tag": task_id}}
+                )
+                calls.append(
+                    self.store.gate_call(
+                        member,
+                        task_id,
+                        new_nonce(),
+                        hold_ms=HOLD_MS,
+                        grace_ms=RECORD_MS,
+                        task_name=self.task.name,
+                        argsrepr=f"({n},)",
+                        kwargsrepr="{}",
+                        queue=QUEUE,
+                        message=message,
+                        delivery_tag=task_id,
+                        unacked_key="unacked",
+                    )
+                )
+            yield calls
+
+    def fill(self, size: int) -> float:
+        """Gate keys until ``size`` are held; returns the seconds it took."""
+        began = time.monotonic()
+        outcomes = self.store.gate_many(self._calls(self.filled, size))
+        if not all(outcome.accepted for outcome in outcomes):
+            raise RuntimeError("a fill key was not accepted")
+        self.filled = size
+        return time.monotonic() - began
+
+    def held(self) -> int:
+        return int(self.admin.scard(self.store.schema.held))
+
+    def gate(self, calls: int, warmup: int = 200) -> dict[str, list[float]]:
+        """``apply_async`` of new keys, then of held ones, over one producer (as enqueue.py times it)."""
+        with self.app.producer_or_acquire() as producer:
+            new_keys, held_keys = [], []
+            for _ in range(warmup + calls):
+                self.fresh += 1
+                order = self.fresh
+                new_keys.append(lambda order=order: self.task.apply_async((order,), producer=producer))
+            for n in range(warmup + calls):
+                held_keys.append(lambda n=n: self.task.apply_async((f"{n:08d}",), producer=producer))
+            new, duplicate = timed(new_keys)[warmup:], timed(held_keys)[warmup:]
+            probe = self.task.apply_async(("00000000",), producer=producer)
+        if not getattr(probe, "deduplicated", False):
+            raise RuntimeError("a filled key was not held")
+        return {"new": new, "duplicate": duplicate}
+
+    def worker(self, calls: int) -> list[float]:
+        """start + finish of the last ``calls`` filled keys (they end, as a worker would end them)."""
+        pairs = []
+        for n in range(self.filled - calls, self.filled):
+            key = f"order:{n:08d}"
+            member = member_for(self.task.name, key)
+            task_id = self.store.record(member)["task_id"]  # type: ignore[index]
+            token = new_token()
+
+            def pair(member: str = member, task_id: str = task_id, token: str = token) -> None:
+                decision = self.store.start(
+                    member,
+                    task_id,
+                    token,
+                    lock_ms=60_000,
+                    gated=True,
+                    key_mode="lock",
+                    hostname="bench@host",
+                    pid=os.getpid(),
+                    retries=0,
+                    task_name=self.task.name,
+                    record_ms=RECORD_MS,
+                )
+                if not decision.run:
+                    raise RuntimeError(f"start refused a queued key: {decision}")
+                self.store.finish(member, task_id, "succeeded", drop=True, record_ms=RECORD_MS, token=token, role="run")
+
+            pairs.append(pair)
+        return timed(pairs)
+
+    def reaper(self, passes: int) -> list[float]:
+        return [us / 1000 for us in timed([lambda: self.store.reap(record_ms=RECORD_MS)] * passes)]
+
+
+def page_ms(client: Any, url: str, renders: int) -> float:
+    """Median ms of ``renders`` renders of the admin page at ``url``."""
+    return statistics.median(us / 1000 for us in timed([lambda: render(client, url)] * renders))
+
+
+def measure(args: argparse.Namespace) -> dict[str, Any]:
+    rows: list[dict[str, Any]] = []
+    with RedisServer() as server:
+        print(f"server: {server.binary} ({server.version()})", flush=True)
+        scale = Scale(server.url)
+        client = configure_django(scale.app)
+        pages = {"first page": LIST, "state=queued": f"{LIST}?state=queued", "key prefix": f"{LIST}?q=order:0000012"}
+        for url in pages.values():
+            render(client, url)  # warm: templates, connections, scripts
+        for size in args.sizes:
+            fill_s = scale.fill(size)
+            info = scale.admin.info("memory")
+            gate = scale.gate(args.calls)
+            admin_ms = {name: page_ms(client, url, args.renders) for name, url in pages.items()}
+            reaper = scale.reaper(args.passes)
+            worker = scale.worker(args.calls)
+            row = {
+                "size": size,
+                "held": scale.held(),
+                "fill_s": fill_s,
+                "used_memory": int(info["used_memory"]),
+                "gate_new_p50_us": statistics.median(gate["new"]),
+                "gate_new_p99_us": percentile(gate["new"], 0.99),
+                "gate_duplicate_p50_us": statistics.median(gate["duplicate"]),
+                "gate_duplicate_p99_us": percentile(gate["duplicate"], 0.99),
+                "worker_pair_p50_us": statistics.median(worker),
+                "worker_pair_p99_us": percentile(worker, 0.99),
+                "reaper_pass_median_ms": statistics.median(reaper),
+                **{f"admin_{name.replace(' ', '_').replace('=', '_')}_ms": ms for name, ms in admin_ms.items()},
+            }
+            rows.append(row)
+            print(f"size {size}: filled in {fill_s:.1f} s", file=sys.stderr, flush=True)
+        scale.app.close()
+    return {"rows": rows}
+
+
+METRICS = (
+    ("gate, new key p50 / p99 µs", "gate_new_p50_us", "gate_new_p99_us"),
+    ("gate, duplicate p50 / p99 µs", "gate_duplicate_p50_us", "gate_duplicate_p99_us"),
+    ("worker start + finish p50 / p99 µs", "worker_pair_p50_us", "worker_pair_p99_us"),
+    ("reaper pass, median ms", "reaper_pass_median_ms", None),
+    ("admin first page, median ms", "admin_first_page_ms", None),
+    ("admin ?state=queued, median ms", "admin_state_queued_ms", None),
+    ("admin key-prefix search, median ms", "admin_key_prefix_ms", None),
+)
+
+
+def table(rows: Sequence[dict[str, Any]]) -> str:
+    sizes = [f"{row['size']:,} keys" for row in rows]
+    lines = ["| | " + " | ".join(sizes) + " | largest / smallest |", "|---|" + "---:|" * (len(rows) + 1)]
+    for label, first, second in METRICS:
+        cells = [f"{row[first]:.0f}" + (f" / {row[second]:.0f}" if second else "") for row in rows]
+        if first.endswith("_ms"):
+            cells = [f"{row[first]:.1f}" for row in rows]
+        growth = rows[-1][first] / rows[0][first]
+        growth_text = f"{growth:.2f}x" + (f" / {rows[-1][second] / rows[0][second]:.2f}x" if second else "")
+        lines.append(f"| {label} | " + " | ".join(cells) + f" | {growth_text} |")
+    memory = [f"{row['used_memory'] / 2**20:,.0f} MiB" for row in rows]
+    lines.append("| server used_memory | " + " | ".join(memory) + " | |")
+    return "\n".join(lines)
+
+
+def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n", 1)[0] if __doc__ else None)
+    parser.add_argument("--sizes", default="10000,100000,1000000", help="keys in flight (default 10k,100k,1M)")
+    parser.add_argument("--quick", action="store_true", help="--sizes 10000,100000")
+    parser.add_argument("--calls", type=int, default=2000, help="timed gate calls and guard pairs per size")
+    parser.add_argument("--passes", type=int, default=5, help="reaper passes per size (default 5)")
+    parser.add_argument("--renders", type=int, default=10, help="renders per admin page per size (default 10)")
+    parser.add_argument("--output", type=Path, default=DEFAULT_OUTPUT, help="JSON result file")
+    args = parser.parse_args(argv)
+    args.sizes = [10_000, 100_000] if args.quick else [int(s) for s in args.sizes.split(",") if s.strip()]
+    if not args.sizes or min(args.sizes) <= 2 * args.calls + 200 or args.sizes != sorted(args.sizes):
+        parser.error("--sizes must be increasing, each above 2 x --calls + 200")
+    for name in ("calls", "passes", "renders"):
+        if getattr(args, name) < 1:
+            parser.error(f"--{name} must be at least 1")
+    return args
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    args = parse_args(argv)
+    began = time.monotonic()
+    load_before = os.getloadavg()[0]
+    result = measure(args)
+    print()
+    print(
+        f"Cost at each number of keys in flight ({args.calls} gate calls and guard pairs, {args.passes} reaper "
+        f"passes, {args.renders} renders per page, per size; load average before {load_before:.2f})"
+    )
+    print()
+    print(table(result["rows"]))
+    save(
+        args.output,
+        {
+            "benchmark": "scale",
+            "when": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+            "versions": versions("django"),
+            "machine": {"platform": platform.platform(), "cpus": os.cpu_count(), "loadavg_1m_before": load_before},
+            "settings": {k: v for k, v in vars(args).items() if k != "output"},
+            "elapsed_s": time.monotonic() - began,
+            **result,
+        },
+    )
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
