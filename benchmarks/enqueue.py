@@ -182,12 +182,14 @@ class Bench:
         return int(self.client.llen(QUEUE))
 
 
-def build_app(url: str) -> Celery:
+def build_app(url: str, *, result_backend: bool = False) -> Celery:
     app = Celery("bench_enqueue", set_as_current=False)
     app.conf.update(
         broker_url=url,
+        # With the Redis result backend on the same server, every task stores its result (Celery's default).
+        result_backend=url if result_backend else None,
         task_default_queue=QUEUE,
-        task_ignore_result=True,
+        task_ignore_result=not result_backend,
         broker_connection_retry_on_startup=False,
         dedup_key_prefix=PREFIX,
         # The peers' documented settings, on the same server (harmless without them).
@@ -200,12 +202,16 @@ def build_app(url: str) -> Celery:
 
 
 def make_tasks(app: Celery) -> tuple[Any, Any]:
+    ignore_result = bool(app.conf.task_ignore_result)
+
     # Same signature and argument for both, so the messages are the same size.
-    @app.task(name="bench.plain", ignore_result=True, shared=False)
+    @app.task(name="bench.plain", ignore_result=ignore_result, shared=False)
     def plain(order_id: int) -> None:
         return None
 
-    @app.task(name="bench.keyed", base=DedupTask, dedup_key="order:{order_id}", ignore_result=True, shared=False)
+    @app.task(
+        name="bench.keyed", base=DedupTask, dedup_key="order:{order_id}", ignore_result=ignore_result, shared=False
+    )
     def keyed(order_id: int) -> None:
         return None
 
@@ -217,11 +223,13 @@ def make_peer_tasks(app: Celery) -> Peers:
     from celery_once import AlreadyQueued, QueueOnce  # noqa: PLC0415 - optional: the bench extra
     from celery_singleton import Singleton  # noqa: PLC0415 - optional: the bench extra
 
-    @app.task(name=ONCE_TASK, base=QueueOnce, once={"keys": ["order_id"]}, ignore_result=True, shared=False)
+    ignore_result = bool(app.conf.task_ignore_result)
+
+    @app.task(name=ONCE_TASK, base=QueueOnce, once={"keys": ["order_id"]}, ignore_result=ignore_result, shared=False)
     def once(order_id: int) -> None:
         return None
 
-    @app.task(name="bench.singleton", base=Singleton, unique_on=["order_id"], ignore_result=True, shared=False)
+    @app.task(name="bench.singleton", base=Singleton, unique_on=["order_id"], ignore_result=ignore_result, shared=False)
     def singleton(order_id: int) -> None:
         return None
 
@@ -417,6 +425,9 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     parser.add_argument(
         "--no-peers", dest="peers", action="store_false", help="leave out the celery-once and celery-singleton cases"
     )
+    parser.add_argument(
+        "--result-backend", action="store_true", help="the Redis result backend on the same server, results stored"
+    )
     parser.add_argument("--output", type=Path, default=DEFAULT_OUTPUT, help="JSON result file")
     args = parser.parse_args(argv)
     for name in ("calls", "repeats", "block", "rt_calls"):
@@ -446,7 +457,7 @@ def measure(args: argparse.Namespace) -> Run:
         print(", ".join(f"{k} {v}" for k, v in versions(*peer_dists(args)).items()))
         load_before = os.getloadavg()[0]
         print(f"load average before: {load_before:.2f} (cpus: {os.cpu_count()})", flush=True)
-        app = build_app(server.url)
+        app = build_app(server.url, result_backend=args.result_backend)
         plain, keyed = make_tasks(app)
         peers = make_peer_tasks(app) if args.peers else None
         client: redis.Redis = redis.Redis.from_url(server.url)
@@ -497,7 +508,8 @@ def print_report(args: argparse.Namespace, run: Run) -> None:
     print()
     print(
         f"apply_async: {args.calls} calls x {args.repeats} repeats per case, blocks of {args.block}, "
-        f"{run.elapsed_s:.1f} s, load average after {run.load_after:.2f}"
+        f"{run.elapsed_s:.1f} s, load average after {run.load_after:.2f}; "
+        f"{'Redis result backend' if args.result_backend else 'no result backend (ignore_result)'}"
     )
     print()
     print(timing_table(run.rows))
@@ -532,6 +544,7 @@ def write_result(args: argparse.Namespace, run: Run) -> None:
             "warmup": args.warmup,
             "rt_calls": args.rt_calls,
             "peers": args.peers,
+            "result_backend": args.result_backend,
             "celery_once_duplicate": "raises AlreadyQueued (its default, not graceful), caught by the caller",
         },
         "elapsed_s": run.elapsed_s,
