@@ -3,20 +3,22 @@
 The store is filled through the real gate script, pipelined (``DedupStore.gate_many``,
 1,000 calls per chunk): every key is held, queued with its record, history and
 index entries, and its (small) message is on a queue, as ``apply_async`` leaves
-it. At each size, on the same server:
+it. At each size, on the same server, ``--rounds`` rounds of (the table keeps
+each figure's median over the rounds):
 
 - **gate**: ``--calls`` ``apply_async`` calls of new keys, then as many of
-  held keys (duplicates), each timed alone: p50 and p99 µs;
-- **worker**: the guard's two calls (``start``, then ``finish`` as a success)
-  on ``--calls`` of the queued keys, timed as a pair: p50 and p99 µs;
+  held keys this process never called (duplicates), each timed alone: p50 and
+  p99 µs;
+- **admin**: the Django admin's record list (first page, ``?state=queued``
+  and a key-prefix search), rendered ``--renders`` times each: median ms;
 - **reaper**: ``--passes`` passes of ``DedupStore.reap`` with the default
   budget (500 entries per step): median ms per pass;
-- **admin**: the Django admin's record list (first page, ``?state=queued``
-  and a key-prefix search), rendered ``--renders`` times each: median ms.
+- **worker**: the guard's two calls (``start``, then ``finish`` as a success)
+  on ``--calls`` of the queued keys, timed as a pair: p50 and p99 µs.
 
 Run it from the repository root::
 
-    .venv/bin/python benchmarks/scale.py [--sizes 10000,100000,1000000] [--calls 2000]
+    .venv/bin/python benchmarks/scale.py [--sizes 10000,100000,1000000] [--calls 1000] [--rounds 3]
 
 ``--quick`` means ``--sizes 10000,100000``. It starts its own server, prints a
 Markdown table with each figure's growth from the smallest size to the largest,
@@ -123,26 +125,30 @@ class Scale:
     def held(self) -> int:
         return int(self.admin.scard(self.store.schema.held))
 
-    def gate(self, calls: int, warmup: int = 200) -> dict[str, list[float]]:
-        """``apply_async`` of new keys, then of held ones, over one producer (as enqueue.py times it)."""
+    def gate(self, calls: int, first_held: int, warmup: int = 200) -> dict[str, list[float]]:
+        """``apply_async`` of new keys, then of held ones, over one producer (as enqueue.py times it).
+
+        The held keys, from ``first_held`` on, were never called by this process: each duplicate
+        goes to the gate (a key this process saw held is answered by a cheaper read).
+        """
         with self.app.producer_or_acquire() as producer:
             new_keys, held_keys = [], []
             for _ in range(warmup + calls):
                 self.fresh += 1
                 order = self.fresh
                 new_keys.append(lambda order=order: self.task.apply_async((order,), producer=producer))
-            for n in range(warmup + calls):
+            for n in range(first_held, first_held + warmup + calls):
                 held_keys.append(lambda n=n: self.task.apply_async((f"{n:08d}",), producer=producer))
             new, duplicate = timed(new_keys)[warmup:], timed(held_keys)[warmup:]
-            probe = self.task.apply_async(("00000000",), producer=producer)
+            probe = self.task.apply_async((f"{first_held:08d}",), producer=producer)
         if not getattr(probe, "deduplicated", False):
             raise RuntimeError("a filled key was not held")
         return {"new": new, "duplicate": duplicate}
 
-    def worker(self, calls: int) -> list[float]:
-        """start + finish of the last ``calls`` filled keys (they end, as a worker would end them)."""
+    def worker(self, calls: int, stop: int) -> list[float]:
+        """start + finish of the ``calls`` filled keys before ``stop`` (they end, as a worker would end them)."""
         pairs = []
-        for n in range(self.filled - calls, self.filled):
+        for n in range(stop - calls, stop):
             key = f"order:{n:08d}"
             member = member_for(self.task.name, key)
             task_id = self.store.record(member)["task_id"]  # type: ignore[index]
@@ -188,25 +194,37 @@ def measure(args: argparse.Namespace) -> dict[str, Any]:
         for url in pages.values():
             render(client, url)  # warm: templates, connections, scripts
         for size in args.sizes:
+            first_held = scale.filled
             fill_s = scale.fill(size)
             info = scale.admin.info("memory")
-            gate = scale.gate(args.calls)
-            admin_ms = {name: page_ms(client, url, args.renders) for name, url in pages.items()}
-            reaper = scale.reaper(args.passes)
-            worker = scale.worker(args.calls)
+            rounds: list[dict[str, float]] = []
+            for round_ in range(args.rounds):
+                # Each round takes its own held keys: the duplicates' from the start of this size's fill,
+                # the guard's from its end.
+                gate = scale.gate(args.calls, first_held + round_ * (args.calls + 200))
+                admin_ms = {name: page_ms(client, url, args.renders) for name, url in pages.items()}
+                reaper = scale.reaper(args.passes)
+                worker = scale.worker(args.calls, size - round_ * args.calls)
+                rounds.append(
+                    {
+                        "gate_new_p50_us": statistics.median(gate["new"]),
+                        "gate_new_p99_us": percentile(gate["new"], 0.99),
+                        "gate_duplicate_p50_us": statistics.median(gate["duplicate"]),
+                        "gate_duplicate_p99_us": percentile(gate["duplicate"], 0.99),
+                        "worker_pair_p50_us": statistics.median(worker),
+                        "worker_pair_p99_us": percentile(worker, 0.99),
+                        "reaper_pass_median_ms": statistics.median(reaper),
+                        **{f"admin_{name.replace(' ', '_').replace('=', '_')}_ms": ms for name, ms in admin_ms.items()},
+                    }
+                )
             row = {
                 "size": size,
                 "held": scale.held(),
                 "fill_s": fill_s,
                 "used_memory": int(info["used_memory"]),
-                "gate_new_p50_us": statistics.median(gate["new"]),
-                "gate_new_p99_us": percentile(gate["new"], 0.99),
-                "gate_duplicate_p50_us": statistics.median(gate["duplicate"]),
-                "gate_duplicate_p99_us": percentile(gate["duplicate"], 0.99),
-                "worker_pair_p50_us": statistics.median(worker),
-                "worker_pair_p99_us": percentile(worker, 0.99),
-                "reaper_pass_median_ms": statistics.median(reaper),
-                **{f"admin_{name.replace(' ', '_').replace('=', '_')}_ms": ms for name, ms in admin_ms.items()},
+                # The median of the rounds' figures: one round's can catch a burst of machine load.
+                **{metric: statistics.median(r[metric] for r in rounds) for metric in rounds[0]},
+                "rounds": rounds,
             }
             rows.append(row)
             print(f"size {size}: filled in {fill_s:.1f} s", file=sys.stderr, flush=True)
@@ -244,14 +262,20 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n", 1)[0] if __doc__ else None)
     parser.add_argument("--sizes", default="10000,100000,1000000", help="keys in flight (default 10k,100k,1M)")
     parser.add_argument("--quick", action="store_true", help="--sizes 10000,100000")
-    parser.add_argument("--calls", type=int, default=2000, help="timed gate calls and guard pairs per size")
+    parser.add_argument(
+        "--calls", type=int, default=1000, help="timed gate calls and guard pairs per round (default 1000)"
+    )
+    parser.add_argument("--rounds", type=int, default=3, help="measurement rounds per size, medians kept (default 3)")
     parser.add_argument("--passes", type=int, default=5, help="reaper passes per size (default 5)")
     parser.add_argument("--renders", type=int, default=10, help="renders per admin page per size (default 10)")
     parser.add_argument("--output", type=Path, default=DEFAULT_OUTPUT, help="JSON result file")
     args = parser.parse_args(argv)
     args.sizes = [10_000, 100_000] if args.quick else [int(s) for s in args.sizes.split(",") if s.strip()]
-    if not args.sizes or min(args.sizes) <= 2 * args.calls + 200 or args.sizes != sorted(args.sizes):
-        parser.error("--sizes must be increasing, each above 2 x --calls + 200")
+    if args.rounds < 1:
+        parser.error("--rounds must be at least 1")
+    smallest_step = min(b - a for a, b in zip([0, *args.sizes], args.sizes, strict=False))
+    if args.sizes != sorted(args.sizes) or smallest_step <= args.rounds * (2 * args.calls + 200):
+        parser.error("--sizes must be increasing, each step above --rounds x (2 x --calls + 200) keys")
     for name in ("calls", "passes", "renders"):
         if getattr(args, name) < 1:
             parser.error(f"--{name} must be at least 1")
@@ -265,8 +289,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     result = measure(args)
     print()
     print(
-        f"Cost at each number of keys in flight ({args.calls} gate calls and guard pairs, {args.passes} reaper "
-        f"passes, {args.renders} renders per page, per size; load average before {load_before:.2f})"
+        f"Cost at each number of keys in flight (per size, the median of {args.rounds} rounds of {args.calls} gate "
+        f"calls and guard pairs, {args.passes} reaper passes and {args.renders} renders per page; load average "
+        f"before {load_before:.2f})"
     )
     print()
     print(table(result["rows"]))
