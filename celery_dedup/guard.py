@@ -20,20 +20,21 @@ import socket
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
+from functools import partial
 from typing import Any, NamedTuple, NoReturn
 
 import redis
 from celery.exceptions import Ignore, Reject, Retry
 from kombu.utils.json import loads
 
-from . import decisions, runtime
+from . import decisions, results, runtime
 from .exceptions import UNREACHABLE, DedupError, DedupFollowerError, DedupStoreError, DedupUnavailableError
 from .gate import GateHeader, call_payload, decode_payload, decode_result, result_payload
 from .keyed import KeyedTask
 from .keys import member_for, split_member
 from .lock import ExecutionLock, new_token, renewer
 from .processes import exit_watcher, gone, token_pid
-from .store import DedupStore, Finished, StartDecision
+from .store import BackendResult, DedupStore, Finished, StartDecision
 
 logger = logging.getLogger("celery_dedup")
 
@@ -99,7 +100,11 @@ def guarded_call(
     keeper.add(lock)
     _running[task_id] = lock
 
-    def end(ending: Ending, value: Any = None) -> None:
+    def end(
+        ending: Ending, value: Any = None, backend_result: BackendResult | None = None, deferred: bool = False
+    ) -> None:
+        if not deferred and ending.state == SUCCEEDED and results.defer(task, store, partial(end, ending, value)):
+            return  # recorded with its result where the backend is the store's Redis: one round trip
         keeper.remove(lock)
         _running.pop(task_id, None)
         replacement = _replacements.pop(task_id, None)
@@ -126,6 +131,7 @@ def guarded_call(
             patience=max(policy.lock_ttl, 5.0),
             lock=lock if own else None,
             result=kept_result(task, value)[0] if keep else "",
+            backend_result=backend_result,
         )
         if finished is not None and finished.wants_result:
             settle(task, store, member, task_id, value, record_ms)
@@ -391,6 +397,7 @@ def finish(
     patience: float = 0.0,
     lock: ExecutionLock | None = None,
     result: str = "",
+    backend_result: BackendResult | None = None,
 ) -> Finished | None:
     """Record a run's ending (``role`` as for :meth:`DedupStore.finish`); store errors are logged.
 
@@ -417,6 +424,7 @@ def finish(
                 payload=payload,
                 note=note,
                 result=result,
+                backend_result=backend_result,
             )
             break
         except (redis.ConnectionError, redis.TimeoutError) as exc:

@@ -228,6 +228,17 @@ class IndexSizes:
     tasks: dict[str, int]
 
 
+@dataclass
+class BackendResult:
+    """A result as Celery's Redis backend writes it: key, encoded value, expiry in seconds (0: none)."""
+
+    key: bytes | str
+    value: bytes | str
+    expires: int
+    #: Set once :meth:`DedupStore.finish` has written it.
+    written: bool = False
+
+
 class Finished(NamedTuple):
     """What recording a run's ending did (see ``finish.lua``)."""
 
@@ -537,6 +548,7 @@ class DedupStore:
         payload: str = "",
         note: str = "",
         result: str = "",
+        backend_result: BackendResult | None = None,
     ) -> Finished:
         """Record ``state`` for the run ``task_id``, release the lock ``token``, drop its key if ``drop``.
 
@@ -545,11 +557,13 @@ class DedupStore:
         from outside the body (``token``: a lock whose process is gone, or "");
         ``"stop"``, a report of a delivery being stopped, which keeps its lock
         and key until it is through. ``result``: the run's return value, kept
-        for its followers (see :class:`Finished`).
+        for its followers (see :class:`Finished`). ``backend_result``: the
+        result Celery's Redis backend would write next, written by the same
+        script after the ending (the backend must be on this server).
         """
         at = self._at(member)
-        keys = [at.held, at.record(member), at.lock(member)]
-        args = [
+        keys: list[Any] = [at.held, at.record(member), at.lock(member)]
+        args: list[Any] = [
             member,
             task_id,
             state,
@@ -564,7 +578,12 @@ class DedupStore:
             storable(note),
             result,
         ]
+        if backend_result is not None:
+            keys.append(backend_result.key)
+            args += [backend_result.value, backend_result.expires]
         owned, lock_kept, wants_result = self.scripts.finish(keys, args)
+        if backend_result is not None:
+            backend_result.written = True
         return Finished(bool(owned), bool(lock_kept), bool(wants_result))
 
     def settle(self, member: str, run_id: str, *, result: str, unkept: str = "", record_ms: int) -> int:

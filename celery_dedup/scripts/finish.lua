@@ -4,6 +4,10 @@
 -- KEYS[1]  held set
 -- KEYS[2]  the member's status record (HASH)
 -- KEYS[3]  the member's execution lock
+-- KEYS[4]  optional: the run's result key in Celery's Redis result backend on
+--          this server, written (SET, or SETEX with ARGV[15]) and published
+--          with ARGV[14] after the ending is recorded, whatever this returns:
+--          a caller who sees the result and calls again finds the key released
 -- ARGV[1]  member
 -- ARGV[2]  task id of the run
 -- ARGV[3]  state to record (succeeded, failed, retry, queued, revoked, lost, ...)
@@ -32,6 +36,8 @@
 -- ARGV[12] a history note for the transition, "" for none
 -- ARGV[13] the run's return value (gate.result_payload), "" for none: kept
 --          for its followers (see lib's settle_followers)
+-- ARGV[14] with KEYS[4]: the result as the backend encodes it
+-- ARGV[15] with KEYS[4]: its expiry, seconds; "0" for none
 --
 -- Nothing but a lock named by ARGV[6] is touched unless the record names this
 -- run (then only its memory of ended runs, see lib's REMEMBERED, and its
@@ -53,6 +59,20 @@ local member, task_id, state = ARGV[1], ARGV[2], ARGV[3]
 local drop, record_ms, token = ARGV[4] == '1', tonumber(ARGV[5]), ARGV[6]
 local prefix, history_len, err, payload = ARGV[7], tonumber(ARGV[8]), ARGV[9], ARGV[10] or ''
 local role, note, result = ARGV[11], ARGV[12] or '', ARGV[13] or ''
+
+-- Every return goes through here: the backend's result (KEYS[4]) follows the ending.
+local function reply(values)
+  if KEYS[4] then
+    local expires = tonumber(ARGV[15])
+    if expires > 0 then
+      redis.call('SETEX', KEYS[4], expires, ARGV[14])
+    else
+      redis.call('SET', KEYS[4], ARGV[14])
+    end
+    redis.call('PUBLISH', KEYS[4], ARGV[14])
+  end
+  return values
+end
 
 local current = redis.call('HMGET', record, 'task_id', 'lock', 'state')
 local lock_kept, released = 1, false
@@ -77,27 +97,27 @@ if current[1] ~= task_id then
   end
   -- Only this run's followers are still this call's to settle.
   local wants = final and settle_followers(prefix, member, task_id, state, err, result, record_ms)
-  return {0, lock_kept, wants and 1 or 0}
+  return reply({0, lock_kept, wants and 1 or 0})
 end
 local run_lock = current[2]
 if token ~= '' and run_lock and run_lock ~= token then
   -- Another delivery of this run took over (after this one lost its lock):
   -- the record is that delivery's to finish.
-  return {1, lock_kept, 0}
+  return reply({1, lock_kept, 0})
 end
 -- A delivery the caller does not speak for still runs this run.
 local running = token == '' and run_lock and redis.call('GET', lock) == run_lock
 if running and role ~= 'stop' then
-  return {1, lock_kept, 0}
+  return reply({1, lock_kept, 0})
 end
 if drop and record_ms == 0 then
   if current[3] ~= 'queued' and current[3] ~= 'pending' and current[3] ~= 'publishing' then
-    return {1, lock_kept, 0}  -- the run began (eager mode runs it inside its publish): its ending stands
+    return reply({1, lock_kept, 0})  -- the run began (eager mode runs it inside its publish): its ending stands
   end
   redis.call('SREM', held, member)
   forget(prefix, record, member)
   count(prefix, member, 'accepted', -1)  -- its publish failed: it was never accepted after all
-  return {1, lock_kept, 0}
+  return reply({1, lock_kept, 0})
 end
 
 local now = now_ms()
@@ -136,7 +156,7 @@ if ENDED[current[3]] then
     redis.call('HDEL', record, 'lock')
     settle_key()
   end
-  return {1, lock_kept, 0}
+  return reply({1, lock_kept, 0})
 end
 
 local fields = {}
@@ -171,4 +191,4 @@ if running then
 else
   settle_key(true)
 end
-return {1, lock_kept, wants_result}
+return reply({1, lock_kept, wants_result})

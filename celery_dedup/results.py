@@ -1,0 +1,108 @@
+"""A run's ending and its result in one round trip, where the result backend is the store's own Redis.
+
+Celery stores a task's result after its body returns; the guard records the
+run's ending before that, so a caller who sees the result and calls again
+finds the key released. When the result goes to Celery's Redis backend on the
+store's own server and database, the guard leaves the ending to the result
+write instead: the finish script records the ending and then writes and
+publishes the result, in that order, in one script (one round trip, not two).
+
+A deferred ending that no result write picks up (the result is not stored
+after all, or the backend failed before writing it) is recorded when the
+task's trace ends (``task_postrun``), as it would have been without deferral;
+the run's lock is renewed until then.
+"""
+
+from __future__ import annotations
+
+import threading
+from typing import Any, Protocol
+
+from celery import signals
+from celery.backends.redis import RedisBackend
+
+from .store import BackendResult, DedupStore
+
+
+class Ending(Protocol):
+    """Records a deferred ending, with the backend's result write (None: no result is written).
+
+    The result's ``written`` says whether it went out with it.
+    """
+
+    def __call__(self, backend_result: BackendResult | None, *, deferred: bool) -> None: ...
+
+
+class _Deferred(threading.local):
+    def __init__(self) -> None:
+        #: Deferred endings of this thread, by task id.
+        self.endings: dict[str, Ending] = {}
+
+
+_deferred = _Deferred()
+_original_set = RedisBackend._set  # type: ignore[attr-defined]  # celery-types leaves it out
+
+
+def _set(self: Any, key: Any, value: Any, expires: Any = None) -> None:
+    """``RedisBackend._set``, recording a deferred ending in the same script when the key is its run's."""
+    endings = _deferred.endings
+    if endings:
+        prefix = (
+            bytes(self.task_keyprefix) if isinstance(self.task_keyprefix, bytes) else str(self.task_keyprefix).encode()
+        )
+        name = key if isinstance(key, bytes) else str(key).encode()
+        task_id = name[len(prefix) :].decode() if name.startswith(prefix) else None
+        ending = endings.pop(task_id, None) if task_id is not None else None
+        if ending is not None:
+            result = BackendResult(key, value, int((self.expires if expires is None else expires) or 0))
+            ending(result, deferred=True)
+            if result.written:
+                return
+    _original_set(self, key, value, expires)
+
+
+RedisBackend._set = _set  # type: ignore[attr-defined]
+
+
+def joins_result_write(task: Any, store: DedupStore) -> bool:
+    """Whether the current request's result goes to this store's server, written by the patched backend.
+
+    Only for a result Celery will store (not eager, not ignored) and only when
+    nothing is published before it (callbacks, a chain: their calls must see
+    the key released), on a single server whose host, port and database are
+    the store's.
+    """
+    request = task.request
+    if request.is_eager or request.callbacks or request.chain:
+        return False
+    ignore = getattr(request, "ignore_result", None)
+    if task.ignore_result if ignore is None else ignore:
+        return False
+    backend = task.backend
+    if not isinstance(backend, RedisBackend) or getattr(type(backend), "_set", None) is not _set:
+        return False
+    if store.schema.shards > 1 or store.wait_replicas:
+        return False
+    ours = store.client.connection_pool.connection_kwargs
+    theirs = backend.client.connection_pool.connection_kwargs
+    located = ours.get("host") is not None or ours.get("path") is not None
+    return located and all(ours.get(k) == theirs.get(k) for k in ("host", "port", "path", "db"))
+
+
+def defer(task: Any, store: DedupStore, ending: Ending) -> bool:
+    """Leave the current run's ending to its result write (or to the end of its trace), if that joins it.
+
+    Returns whether it was deferred; the lock stays renewed meanwhile.
+    """
+    task_id = task.request.id
+    if task_id is None or not joins_result_write(task, store):
+        return False
+    _deferred.endings[task_id] = ending
+    return True
+
+
+@signals.task_postrun.connect(weak=False)
+def _settle_unwritten(task_id: str | None = None, **_: Any) -> None:
+    ending = _deferred.endings.pop(task_id, None) if task_id is not None else None
+    if ending is not None:
+        ending(None, deferred=True)
