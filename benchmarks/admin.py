@@ -54,7 +54,7 @@ if str(ROOT) not in sys.path:
     sys.path.insert(0, str(ROOT))  # run as ``python benchmarks/<name>.py``: make ``benchmarks.*`` importable
 
 import celery_dedup  # noqa: E402
-from benchmarks._common import save, versions  # noqa: E402
+from benchmarks.harness import save, versions  # noqa: E402
 from celery_dedup import DedupTask, runtime  # noqa: E402
 from celery_dedup.keys import member_for, new_nonce, new_task_id  # noqa: E402
 from celery_dedup.lock import new_token  # noqa: E402

@@ -31,7 +31,7 @@ if str(ROOT) not in sys.path:
     sys.path.insert(0, str(ROOT))
 
 import celery_dedup  # noqa: E402
-from benchmarks._common import save, versions  # noqa: E402
+from benchmarks.harness import save, versions  # noqa: E402
 from celery_dedup import DedupTask  # noqa: E402
 from celery_dedup.testing import RedisServer  # noqa: E402
 

@@ -38,7 +38,7 @@ import redis
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
-from benchmarks._common import save, versions  # noqa: E402
+from benchmarks.harness import save, versions  # noqa: E402
 from celery_dedup.keys import member_for, new_nonce, new_task_id  # noqa: E402
 from celery_dedup.store import DedupStore  # noqa: E402
 from celery_dedup.testing import RedisCluster, RedisServer  # noqa: E402

@@ -65,7 +65,7 @@ if str(ROOT) not in sys.path:
     sys.path.insert(0, str(ROOT))  # run as ``python benchmarks/<name>.py``: make ``benchmarks.*`` importable
 
 import celery_dedup  # noqa: E402
-from benchmarks._common import save, versions  # noqa: E402
+from benchmarks.harness import save, versions  # noqa: E402
 from celery_dedup import DedupTask  # noqa: E402
 from celery_dedup.keys import KeySchema  # noqa: E402
 from celery_dedup.testing import RedisServer  # noqa: E402

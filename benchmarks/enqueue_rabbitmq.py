@@ -59,8 +59,8 @@ if str(ROOT) not in sys.path:
     sys.path.insert(0, str(ROOT))  # run as ``python benchmarks/<name>.py``: make ``benchmarks.*`` importable
 
 import celery_dedup  # noqa: E402
-from benchmarks._common import save, versions  # noqa: E402
 from benchmarks.enqueue import CommandLog  # noqa: E402
+from benchmarks.harness import save, versions  # noqa: E402
 from celery_dedup import DedupTask  # noqa: E402
 from celery_dedup.testing import RabbitMQNode, RabbitMQNotFound, RedisServer  # noqa: E402
 

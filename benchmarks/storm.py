@@ -63,14 +63,13 @@ ROOT = Path(__file__).resolve().parent.parent
 if str(ROOT) not in sys.path:
     sys.path.insert(0, str(ROOT))  # run as ``python benchmarks/storm.py``: make ``benchmarks.*`` importable
 
-from benchmarks._common import save, versions  # noqa: E402
+from benchmarks.harness import READY_MARKER, save, versions  # noqa: E402
 from benchmarks.storm_app import (  # noqa: E402
     DEDUP_PREFIX,
     LIBRARIES,
     LOG,
     ONCE_PREFIX,
     QUEUE,
-    READY_MARKER,
     SINGLETON_PREFIX,
     STARTED,
     TASK,

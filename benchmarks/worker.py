@@ -61,9 +61,13 @@ if str(ROOT) not in sys.path:
     # Run as ``python benchmarks/worker.py``: make ``benchmarks.*`` importable, as the worker subprocess needs too.
     sys.path.insert(0, str(ROOT))
 
-from benchmarks._common import save, versions  # noqa: E402
 from benchmarks.enqueue import CommandLog, commandstats  # noqa: E402
-from benchmarks.worker_app import PREFIX, QUEUE, READY_MARKER, build_app  # noqa: E402
+from benchmarks.harness import (  # noqa: E402
+    READY_MARKER,
+    save,
+    versions,
+)
+from benchmarks.worker_app import PREFIX, QUEUE, build_app  # noqa: E402
 from celery_dedup import runtime  # noqa: E402
 from celery_dedup.keys import member_for, new_nonce, new_task_id  # noqa: E402
 from celery_dedup.lock import new_token  # noqa: E402
