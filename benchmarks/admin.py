@@ -18,7 +18,7 @@ own INFO calls left out).
 
 Run it from the repository root::
 
-    .venv/bin/python benchmarks/admin.py [--records 100000] [--renders 20] [--output FILE]
+    .venv/bin/python -m benchmarks.admin [--records 100000] [--renders 20] [--output FILE]
 
 It starts its own server, prints a Markdown table and writes
 ``benchmarks/results/admin.json``. Nothing here asserts on time.

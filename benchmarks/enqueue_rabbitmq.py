@@ -23,7 +23,7 @@ over ``--rt-calls`` separate, untimed calls of each case from one thread.
 
 Run it from the repository root::
 
-    .venv/bin/python benchmarks/enqueue_rabbitmq.py [--calls 2000] [--threads 1,4] [--repeats 3]
+    .venv/bin/python -m benchmarks.enqueue_rabbitmq [--calls 2000] [--threads 1,4] [--repeats 3]
 
 It needs RabbitMQ (Debian's ``rabbitmq-server``; ``run-tests`` installs it as
 root) and says so, exiting 0, where it is missing. Prints a Markdown table and

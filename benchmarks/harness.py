@@ -252,15 +252,24 @@ def cell(value: object) -> str:
         magnitude = abs(value)
         if magnitude >= 100:
             return f"{value:,.0f}"
-        return f"{value:.1f}" if magnitude >= 10 else f"{value:.2f}"
+        if magnitude >= 10:
+            return f"{value:.1f}"
+        return f"{value:.2f}" if magnitude >= 1 or value == 0 else f"{value:.2g}"
     return str(value)
 
 
+def _numeric(value: object) -> bool:
+    """Whether a cell reads as a number (a ratio such as ``1.05x`` does)."""
+    if isinstance(value, bool):
+        return False
+    return isinstance(value, int | float) or (isinstance(value, str) and value.rstrip("x%").replace(".", "").isdigit())
+
+
 def table(headers: Sequence[str], rows: Iterable[Sequence[object]]) -> str:
-    """A Markdown table; a column whose first cell is a number is right-aligned."""
+    """A Markdown table; a column whose first cell is a number (or a ratio) is right-aligned."""
     body = [list(row) for row in rows]
     first = body[0] if body else [""] * len(headers)
-    align = ["---:" if isinstance(v, int | float) and not isinstance(v, bool) else "---" for v in first]
+    align = ["---:" if _numeric(v) else "---" for v in first]
     lines = ["| " + " | ".join(headers) + " |", "|" + "|".join(align) + "|"]
     lines += ["| " + " | ".join(cell(v) for v in row) + " |" for row in body]
     return "\n".join(lines)

@@ -28,7 +28,7 @@ too. ``stuck``: keys the library still holds when nothing is left to run.
 
 Run it from the repository root::
 
-    .venv/bin/python benchmarks/storm.py [--producers 4] [--keys 500] [--sends 4] [--kills 2]
+    .venv/bin/python -m benchmarks.storm [--producers 4] [--keys 500] [--sends 4] [--kills 2]
 
 It starts its own server, prints Markdown tables and writes
 ``benchmarks/results/storm.json``. About a minute and a half with the defaults.
@@ -61,7 +61,7 @@ from kombu.utils.uuid import uuid
 
 ROOT = Path(__file__).resolve().parent.parent
 if str(ROOT) not in sys.path:
-    sys.path.insert(0, str(ROOT))  # run as ``python benchmarks/storm.py``: make ``benchmarks.*`` importable
+    sys.path.insert(0, str(ROOT))  # run as ``python -m benchmarks.storm``: make ``benchmarks.*`` importable
 
 from benchmarks.harness import READY_MARKER, save, versions  # noqa: E402
 from benchmarks.storm_app import (  # noqa: E402
