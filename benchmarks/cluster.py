@@ -101,10 +101,12 @@ def main(argv: Sequence[str] | None = None) -> int:
                     harness.progress(f"{name} / {case} / {threads} threads done")
 
     def base(row: dict[str, Any]) -> float:
-        return next(
-            r["calls_per_s"]
-            for r in rows
-            if r["store"] == "single" and (r["case"], r["threads"]) == (row["case"], row["threads"])
+        return float(
+            next(
+                r["calls_per_s"]
+                for r in rows
+                if r["store"] == "single" and (r["case"], r["threads"]) == (row["case"], row["threads"])
+            )
         )
 
     print()

@@ -56,11 +56,14 @@ class Script:
     """One benchmark's options, header and result file.
 
     ``name`` names the result (``benchmarks/results/<name>.json``); the first
-    paragraph of ``doc`` is the ``--help`` description.
+    paragraph of ``doc`` is the ``--help`` description; ``packages`` are
+    distributions whose versions it reports besides Celery's, kombu's,
+    redis-py's and its own.
     """
 
-    def __init__(self, name: str, doc: str | None) -> None:
+    def __init__(self, name: str, doc: str | None, *, packages: Sequence[str] = ()) -> None:
         self.name = name
+        self.packages = tuple(packages)
         self.parser = argparse.ArgumentParser(description=(doc or "").split("\n\n", 1)[0] or None)
         self.parser.add_argument(
             "--output", type=Path, default=RESULTS / f"{name}.json", help="JSON result file (default %(default)s)"
@@ -92,7 +95,7 @@ class Script:
         """Print what runs: ``lines`` (the server, say), the versions and the machine's load."""
         for line in lines:
             print(line)
-        print(", ".join(f"{k} {v}" for k, v in versions(*(PEERS if peers else ())).items()))
+        print(", ".join(f"{k} {v}" for k, v in versions(*self.packages, *(PEERS if peers else ())).items()))
         print(f"load average before: {self.load_before:.2f} (cpus: {os.cpu_count()})", flush=True)
 
     def save(self, args: argparse.Namespace, result: Mapping[str, Any], *, peers: bool = False) -> None:
@@ -103,7 +106,7 @@ class Script:
             {
                 "benchmark": self.name,
                 "when": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
-                "versions": versions(*(PEERS if peers else ())),
+                "versions": versions(*self.packages, *(PEERS if peers else ())),
                 "machine": {
                     "platform": platform.platform(),
                     "cpus": os.cpu_count(),
