@@ -18,7 +18,7 @@ each figure's median over the rounds):
 
 Run it from the repository root::
 
-    .venv/bin/python benchmarks/scale.py [--sizes 10000,100000,1000000] [--calls 1000] [--rounds 3]
+    .venv/bin/python -m benchmarks.scale [--sizes 10000,100000,1000000] [--calls 1000] [--rounds 3]
 
 ``--quick`` means ``--sizes 10000,100000``. It starts its own server, prints a
 Markdown table with each figure's growth from the smallest size to the largest,
@@ -29,50 +29,37 @@ and about 1.5 GB of server memory. Nothing here asserts on time.
 from __future__ import annotations
 
 import argparse
-import datetime
 import json
 import os
-import platform
 import statistics
 import sys
 import time
 from collections.abc import Callable, Iterator, Sequence
-from pathlib import Path
 from typing import Any
 
 import redis
 
-ROOT = Path(__file__).resolve().parent.parent
-if str(ROOT) not in sys.path:
-    sys.path.insert(0, str(ROOT))  # run as ``python benchmarks/scale.py``: make ``benchmarks.*`` importable
+from benchmarks import harness
+from benchmarks.admin import LIST, TASKS, build_app, configure_django, render
+from celery_dedup import runtime
+from celery_dedup.keys import member_for, new_nonce, new_task_id
+from celery_dedup.lock import new_token
+from celery_dedup.store import GateCall
+from celery_dedup.testing import RedisServer
 
-from benchmarks._common import save, versions  # noqa: E402
-from benchmarks.admin import LIST, TASKS, build_app, configure_django, render  # noqa: E402
-from celery_dedup import runtime  # noqa: E402
-from celery_dedup.keys import member_for, new_nonce, new_task_id  # noqa: E402
-from celery_dedup.lock import new_token  # noqa: E402
-from celery_dedup.store import GateCall  # noqa: E402
-from celery_dedup.testing import RedisServer  # noqa: E402
-
-DEFAULT_OUTPUT = ROOT / "benchmarks" / "results" / "scale.json"
 QUEUE = "bench-scale"
 HOLD_MS = 86_400_000
 RECORD_MS = 86_400_000
 
 
-def percentile(values: Sequence[float], fraction: float) -> float:
-    ordered = sorted(values)
-    return ordered[min(len(ordered) - 1, int(fraction * len(ordered)))]
-
-
 def timed(calls: Sequence[Callable[[], Any]]) -> list[float]:
-    """µs of each call, one at a time."""
-    times = []
-    for call in calls:
-        began = time.perf_counter_ns()
-        call()
-        times.append((time.perf_counter_ns() - began) / 1000)
-    return times
+    """µs of each call, one at a time (each call its own arguments)."""
+    calls_left = iter(calls)
+
+    def each() -> None:
+        next(calls_left)()
+
+    return harness.timed(each, len(calls))
 
 
 class Scale:
@@ -176,18 +163,17 @@ class Scale:
         return timed(pairs)
 
     def reaper(self, passes: int) -> list[float]:
-        return [us / 1000 for us in timed([lambda: self.store.reap(record_ms=RECORD_MS)] * passes)]
+        return [us / 1000 for us in harness.timed(lambda: self.store.reap(record_ms=RECORD_MS), passes)]
 
 
 def page_ms(client: Any, url: str, renders: int) -> float:
     """Median ms of ``renders`` renders of the admin page at ``url``."""
-    return statistics.median(us / 1000 for us in timed([lambda: render(client, url)] * renders))
+    return statistics.median(us / 1000 for us in harness.timed(lambda: render(client, url), renders))
 
 
 def measure(args: argparse.Namespace) -> dict[str, Any]:
     rows: list[dict[str, Any]] = []
     with RedisServer() as server:
-        print(f"server: {server.binary} ({server.version()})", flush=True)
         scale = Scale(server.url)
         client = configure_django(scale.app)
         pages = {"first page": LIST, "state=queued": f"{LIST}?state=queued", "key prefix": f"{LIST}?q=order:0000012"}
@@ -208,11 +194,11 @@ def measure(args: argparse.Namespace) -> dict[str, Any]:
                 rounds.append(
                     {
                         "gate_new_p50_us": statistics.median(gate["new"]),
-                        "gate_new_p99_us": percentile(gate["new"], 0.99),
+                        "gate_new_p99_us": harness.percentile(gate["new"], 0.99),
                         "gate_duplicate_p50_us": statistics.median(gate["duplicate"]),
-                        "gate_duplicate_p99_us": percentile(gate["duplicate"], 0.99),
+                        "gate_duplicate_p99_us": harness.percentile(gate["duplicate"], 0.99),
                         "worker_pair_p50_us": statistics.median(worker),
-                        "worker_pair_p99_us": percentile(worker, 0.99),
+                        "worker_pair_p99_us": harness.percentile(worker, 0.99),
                         "reaper_pass_median_ms": statistics.median(reaper),
                         **{f"admin_{name.replace(' ', '_').replace('=', '_')}_ms": ms for name, ms in admin_ms.items()},
                     }
@@ -227,7 +213,7 @@ def measure(args: argparse.Namespace) -> dict[str, Any]:
                 "rounds": rounds,
             }
             rows.append(row)
-            print(f"size {size}: filled in {fill_s:.1f} s", file=sys.stderr, flush=True)
+            harness.progress(f"size {size}: filled in {fill_s:.1f} s")
         scale.app.close()
     return {"rows": rows}
 
@@ -244,69 +230,49 @@ METRICS = (
 
 
 def table(rows: Sequence[dict[str, Any]]) -> str:
-    sizes = [f"{row['size']:,} keys" for row in rows]
-    lines = ["| | " + " | ".join(sizes) + " | largest / smallest |", "|---|" + "---:|" * (len(rows) + 1)]
+    body = []
     for label, first, second in METRICS:
-        cells = [f"{row[first]:.0f}" + (f" / {row[second]:.0f}" if second else "") for row in rows]
-        if first.endswith("_ms"):
-            cells = [f"{row[first]:.1f}" for row in rows]
-        growth = rows[-1][first] / rows[0][first]
-        growth_text = f"{growth:.2f}x" + (f" / {rows[-1][second] / rows[0][second]:.2f}x" if second else "")
-        lines.append(f"| {label} | " + " | ".join(cells) + f" | {growth_text} |")
-    memory = [f"{row['used_memory'] / 2**20:,.0f} MiB" for row in rows]
-    lines.append("| server used_memory | " + " | ".join(memory) + " | |")
-    return "\n".join(lines)
+        cells: list[object] = [
+            f"{harness.cell(row[first])} / {harness.cell(row[second])}" if second else row[first] for row in rows
+        ]
+        growth = harness.ratio(rows[-1][first], rows[0][first])
+        if second:
+            growth += f" / {harness.ratio(rows[-1][second], rows[0][second])}"
+        body.append([label, *cells, growth])
+    body.append(["server used_memory, MiB", *(row["used_memory"] / 2**20 for row in rows), ""])
+    return harness.table(["", *(f"{row['size']:,} keys" for row in rows), "largest / smallest"], body)
 
 
-def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n", 1)[0] if __doc__ else None)
-    parser.add_argument("--sizes", default="10000,100000,1000000", help="keys in flight (default 10k,100k,1M)")
-    parser.add_argument("--quick", action="store_true", help="--sizes 10000,100000")
-    parser.add_argument(
-        "--calls", type=int, default=1000, help="timed gate calls and guard pairs per round (default 1000)"
+def parse_args(argv: Sequence[str] | None) -> tuple[harness.Script, argparse.Namespace]:
+    script = harness.Script("scale", __doc__, packages=("django",))
+    script.parser.add_argument(
+        "--sizes", default="10000,100000,1000000", help="keys in flight, increasing (default 10k,100k,1M)"
     )
-    parser.add_argument("--rounds", type=int, default=3, help="measurement rounds per size, medians kept (default 3)")
-    parser.add_argument("--passes", type=int, default=5, help="reaper passes per size (default 5)")
-    parser.add_argument("--renders", type=int, default=10, help="renders per admin page per size (default 10)")
-    parser.add_argument("--output", type=Path, default=DEFAULT_OUTPUT, help="JSON result file")
-    args = parser.parse_args(argv)
+    script.flag("--quick", "--sizes 10000,100000")
+    script.option("--calls", 1000, "timed gate calls and guard pairs per round")
+    script.option("--rounds", 3, "measurement rounds per size, medians kept")
+    script.option("--passes", 5, "reaper passes per round")
+    script.option("--renders", 10, "renders per admin page per round")
+    args = script.parse(argv)
     args.sizes = [10_000, 100_000] if args.quick else [int(s) for s in args.sizes.split(",") if s.strip()]
-    if args.rounds < 1:
-        parser.error("--rounds must be at least 1")
     smallest_step = min(b - a for a, b in zip([0, *args.sizes], args.sizes, strict=False))
     if args.sizes != sorted(args.sizes) or smallest_step <= args.rounds * (2 * args.calls + 200):
-        parser.error("--sizes must be increasing, each step above --rounds x (2 x --calls + 200) keys")
-    for name in ("calls", "passes", "renders"):
-        if getattr(args, name) < 1:
-            parser.error(f"--{name} must be at least 1")
-    return args
+        script.parser.error("--sizes must be increasing, each step above --rounds x (2 x --calls + 200) keys")
+    return script, args
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    args = parse_args(argv)
-    began = time.monotonic()
-    load_before = os.getloadavg()[0]
+    script, args = parse_args(argv)
+    script.header(f"sizes: {', '.join(f'{size:,}' for size in args.sizes)} keys in flight")
     result = measure(args)
     print()
     print(
         f"Cost at each number of keys in flight (per size, the median of {args.rounds} rounds of {args.calls} gate "
-        f"calls and guard pairs, {args.passes} reaper passes and {args.renders} renders per page; load average "
-        f"before {load_before:.2f})"
+        f"calls and guard pairs, {args.passes} reaper passes and {args.renders} renders per page)"
     )
     print()
     print(table(result["rows"]))
-    save(
-        args.output,
-        {
-            "benchmark": "scale",
-            "when": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
-            "versions": versions("django"),
-            "machine": {"platform": platform.platform(), "cpus": os.cpu_count(), "loadavg_1m_before": load_before},
-            "settings": {k: v for k, v in vars(args).items() if k != "output"},
-            "elapsed_s": time.monotonic() - began,
-            **result,
-        },
-    )
+    script.save(args, result)
     return 0
 
 
