@@ -69,8 +69,8 @@ def joins_result_write(task: Any, store: DedupStore) -> bool:
 
     Only for a result Celery will store (not eager, not ignored) and only when
     nothing is published before it (callbacks, a chain: their calls must see
-    the key released), on a single server whose host, port and database are
-    the store's.
+    the key released), on a single server whose host, port, database and user
+    are the store's.
     """
     request = task.request
     if request.is_eager or request.callbacks or request.chain:
@@ -86,7 +86,8 @@ def joins_result_write(task: Any, store: DedupStore) -> bool:
     ours = store.client.connection_pool.connection_kwargs
     theirs = backend.client.connection_pool.connection_kwargs
     located = ours.get("host") is not None or ours.get("path") is not None
-    return located and all(ours.get(k) == theirs.get(k) for k in ("host", "port", "path", "db"))
+    # The same user too: the script writes the result with the store's permissions.
+    return located and all(ours.get(k) == theirs.get(k) for k in ("host", "port", "path", "db", "username"))
 
 
 def defer(task: Any, store: DedupStore, ending: Ending) -> bool:
