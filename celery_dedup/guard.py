@@ -26,7 +26,7 @@ import redis
 from celery.exceptions import Ignore, Reject, Retry
 from kombu.utils.json import loads
 
-from . import decisions, runtime
+from . import decisions, limits, runtime
 from .exceptions import UNREACHABLE, DedupError, DedupFollowerError, DedupStoreError, DedupUnavailableError
 from .gate import GateHeader, call_payload, decode_payload, decode_result, result_payload
 from .keyed import KeyedTask
@@ -78,6 +78,8 @@ def guarded_call(
     task_id = request.id
     if task_id is None or request.called_directly:
         return body(args, kwargs)
+    if not task.dedup_policy.mode.guards:
+        return limits.limited_call(task, args, kwargs, body)
     located = locate(task, request.headers, request.args, request.kwargs)
     if located is None:
         return body(args, kwargs)
@@ -86,10 +88,16 @@ def guarded_call(
     token = new_token()
     lock_ms = int(policy.lock_ttl * 1000)
     record_ms = runtime.config_for(task.app).record_ms
+    lease = None
     try:
+        # Limits first: a run that must wait takes nothing else (raises Ignore, re-published).
+        lease = limits.admit(task, store, member, token)
         decision = start(task, store, member, gated, token, lock_ms, record_ms)
     except redis.RedisError as exc:
+        limits.leave(lease, ran=False)
         return store_unreachable(task, store, member, exc, args, kwargs, body)
+    if not decision.run:
+        limits.leave(lease, ran=False)
     if decision.code == StartDecision.FOLLOW:
         return follow(task, member, decision)
     if not decision.run:
@@ -101,6 +109,7 @@ def guarded_call(
 
     def end(ending: Ending, value: Any = None) -> None:
         keeper.remove(lock)
+        limits.leave(lease, ran=True)
         _running.pop(task_id, None)
         replacement = _replacements.pop(task_id, None)
         own = token
@@ -140,6 +149,7 @@ def guarded_call(
         # The process is being torn down (hard time limit, terminate, shutdown):
         # the worker's main process reports how this run ended, releasing the lock.
         keeper.remove(lock)
+        limits.leave(lease, ran=True)
         _running.pop(task_id, None)
         _replacements.pop(task_id, None)
         raise
@@ -516,6 +526,8 @@ def settle_elsewhere(
         record_ms=record_ms,
         payload=payload,
     )
+    if token:
+        limits.release_gone(task, store, member, args, kwargs, token)
     owned = finished is not None and finished.owned
     pid = token_pid(holder) if holder is not None and not token else None
     if stopping and owned and holder is not None and pid is not None:
@@ -523,6 +535,7 @@ def settle_elsewhere(
 
         def release() -> None:
             finish(task, store, member, task_id, state, drop=True, role="report", token=live, record_ms=record_ms)
+            limits.release_gone(task, store, member, args, kwargs, live)
 
         exit_watcher().when_gone(pid, release, within=task.dedup_policy.lock_ttl)
     return owned
