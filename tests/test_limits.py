@@ -339,7 +339,6 @@ def test_a_worker_killed_holding_slots_gives_them_back_and_loses_nothing(
         output = "".join(process.output)
     assert Counter(e["key"] for e in done) == Counter({f"hang:{n}": 1 for n in range(6)}), output
     assert most_at_once(done) <= 2
-    assert not any(str(pid) in {str(e["pid"]) for e in done} for pid in pids)
     for n in range(6):
         status = tasks.hanging.dedup_status(n, "K")
         assert status is not None and status.state == "succeeded", (n, status)
