@@ -86,12 +86,11 @@ def build_app(url: str, done: Done) -> tuple[Celery, dict[str, Any]]:
     tasks = {}
     for name, options in CASES.items():
 
+        @app.task(base=DedupTask, name=f"bench.{name}", shared=False, dedup_key="n:{n}", **options)
         def body(n: int) -> None:
             done.hit()
 
-        tasks[name] = app.task(
-            base=DedupTask, name=f"bench.{name}", shared=False, dedup_key="n:{n}", **options
-        )(body)
+        tasks[name] = body
     return app, tasks
 
 

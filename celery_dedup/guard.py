@@ -88,16 +88,10 @@ def guarded_call(
     token = new_token()
     lock_ms = int(policy.lock_ttl * 1000)
     record_ms = runtime.config_for(task.app).record_ms
-    lease = None
     try:
-        # Limits first: a run that must wait takes nothing else (raises Ignore, re-published).
-        lease = limits.admit(task, store, member, token)
-        decision = start(task, store, member, gated, token, lock_ms, record_ms)
+        lease, decision = admitted_start(task, store, member, gated, token, lock_ms, record_ms)
     except redis.RedisError as exc:
-        limits.leave(lease, ran=False)
         return store_unreachable(task, store, member, exc, args, kwargs, body)
-    if not decision.run:
-        limits.leave(lease, ran=False)
     if decision.code == StartDecision.FOLLOW:
         return follow(task, member, decision)
     if not decision.run:
@@ -148,16 +142,39 @@ def guarded_call(
     except (SystemExit, KeyboardInterrupt):
         # The process is being torn down (hard time limit, terminate, shutdown):
         # the worker's main process reports how this run ended, releasing the lock.
-        keeper.remove(lock)
-        limits.leave(lease, ran=True)
-        _running.pop(task_id, None)
-        _replacements.pop(task_id, None)
+        _forget(task_id, lock, lease)
         raise
     except BaseException as exc:
         end(ending_of(exc, task_id))
         raise
     end(Ending(SUCCEEDED, drop=not policy.mode.holds_after_success), result)
     return result
+
+
+def admitted_start(
+    task: KeyedTask, store: DedupStore, member: str, gated: bool, token: str, lock_ms: int, record_ms: int
+) -> tuple[limits.SlotLease | None, StartDecision]:
+    """The task's limits, then :func:`start`: a run that must wait takes nothing else (``Ignore``, re-published).
+
+    A delivery the guard then refuses gives its slot back at once.
+    """
+    lease = limits.admit(task, store, member, token)
+    try:
+        decision = start(task, store, member, gated, token, lock_ms, record_ms)
+    except redis.RedisError:
+        limits.leave(lease, ran=False)
+        raise
+    if not decision.run:
+        limits.leave(lease, ran=False)
+    return lease, decision
+
+
+def _forget(task_id: str, lock: ExecutionLock, lease: limits.SlotLease | None) -> None:
+    """Stop renewing a run's lock and give back its slot, without recording an ending (someone else will)."""
+    renewer().remove(lock)
+    limits.leave(lease, ran=True)
+    _running.pop(task_id, None)
+    _replacements.pop(task_id, None)
 
 
 class Ending(NamedTuple):

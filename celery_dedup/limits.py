@@ -30,7 +30,7 @@ import re
 import threading
 from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, NoReturn, cast
 
 import redis
 from celery.exceptions import Ignore
@@ -106,9 +106,7 @@ def resolve(
     """
     if concurrency is None and rate is None:
         if key is not None:
-            raise DedupConfigError(
-                "limit_key", key, "applies only with limit_concurrency or limit_rate", task=task
-            )
+            raise DedupConfigError("limit_key", key, "applies only with limit_concurrency or limit_rate", task=task)
         return None
     if concurrency is not None and (
         isinstance(concurrency, bool) or not isinstance(concurrency, int) or not 1 <= concurrency <= MAX_CONCURRENCY
@@ -346,10 +344,12 @@ def leave(lease: SlotLease | None, *, ran: bool) -> None:
     try:
         release(lease.store, lease.member, lease.token, ran=ran)
     except redis.RedisError:
-        logger.exception("could not give back slot %r of group %r; it expires with its lease", lease.token, lease.member)
+        logger.exception(
+            "could not give back slot %r of group %r; it expires with its lease", lease.token, lease.member
+        )
 
 
-def wait(task: KeyedTask, store: DedupStore, member: str | None, denial: Denial, limit: LimitPolicy) -> None:
+def wait(task: KeyedTask, store: DedupStore, member: str | None, denial: Denial, limit: LimitPolicy) -> NoReturn:
     """Re-publish the current run to come back when its turn should come, note why, and raise ``Ignore``."""
     request = task.request
     key = split_member(denial.group)[1]
@@ -419,8 +419,8 @@ def groups(store: DedupStore, *, limit: int = 100) -> list[GroupState]:
     """The groups asked within the last day, most recently used first (at most ``limit``)."""
     found: list[tuple[int, str, KeySchema]] = []
     for at in store.schema.shards_all():
-        for name, score in store.client.zrevrange(at.limit_groups, 0, limit - 1, withscores=True):
-            found.append((int(score), _text(name), at))
+        entries = cast(list[tuple[Any, float]], store.client.zrevrange(at.limit_groups, 0, limit - 1, withscores=True))
+        found += [(int(score), _text(name), at) for name, score in entries]
     found.sort(key=lambda item: -item[0])
     found = found[:limit]
     seconds, micros = store.client.time()
@@ -443,4 +443,3 @@ def groups(store: DedupStore, *, limit: int = 100) -> list[GroupState]:
             GroupState(group, namespace, key, concurrency or None, int(in_use), int(waiting), rate, recent, avg, last)
         )
     return states
-

@@ -108,8 +108,8 @@ class Renewer:
                 leases[(id(lock.store.client), lock.ttl_ms)].append(lock)
             else:
                 groups[(id(lock.store.client), lock.ttl_ms, lock.record_ms)].append(lock)
-        for (_, ttl_ms), group in leases.items():
-            self._renew_leases(group, ttl_ms)
+        for (_, ttl_ms), batch in leases.items():
+            self._renew_leases(batch, ttl_ms)
         for (_, ttl_ms, record_ms), group in groups.items():
             started = self.clock()
             try:

@@ -96,10 +96,7 @@ class Off(Mode):
 
 
 MODES: MappingProxyType[str, type[Mode]] = MappingProxyType(
-    {
-        mode.name: mode
-        for mode in (UntilExecuted, UntilExecuting, UntilExpired, WhileExecuting, Debounce, Throttle, Off)
-    }
+    {mode.name: mode for mode in (UntilExecuted, UntilExecuting, UntilExpired, WhileExecuting, Debounce, Throttle, Off)}
 )
 
 #: Which arguments a debounced run executes with: the newest call's or the first's.

@@ -119,7 +119,7 @@ def register(app: Celery) -> Tasks:
             record(self, f"{self.dedup_policy.mode.name}:{n}", group, server_ms(client), seconds=0.2)
             return n
 
-        by_mode[mode] = app.task(  # type: ignore[call-overload]
+        by_mode[mode] = app.task(
             name=f"tests.limits_app.mode_{mode}",
             base=DedupTask,
             bind=True,

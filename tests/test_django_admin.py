@@ -738,7 +738,9 @@ def test_limit_groups_page_shows_each_groups_usage(app: Celery, users: dict[str,
     store = runtime.store_for(app)
     policy = limits.LimitPolicy(None, concurrency=2, rate=limits.Rate(30, 60_000))
     for n in range(3):
-        limits.acquire(store, "shop.report:tenant:acme", f"h:1:{n}", f"run-{n}", policy, lease_ms=60_000, task_name="shop.report")
+        limits.acquire(
+            store, "shop.report:tenant:acme", f"h:1:{n}", f"run-{n}", policy, lease_ms=60_000, task_name="shop.report"
+        )
     page = client_for(users, "viewer").get(LIST + "limits/")
     assert page.status_code == 200
     text = page.content.decode()

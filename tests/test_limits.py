@@ -23,7 +23,6 @@ from typing import Any
 import pytest
 import redis
 
-import celery_dedup
 from celery_dedup import DedupTask, limits
 from celery_dedup.exceptions import DedupConfigError
 from celery_dedup.keys import KeySchema
@@ -59,7 +58,9 @@ def _define(app: Any, **options: Any) -> DedupTask:
     def work(order_id: int, tenant: str) -> int:
         return order_id
 
-    task: DedupTask = app.task(name="shop.limited", base=DedupTask, shared=False, dedup_key="order:{order_id}", **options)(work)
+    task: DedupTask = app.task(
+        name="shop.limited", base=DedupTask, shared=False, dedup_key="order:{order_id}", **options
+    )(work)
     _ = task.dedup_policy  # resolved at registration (on_bound) or here, on first use
     return task
 
@@ -79,7 +80,9 @@ def _define(app: Any, **options: Any) -> DedupTask:
         pytest.param({"limit_key": 42, "limit_concurrency": 1}, "limit_key", id="key-not-a-key"),
     ],
 )
-def test_bad_limit_options_are_refused_at_registration(make_app: AppFactory, options: dict[str, Any], setting: str) -> None:
+def test_bad_limit_options_are_refused_at_registration(
+    make_app: AppFactory, options: dict[str, Any], setting: str
+) -> None:
     app = make_app()
     with pytest.raises(DedupConfigError) as info:
         _define(app, **options)
