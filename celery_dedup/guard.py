@@ -543,8 +543,7 @@ def settle_elsewhere(
         record_ms=record_ms,
         payload=payload,
     )
-    if token:
-        limits.release_gone(task, store, member, args, kwargs, token)
+    limits.reported_ending(task, store, member, args, kwargs, task_id, token)
     owned = finished is not None and finished.owned
     pid = token_pid(holder) if holder is not None and not token else None
     if stopping and owned and holder is not None and pid is not None:
@@ -552,7 +551,7 @@ def settle_elsewhere(
 
         def release() -> None:
             finish(task, store, member, task_id, state, drop=True, role="report", token=live, record_ms=record_ms)
-            limits.release_gone(task, store, member, args, kwargs, live)
+            limits.reported_ending(task, store, member, args, kwargs, task_id, live)
 
         exit_watcher().when_gone(pid, release, within=task.dedup_policy.lock_ttl)
     return owned

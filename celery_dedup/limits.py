@@ -38,6 +38,7 @@ from redis.crc import key_slot
 
 from . import decisions, runtime
 from .exceptions import DedupConfigError, DedupError
+from .gate import GateHeader
 from .keys import KeyOption, KeySchema, KeySpec, member_for, split_member, task_namespace
 from .processes import gone, token_pid
 from .store import DedupStore, _text
@@ -309,6 +310,8 @@ def admit(task: KeyedTask, store: DedupStore, member: str | None, token: str) ->
         return None
     lease_ms = int(task.dedup_policy.lock_ttl * 1000)
     run_id = str(request.id)
+    if member is not None and _follower(store, member, run_id, request.headers):
+        return None  # it resolves as the run it follows ended: it runs no body, so it takes no place
     answer = acquire(store, group, token, run_id, limit, lease_ms=lease_ms, task_name=task.name)
     if isinstance(answer, Denial) and answer.holders:
         dead = [holder for holder in answer.holders if owner_gone(holder)]
@@ -329,6 +332,15 @@ def admit(task: KeyedTask, store: DedupStore, member: str | None, token: str) ->
     _held[run_id] = lease
     keeper.add(lease)
     return lease
+
+
+def _follower(store: DedupStore, member: str, run_id: str, headers: Any) -> bool:
+    """Whether this delivery is a follower's (``gate.lua`` parked it): asked only of calls that could be one."""
+    gate = GateHeader.decode(headers)
+    if gate is None or not gate.follow:
+        return False
+    at = store.with_prefix(gate.prefix).schema.shard_of(member)
+    return bool(store.client.hexists(at.followers(member), run_id))
 
 
 def leave(lease: SlotLease | None, *, ran: bool) -> None:
@@ -369,15 +381,28 @@ def wait(task: KeyedTask, store: DedupStore, member: str | None, denial: Denial,
     raise Ignore()
 
 
-def release_gone(task: KeyedTask, store: DedupStore, member: str, args: Any, kwargs: Any, token: str) -> None:
-    """Give back the slot of a delivery whose process is gone (its ending is reported from outside)."""
+def reported_ending(
+    task: KeyedTask, store: DedupStore, member: str, args: Any, kwargs: Any, run_id: str, token: str
+) -> None:
+    """An ending reported from outside the body (revoked, a lost worker): the run leaves its group.
+
+    It gives up its place in the waiting line (a revoked run waiting its turn
+    must not hold one back), and ``token``'s slot (its process is gone; "":
+    none to give back).
+    """
     group = group_of(task, args, kwargs, member)
     if group is None:
         return
+    at = store.schema.shard_of(group)
     try:
-        release(store, group, token, ran=True)
+        with store.client.pipeline(transaction=False) as pipe:
+            pipe.zrem(at.limit_waiting(group), run_id)
+            pipe.zrem(at.limit_deadlines(group), run_id)
+            pipe.execute()
+        if token:
+            release(store, group, token, ran=True)
     except redis.RedisError:
-        logger.exception("could not give back slot %r of group %r; it expires with its lease", token, group)
+        logger.exception("could not take run %s out of group %r; its lease and place expire", run_id, group)
 
 
 def limited_call(task: KeyedTask, args: tuple[Any, ...], kwargs: dict[str, Any], body: Any) -> Any:

@@ -363,3 +363,23 @@ def test_limits_combine_with_every_dedup_mode(server: Server, r: redis.Redis, ta
         entries = [e for e in done if e["group"] == mode]
         assert Counter(e["key"] for e in entries) == Counter({f"{mode}:{n}": 1 for n in range(3)}), (mode, output)
         assert most_at_once(entries) == 1, mode
+
+
+def test_a_run_revoked_while_it_waits_leaves_the_line(make_app: AppFactory, r: redis.Redis) -> None:
+    """An ending reported from outside the body (here a revoke) takes the run out of its group's waiting line."""
+    from celery_dedup.guard import settle_elsewhere  # noqa: PLC0415
+
+    app = make_app("limits_app")
+    tasks = limits_app.register(app)
+    store = store_for(app)
+    group = "tests.limits_app.job:tenant:Z"
+    two = LimitPolicy(None, concurrency=2)
+    for n in range(2):  # held by deliveries on another host: alive as far as anyone here can tell
+        limits.acquire(store, group, f"elsewhere:1:{n}", f"other-{n}", two, lease_ms=60_000, task_name=tasks.job.name)
+    run = tasks.job.delay(1, "Z")
+    refused = limits.acquire(store, group, "h:1:x", run.id, two, lease_ms=60_000, task_name=tasks.job.name)
+    assert isinstance(refused, Denial) and r.zscore(SCHEMA.limit_waiting(group), run.id) is not None
+    assert settle_elsewhere(tasks.job, "revoked", run.id, None, [1, "Z"], {}, stopping=False)
+    assert r.zscore(SCHEMA.limit_waiting(group), run.id) is None
+    assert r.zscore(SCHEMA.limit_deadlines(group), run.id) is None
+    assert r.zcard(SCHEMA.limit_slots(group)) == 2, "the other deliveries keep their slots"
