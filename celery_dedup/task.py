@@ -344,6 +344,8 @@ class DedupTask(_TaskBase):
         policy = self.dedup_policy
         app = self.app
         atomic = runtime.is_atomic(app)  # also refuses an app that was never installed
+        if policy.limit is not None and policy.limit.spec is not None and task_id is None:
+            policy.limit.spec.business_key(args, kwargs)  # a bad limit group fails here, not on the worker
         if not self._gated(atomic):
             policy.spec.business_key(args, kwargs)  # a bad key fails here, not on the worker
             plain = super().apply_async(args, kwargs, task_id, producer, link, link_error, shadow, **options)

@@ -383,3 +383,20 @@ def test_a_run_revoked_while_it_waits_leaves_the_line(make_app: AppFactory, r: r
     assert r.zscore(SCHEMA.limit_waiting(group), run.id) is None
     assert r.zscore(SCHEMA.limit_deadlines(group), run.id) is None
     assert r.zcard(SCHEMA.limit_slots(group)) == 2, "the other deliveries keep their slots"
+
+
+def test_a_call_whose_limit_group_cannot_be_derived_fails_at_the_call(make_app: AppFactory, r: redis.Redis) -> None:
+    from celery_dedup.exceptions import DedupKeyError  # noqa: PLC0415
+
+    app = make_app()
+
+    def nobody(order_id: int, tenant: str) -> str | None:
+        return None if tenant == "?" else tenant
+
+    for mode in ("until_executed", "off"):
+        task = _define(app, dedup_mode=mode, limit_key=nobody, limit_concurrency=1)
+        with pytest.raises(DedupKeyError) as info:
+            task.delay(1, "?")
+        assert info.value.task == "shop.limited"
+        assert r.llen("celery") == 0
+        app.tasks.pop("shop.limited")
