@@ -400,3 +400,28 @@ def test_a_call_whose_limit_group_cannot_be_derived_fails_at_the_call(make_app: 
         assert info.value.task == "shop.limited"
         assert r.llen("celery") == 0
         app.tasks.pop("shop.limited")
+
+
+def test_prometheus_exposes_refusals_and_waited_seconds(make_app: AppFactory, r: redis.Redis) -> None:
+    from prometheus_client import CollectorRegistry, generate_latest  # noqa: PLC0415
+    from prometheus_client.parser import text_string_to_metric_families  # noqa: PLC0415
+
+    from celery_dedup.contrib.prometheus import DedupCollector  # noqa: PLC0415
+
+    app = make_app()
+    store = store_for(app)
+    one = LimitPolicy(None, concurrency=1)
+    _ask(store, "h:1:a", "run-1", one)
+    _ask(store, "h:1:b", "run-2", one)
+    r.zadd(SCHEMA.limit_waiting(GROUP), {"run-2": 1})  # it arrived long ago
+    limits.release(store, GROUP, "h:1:a", ran=True)
+    granted = _ask(store, "h:1:c", "run-2", one)
+    assert isinstance(granted, Grant) and granted.waited_ms > 1000
+    registry = CollectorRegistry()
+    registry.register(DedupCollector(app))
+    text = generate_latest(registry).decode()
+    families = {family.name: family for family in text_string_to_metric_families(text)}
+    decisions = {s.labels["decision"]: s.value for s in families["celery_dedup_decisions"].samples}
+    assert decisions["limited"] == 1 and "waited_ms" not in decisions
+    (waited,) = [s for s in families["celery_dedup_limit_waited_seconds"].samples if s.name.endswith("_total")]
+    assert waited.labels == {"task": "shop.limited"} and waited.value == granted.waited_ms / 1000
