@@ -28,6 +28,8 @@ RUNS = "test:limits:runs"
 HANG = "test:limits:hang"
 #: How long a tenant job's body runs.
 JOB_SECONDS = 0.5
+#: How long a long body runs: several lock TTLs of the test that runs it.
+LONG_SECONDS = 3.5
 #: How long a hanging body sleeps: far longer than any test waits for it to be killed.
 HANG_SECONDS = 60.0
 #: Every dedup mode the mode test combines with a concurrency limit.
@@ -45,6 +47,7 @@ class Tasks:
     rated: DedupTask
     hanging: DedupTask
     by_mode: dict[str, DedupTask]
+    long: DedupTask
 
 
 def register(app: Celery) -> Tasks:
@@ -107,6 +110,19 @@ def register(app: Celery) -> Tasks:
         record(self, f"hang:{n}", tenant, server_ms(client), seconds=0.2)
         return n
 
+    @app.task(
+        name="tests.limits_app.long",
+        base=DedupTask,
+        bind=True,
+        shared=False,
+        dedup_key="long:{n}",
+        limit_key="long",
+        limit_concurrency=1,
+    )
+    def long(self: DedupTask, n: int) -> int:
+        record(self, f"long:{n}", "long", server_ms(client), seconds=LONG_SECONDS)
+        return n
+
     by_mode: dict[str, DedupTask] = {}
     for mode in MODES:
         options: dict[str, Any] = {"dedup_mode": mode}
@@ -129,7 +145,7 @@ def register(app: Celery) -> Tasks:
             limit_concurrency=1,
             **options,
         )(body)
-    return Tasks(job, rated, hanging, by_mode)
+    return Tasks(job, rated, hanging, by_mode, long)
 
 
 def build() -> Celery:

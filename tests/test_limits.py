@@ -425,3 +425,18 @@ def test_prometheus_exposes_refusals_and_waited_seconds(make_app: AppFactory, r:
     assert decisions["limited"] == 1 and "waited_ms" not in decisions
     (waited,) = [s for s in families["celery_dedup_limit_waited_seconds"].samples if s.name.endswith("_total")]
     assert waited.labels == {"task": "shop.limited"} and waited.value == granted.waited_ms / 1000
+
+
+@pytest.mark.slow
+def test_a_slot_outlives_its_lease_while_its_body_runs(server: Server, r: redis.Redis, tasks: limits_app.Tasks) -> None:
+    """A body running several lock TTLs keeps its slot: the renewer extends it with the lock."""
+    with worker(server, concurrency=2, dedup_lock_ttl=1) as process:
+        tasks.long.delay(1)
+        tasks.long.delay(2)
+        wait_for(lambda: r.llen(limits_app.RUNS) >= 2, 30, lambda: f"{r.llen(limits_app.RUNS)} of 2 ran")
+        done = runs(r)
+        output = "".join(process.output)
+    assert sorted(e["key"] for e in done) == ["long:1", "long:2"], output
+    assert all(e["end"] - e["start"] > 3000 for e in done)
+    assert most_at_once(done) == 1, [(e["start"], e["end"]) for e in done]
+    assert "limit slot lost" not in output
