@@ -519,6 +519,9 @@ def settle_elsewhere(
     by its own guard if it lives on (``SIGUSR1`` raises in the body and lets
     it clean up). Another delivery's or another run's lock is never touched.
     """
+    if not task.dedup_policy.mode.guards:  # no lock, no record: only its place in its limit group
+        limits.reported_ending(task, runtime.store_for(task.app), "", args, kwargs, task_id, "")
+        return False
     located = locate(task, headers, args, kwargs)
     if located is None:
         return False

@@ -440,3 +440,19 @@ def test_a_slot_outlives_its_lease_while_its_body_runs(server: Server, r: redis.
     assert all(e["end"] - e["start"] > 3000 for e in done)
     assert most_at_once(done) == 1, [(e["start"], e["end"]) for e in done]
     assert "limit slot lost" not in output
+
+
+def test_a_limits_only_run_revoked_while_it_waits_leaves_the_line(make_app: AppFactory, r: redis.Redis) -> None:
+    from celery_dedup.guard import settle_elsewhere  # noqa: PLC0415
+
+    app = make_app("limits_app")
+    task = limits_app.register(app).by_mode["off"]
+    store = store_for(app)
+    group = f"{task.name}:group:g"
+    one = LimitPolicy(None, concurrency=1)
+    limits.acquire(store, group, "elsewhere:1:0", "other", one, lease_ms=60_000, task_name=task.name)
+    run = task.delay(1, "g")
+    assert isinstance(limits.acquire(store, group, "h:1:x", run.id, one, lease_ms=60_000, task_name=task.name), Denial)
+    assert not settle_elsewhere(task, "revoked", run.id, None, [1, "g"], {}, stopping=False)
+    assert r.zscore(SCHEMA.limit_waiting(group), run.id) is None
+    assert r.keys("dedup:rec:*") == [], "a limits-only task has no record"
