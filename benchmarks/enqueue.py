@@ -33,7 +33,7 @@ are recorded beside them as a cross-check.
 
 Run it from the repository root::
 
-    .venv/bin/python benchmarks/enqueue.py [--calls 5000] [--repeats 5] [--no-peers] [--output FILE]
+    .venv/bin/python -m benchmarks.enqueue [--calls 5000] [--repeats 5] [--no-peers] [--output FILE]
 
 It starts its own server (``celery_dedup.testing.RedisServer``), prints two
 Markdown tables and writes ``benchmarks/results/enqueue.json``. Nothing here
@@ -65,7 +65,7 @@ if str(ROOT) not in sys.path:
     sys.path.insert(0, str(ROOT))  # run as ``python benchmarks/<name>.py``: make ``benchmarks.*`` importable
 
 import celery_dedup  # noqa: E402
-from benchmarks._common import save, versions  # noqa: E402
+from benchmarks.harness import save, versions  # noqa: E402
 from celery_dedup import DedupTask  # noqa: E402
 from celery_dedup.keys import KeySchema  # noqa: E402
 from celery_dedup.testing import RedisServer  # noqa: E402

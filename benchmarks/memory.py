@@ -26,7 +26,7 @@ or a real hash table) flips on its longest value.
 
 Run it from the repository root::
 
-    .venv/bin/python benchmarks/memory.py [--keys 100000] [--sample 1000] [--output FILE]
+    .venv/bin/python -m benchmarks.memory [--keys 100000] [--sample 1000] [--output FILE]
 
 It starts its own server (``celery_dedup.testing.RedisServer``), prints
 Markdown tables and writes ``benchmarks/results/memory.json``. Library code
@@ -60,7 +60,7 @@ if str(ROOT) not in sys.path:
     sys.path.insert(0, str(ROOT))  # run as ``python benchmarks/<name>.py``: make ``benchmarks.*`` importable
 
 import celery_dedup  # noqa: E402
-from benchmarks._common import save, versions  # noqa: E402
+from benchmarks.harness import save, versions  # noqa: E402
 from celery_dedup import DedupTask, runtime  # noqa: E402
 from celery_dedup.keys import KeySchema, member_for, task_namespace  # noqa: E402
 from celery_dedup.lock import new_token  # noqa: E402

@@ -28,6 +28,7 @@ import redis
 from celery import Celery, Task, signals
 
 import celery_dedup
+from benchmarks.harness import READY_MARKER
 from celery_dedup import DedupTask
 
 BROKER = os.environ.get("CELERY_DEDUP_BENCH_BROKER", "redis://127.0.0.1:6379/0")
@@ -42,8 +43,6 @@ ONCE_PREFIX = f"qo_{TASK}_"
 LOG = "bench-storm:log"
 #: INCRed by every execution as it starts: the benchmark's progress meter for timing kills.
 STARTED = "bench-storm:started"
-#: Printed on stdout by a ``celery worker`` process of this module once it consumes.
-READY_MARKER = "celery-dedup-bench-storm-ready"
 
 
 @dataclass(frozen=True)

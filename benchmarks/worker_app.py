@@ -19,13 +19,12 @@ from typing import Any
 from celery import Celery, signals
 
 import celery_dedup
+from benchmarks.harness import READY_MARKER
 from celery_dedup import DedupTask
 
 BROKER = os.environ.get("CELERY_DEDUP_BENCH_BROKER", "redis://127.0.0.1:6379/0")
 QUEUE = "bench-worker"
 PREFIX = "bench-dedup"
-#: Printed on stdout by a ``celery worker`` process of this module once it consumes.
-READY_MARKER = "celery-dedup-bench-worker-ready"
 
 
 def build_app(url: str, name: str = "bench_worker") -> Celery:
