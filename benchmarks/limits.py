@@ -23,7 +23,7 @@ Measured:
 
 Run it from the repository root::
 
-    .venv/bin/python benchmarks/limits.py [--tasks 2000] [--calls 2000] [--repeats 5] [--output FILE]
+    .venv/bin/python -m benchmarks.limits [--tasks 2000] [--calls 2000] [--repeats 5] [--output FILE]
 
 It starts its own server, prints a Markdown table and writes
 ``benchmarks/results/limits.json``. Nothing here asserts on time.
@@ -31,26 +31,19 @@ It starts its own server, prints a Markdown table and writes
 
 from __future__ import annotations
 
-import argparse
 import statistics
-import sys
 import threading
 import time
-from pathlib import Path
 from typing import Any
 
 import redis
 from celery import Celery
 from celery.contrib.testing.worker import start_worker
 
-ROOT = Path(__file__).resolve().parent.parent
-if str(ROOT) not in sys.path:
-    sys.path.insert(0, str(ROOT))
-
-import celery_dedup  # noqa: E402
-from benchmarks._common import save, versions  # noqa: E402
-from celery_dedup import DedupTask  # noqa: E402
-from celery_dedup.testing import RedisServer  # noqa: E402
+import celery_dedup
+from benchmarks import harness
+from celery_dedup import DedupTask
+from celery_dedup.testing import RedisServer
 
 STAGE = "bench-stage"
 CASES: dict[str, dict[str, Any]] = {
@@ -95,8 +88,7 @@ def build_app(url: str, done: Done) -> tuple[Celery, dict[str, Any]]:
 
 
 def evalsha_calls(client: redis.Redis) -> int:
-    stats = client.info("commandstats")
-    return int(stats.get("cmdstat_evalsha", {}).get("calls", 0))
+    return harness.commandstats(client)["evalsha"]
 
 
 def enqueue_case(client: redis.Redis, task: Any, calls: int, start: int) -> float:
@@ -126,18 +118,18 @@ def worker_case(client: redis.Redis, task: Any, done: Done, tasks: int, start: i
 
 
 def main(argv: list[str] | None = None) -> None:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0] if __doc__ else None)
-    parser.add_argument("--tasks", type=int, default=2000, help="tasks drained per worker measurement")
-    parser.add_argument("--calls", type=int, default=2000, help="apply_async calls per enqueue measurement")
-    parser.add_argument("--repeats", type=int, default=5)
-    parser.add_argument("--output", type=Path, default=ROOT / "benchmarks" / "results" / "limits.json")
-    args = parser.parse_args(argv)
+    script = harness.Script("limits", __doc__)
+    script.option("--tasks", 2000, "tasks drained per worker measurement")
+    script.option("--calls", 2000, "apply_async calls per enqueue measurement")
+    script.option("--repeats", 5, "measurements per case")
+    args = script.parse(argv)
 
     done = Done()
     enqueue: dict[str, list[float]] = {name: [] for name in CASES}
     worker_ms: dict[str, list[float]] = {name: [] for name in CASES}
     scripts: dict[str, list[float]] = {name: [] for name in CASES}
     with RedisServer() as server:
+        script.header(f"server: {server.binary} ({server.version()})")
         client = redis.Redis.from_url(server.url)
         app, tasks = build_app(server.url, done)
         with start_worker(app, pool="solo", perform_ping_check=False, loglevel="WARNING"):
@@ -166,25 +158,22 @@ def main(argv: list[str] | None = None) -> None:
     print()
     print(f"{args.tasks} tasks per drain, {args.calls} calls per enqueue, median of {args.repeats}")
     print()
-    print("| case | enqueue per call | worker per task | vs keyed | store scripts per task |")
-    print("|---|---:|---:|---:|---:|")
-    for name, row in rows.items():
-        print(
-            f"| {name} | {row['enqueue_us_median']:.0f} µs | {row['worker_ms_per_task_median']:.3f} ms "
-            f"| {row['worker_ms_per_task_median'] / base:.2f}x | {row['scripts_per_task']:.2f} |"
+    print(
+        harness.table(
+            ["case", "enqueue per call µs", "worker per task ms", "vs keyed", "store scripts per task"],
+            [
+                [
+                    name,
+                    row["enqueue_us_median"],
+                    row["worker_ms_per_task_median"],
+                    harness.ratio(row["worker_ms_per_task_median"], base),
+                    row["scripts_per_task"],
+                ]
+                for name, row in rows.items()
+            ],
         )
-    save(
-        args.output,
-        {
-            "benchmark": "limits",
-            "versions": versions(),
-            "tasks": args.tasks,
-            "calls": args.calls,
-            "repeats": args.repeats,
-            "cases": rows,
-            "raw": {"enqueue_s": enqueue, "worker_ms": worker_ms, "scripts": scripts},
-        },
     )
+    script.save(args, {"cases": rows, "raw": {"enqueue_s": enqueue, "worker_ms": worker_ms, "scripts": scripts}})
 
 
 if __name__ == "__main__":
