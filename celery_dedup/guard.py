@@ -104,8 +104,8 @@ def guarded_call(
     def end(ending: Ending, value: Any = None) -> None:
         keeper.remove(lock)
         limits.leave(lease, ran=True)
-        _running.pop(task_id, None)
-        replacement = _replacements.pop(task_id, None)
+        forget(task_id, lock)
+        replacement = _replacements.pop(token, None)
         own = token
         if replacement is not None and replacement.handed_over:
             if ending.state == REPLACED:
@@ -142,10 +142,10 @@ def guarded_call(
     except (SystemExit, KeyboardInterrupt):
         # The process is being torn down (hard time limit, terminate, shutdown):
         # the worker's main process reports how this run ended, releasing the lock.
-        _forget(task_id, lock, lease)
+        _forget(task_id, token, lock, lease)
         raise
     except BaseException as exc:
-        end(ending_of(exc, task_id))
+        end(ending_of(exc, token))
         raise
     end(Ending(SUCCEEDED, drop=not policy.mode.holds_after_success), result)
     return result
@@ -169,12 +169,12 @@ def admitted_start(
     return lease, decision
 
 
-def _forget(task_id: str, lock: ExecutionLock, lease: limits.SlotLease | None) -> None:
-    """Stop renewing a run's lock and give back its slot, without recording an ending (someone else will)."""
+def _forget(task_id: str, token: str, lock: ExecutionLock, lease: limits.SlotLease | None) -> None:
+    """Stop renewing a delivery's lock and give back its slot, without recording an ending (someone else will)."""
     renewer().remove(lock)
     limits.leave(lease, ran=True)
-    _running.pop(task_id, None)
-    _replacements.pop(task_id, None)
+    forget(task_id, lock)
+    _replacements.pop(token, None)
 
 
 class Ending(NamedTuple):
@@ -187,15 +187,15 @@ class Ending(NamedTuple):
     note: str = ""
 
 
-def ending_of(exc: BaseException, task_id: str) -> Ending:
-    """The ending of a body that raised ``exc``."""
+def ending_of(exc: BaseException, token: str) -> Ending:
+    """The ending of a body that raised ``exc``, run under lock ``token``."""
     if isinstance(exc, Retry):
         return Ending(RETRY, drop=False)  # the retry was published under this run's key
     if isinstance(exc, Reject):
         requeue = bool(getattr(exc, "requeue", False))
         return Ending(RETRY, drop=False) if requeue else Ending(REJECTED, drop=True)
     if isinstance(exc, Ignore):
-        replacement = _replacements.get(task_id)
+        replacement = _replacements.get(token)
         if replacement is None:
             return Ending(IGNORED, drop=True)
         return Ending(REPLACED, drop=True, note=f"by {replacement.by}")
@@ -214,7 +214,9 @@ class Replacement:
     handed_over: bool = False
 
 
-#: Runs of this process inside ``Task.replace``, by task id.
+#: Deliveries of this process inside ``Task.replace``, by lock token. Not by
+#: task id: a replacement under the same key carries the run's id, and may
+#: start and end on another thread before the delivery it replaced unwinds.
 _replacements: dict[str, Replacement] = {}
 
 
@@ -222,8 +224,8 @@ def replacing(task: KeyedTask, by: str) -> None:
     """Note that the run executing ``task`` replaces itself with ``by`` (called from ``on_replace``)."""
     task_id = task.request.id
     lock = _running.get(task_id) if task_id is not None else None
-    if task_id is not None and lock is not None:
-        _replacements[task_id] = Replacement(lock.member, by)
+    if lock is not None:
+        _replacements[lock.token] = Replacement(lock.member, by)
 
 
 def hand_over(task_id: str | None, member: str) -> bool:
@@ -235,8 +237,8 @@ def hand_over(task_id: str | None, member: str) -> bool:
     """
     if task_id is None:
         return False
-    replacement = _replacements.get(task_id)
     lock = _running.get(task_id)
+    replacement = _replacements.get(lock.token) if lock is not None else None
     if replacement is None or lock is None or replacement.member != member:
         return False
     if not replacement.handed_over:
@@ -347,6 +349,12 @@ def store_refused(
 #: The lock of each run executing in this process, by task id. Kept off the
 #: request: Celery copies request attributes into a retry's headers.
 _running: dict[str, ExecutionLock] = {}
+
+
+def forget(task_id: str, lock: ExecutionLock) -> None:
+    """Drop ``lock`` from the running runs, unless a later delivery of the same run (a replacement) took its place."""
+    if _running.get(task_id) is lock:
+        del _running[task_id]
 
 
 def lock_lost(task_id: str | None) -> bool:
