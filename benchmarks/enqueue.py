@@ -43,35 +43,23 @@ asserts on time; the numbers are for reading.
 from __future__ import annotations
 
 import argparse
-import datetime
 import gc
-import os
-import platform
 import statistics
 import sys
-import threading
 import time
-from collections import Counter
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
-from pathlib import Path
 from typing import Any
 
 import redis
 from celery import Celery
 
-ROOT = Path(__file__).resolve().parent.parent
-if str(ROOT) not in sys.path:
-    sys.path.insert(0, str(ROOT))  # run as ``python benchmarks/<name>.py``: make ``benchmarks.*`` importable
+import celery_dedup
+from benchmarks import harness
+from celery_dedup import DedupTask
+from celery_dedup.keys import KeySchema
+from celery_dedup.testing import RedisServer
 
-import celery_dedup  # noqa: E402
-from benchmarks.harness import save, versions  # noqa: E402
-from celery_dedup import DedupTask  # noqa: E402
-from celery_dedup.keys import KeySchema  # noqa: E402
-from celery_dedup.testing import RedisServer  # noqa: E402
-
-ROOT = Path(__file__).resolve().parent.parent
-DEFAULT_OUTPUT = ROOT / "benchmarks" / "results" / "enqueue.json"
 QUEUE = "bench-enqueue"
 PREFIX = "bench-dedup"
 SINGLETON_PREFIX = "bench-singleton:"
@@ -267,25 +255,19 @@ def run_repeat(bench: Bench, cases: Sequence[Case], calls: int, block: int) -> N
         case.times_ns.append(per_case[case.name])
 
 
-def percentile(sorted_values: Sequence[float], fraction: float) -> float:
-    """Nearest-rank percentile of already sorted values."""
-    index = max(0, min(len(sorted_values) - 1, round(fraction * len(sorted_values) + 0.5) - 1))
-    return sorted_values[index]
-
-
 def summarize(cases: Sequence[Case]) -> list[dict[str, Any]]:
     rows: list[dict[str, Any]] = []
     for case in cases:
-        pooled = sorted(t / 1000 for repeat in case.times_ns for t in repeat)
+        pooled = [t / 1000 for repeat in case.times_ns for t in repeat]
         repeat_medians = [statistics.median(t / 1000 for t in repeat) for repeat in case.times_ns]
-        repeat_p95 = [percentile(sorted(t / 1000 for t in repeat), 0.95) for repeat in case.times_ns]
+        repeat_p95 = [harness.percentile((t / 1000 for t in repeat), 0.95) for repeat in case.times_ns]
         rows.append(
             {
                 "case": case.name,
                 "calls_per_repeat": len(case.times_ns[0]),
                 "repeats": len(case.times_ns),
                 "median_us": statistics.median(pooled),
-                "p95_us": percentile(pooled, 0.95),
+                "p95_us": harness.percentile(pooled, 0.95),
                 "mean_us": statistics.fmean(pooled),
                 "repeat_medians_us": repeat_medians,
                 "repeat_p95_us": repeat_p95,
@@ -297,219 +279,130 @@ def summarize(cases: Sequence[Case]) -> list[dict[str, Any]]:
     return rows
 
 
-# --- round trips ---------------------------------------------------------------------------------
-
-
-class CommandLog:
-    """Every command the server runs while open, read with MONITOR on a thread.
-
-    ``close`` sends a marker ECHO and reads up to it, so the log is complete.
-    """
-
-    def __init__(self, url: str) -> None:
-        self._client: redis.Redis = redis.Redis.from_url(url)
-        self._monitor = self._client.monitor()  # type: ignore[no-untyped-call]
-        self._monitor.__enter__()
-        self.entries: list[dict[str, Any]] = []
-        self.complete = False
-        self._marker = f"bench-enqueue-marker-{os.getpid()}-{time.monotonic_ns()}"
-        self._thread = threading.Thread(target=self._read, daemon=True)
-        self._thread.start()
-
-    def _read(self) -> None:
-        while True:
-            entry = self._monitor.next_command()
-            if entry is None:
-                continue
-            if entry["command"] == f"ECHO {self._marker}":
-                self.complete = True
-                return
-            self.entries.append(entry)
-
-    def close(self, admin: redis.Redis) -> list[dict[str, Any]]:
-        admin.echo(self._marker)
-        self._thread.join(30)
-        if not self.complete:
-            raise RuntimeError("MONITOR did not deliver the end marker: the command counts would be partial")
-        self._monitor.__exit__(None, None, None)
-        self._client.close()
-        return self.entries
-
-
-def commandstats(client: redis.Redis) -> Counter[str]:
-    stats = client.info("commandstats")
-    return Counter({name.removeprefix("cmdstat_"): int(value["calls"]) for name, value in stats.items()})
-
-
 def count_round_trips(url: str, case: Case, calls: int) -> dict[str, Any]:
     """Commands per call of ``case``: sent by clients (round trips) and run inside Lua."""
-    admin: redis.Redis = redis.Redis.from_url(url)
-    admin_port = str(admin.client_info()["addr"]).rsplit(":", 1)[1]
-    # MONITOR first: its own connection set-up (HELLO, CLIENT SETINFO, MONITOR) is then outside the delta.
-    log = CommandLog(url)
-    before = commandstats(admin)
-    for _ in range(calls):
-        case.call()
-    entries = log.close(admin)
-    after = commandstats(admin)
-    # The admin client's own INFO (the first snapshot) and ECHO (the marker) land in the delta.
-    delta = after - before
-    delta.subtract({"info": 1, "echo": 1})
-    delta = +delta
-    client_cmds: Counter[str] = Counter()
-    lua_cmds: Counter[str] = Counter()
-    for entry in entries:
-        if entry["client_type"] != "lua" and entry["client_port"] == admin_port:
-            continue
-        name = entry["command"].split(" ", 1)[0].lower()
-        (lua_cmds if entry["client_type"] == "lua" else client_cmds)[name] += 1
-    seen = client_cmds + lua_cmds
-    admin.close()
-    return {
-        "case": case.name,
-        "calls": calls,
-        "round_trips_per_call": sum(client_cmds.values()) / calls,
-        "client_commands_per_call": {k: v / calls for k, v in sorted(client_cmds.items())},
-        "lua_commands_per_call": {k: v / calls for k, v in sorted(lua_cmds.items())},
-        "commandstats_per_call": {k: v / calls for k, v in sorted(delta.items())},
-        "commandstats_agrees": dict(delta) == dict(seen),
-    }
+    counted = harness.count_commands(url, case.call, calls)
+    del counted["entries"]
+    return {"case": case.name, **counted}
 
 
 # --- output --------------------------------------------------------------------------------------
 
 
-def per_call(counts: dict[str, float]) -> str:
-    if not counts:
-        return "none"
-    return ", ".join(f"{name.upper()} {value:g}" for name, value in counts.items())
-
-
 def timing_table(rows: Sequence[dict[str, Any]]) -> str:
-    lines = [
-        "| case | median µs/call | p95 µs/call | per-repeat medians min\N{EN DASH}max µs | ratio to plain (median) |",
-        "|---|---:|---:|---:|---:|",
-    ]
-    for row in rows:
-        medians = row["repeat_medians_us"]
-        lines.append(
-            f"| {row['case']} | {row['median_us']:.1f} | {row['p95_us']:.1f} | "
-            f"{min(medians):.1f}\N{EN DASH}{max(medians):.1f} | {row['ratio_to_plain']:.2f}x |"
-        )
-    return "\n".join(lines)
+    return harness.table(
+        ["case", "median µs/call", "p95 µs/call", "per-repeat medians min µs", "max µs", "ratio to plain (median)"],
+        [
+            [
+                r["case"],
+                r["median_us"],
+                r["p95_us"],
+                min(r["repeat_medians_us"]),
+                max(r["repeat_medians_us"]),
+                f"{r['ratio_to_plain']:.2f}x",
+            ]
+            for r in rows
+        ],
+    )
 
 
 def round_trip_table(rows: Sequence[dict[str, Any]]) -> str:
-    lines = [
-        "| case | round trips/call | commands sent per call | commands inside Lua per call |",
-        "|---|---:|---|---|",
-    ]
-    for row in rows:
-        lines.append(
-            f"| {row['case']} | {row['round_trips_per_call']:g} | {per_call(row['client_commands_per_call'])} | "
-            f"{per_call(row['lua_commands_per_call'])} |"
-        )
-    return "\n".join(lines)
+    return harness.table(
+        ["case", "round trips/call", "commands sent per call", "commands inside Lua per call"],
+        [
+            [
+                r["case"],
+                r["round_trips_per_call"],
+                harness.per_call(r["client_commands_per_call"]),
+                harness.per_call(r["lua_commands_per_call"]),
+            ]
+            for r in rows
+        ],
+    )
 
 
 # --- main ----------------------------------------------------------------------------------------
 
 
-def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n", 1)[0] if __doc__ else None)
-    parser.add_argument("--calls", type=int, default=5000, help="timed calls per case per repeat (default 5000)")
-    parser.add_argument("--repeats", type=int, default=5, help="repeats (default 5)")
-    parser.add_argument("--block", type=int, default=50, help="calls per case before switching case (default 50)")
-    parser.add_argument("--warmup", type=int, default=500, help="untimed calls per case first (default 500)")
-    parser.add_argument("--rt-calls", type=int, default=200, help="calls per case for round trips (default 200)")
-    parser.add_argument(
-        "--no-peers", dest="peers", action="store_false", help="leave out the celery-once and celery-singleton cases"
+def parse_args(script: harness.Script, argv: Sequence[str] | None) -> argparse.Namespace:
+    script.option("--calls", 5000, "timed calls per case per repeat")
+    script.option("--repeats", 5, "repeats")
+    script.option("--block", 50, "calls per case before switching case")
+    script.option("--warmup", 500, "untimed calls per case first", minimum=0)
+    script.option("--rt-calls", 200, "calls per case for round trips")
+    script.flag(
+        "--no-peers", "leave out the celery-once and celery-singleton cases", dest="peers", action="store_false"
     )
-    parser.add_argument(
-        "--result-backend", action="store_true", help="the Redis result backend on the same server, results stored"
+    script.option(
+        "--result-backend",
+        "both",
+        "without one (off), with Redis's on the same server (on), or both in turn",
+        choices=("off", "on", "both"),
+        minimum=None,
     )
-    parser.add_argument("--output", type=Path, default=DEFAULT_OUTPUT, help="JSON result file")
-    args = parser.parse_args(argv)
-    for name in ("calls", "repeats", "block", "rt_calls"):
-        if getattr(args, name) < 1:
-            parser.error(f"--{name.replace('_', '-')} must be at least 1")
-    return args
+    return script.parse(argv)
 
 
 @dataclass
 class Run:
     """Everything one run measured, for the tables and the JSON file."""
 
-    server_binary: str
-    server_version: str
-    load_before: float
-    load_after: float
+    result_backend: bool
     elapsed_s: float
     rows: list[dict[str, Any]]
     trips: list[dict[str, Any]]
 
 
-def measure(args: argparse.Namespace) -> Run:
-    """Start a server, time the cases, count their commands, and clean up."""
-    with RedisServer() as server:
-        server_version = server.version()
-        print(f"server: {server.binary} ({server_version})")
-        print(", ".join(f"{k} {v}" for k, v in versions(*peer_dists(args)).items()))
-        load_before = os.getloadavg()[0]
-        print(f"load average before: {load_before:.2f} (cpus: {os.cpu_count()})", flush=True)
-        app = build_app(server.url, result_backend=args.result_backend)
-        plain, keyed = make_tasks(app)
-        peers = make_peer_tasks(app) if args.peers else None
-        client: redis.Redis = redis.Redis.from_url(server.url)
-        try:
-            with app.producer_or_acquire() as producer:
-                bench = Bench(app, client, plain, keyed, producer, peers)
-                cases = [
-                    Case("plain", bench.call_plain, publishes=True),
-                    Case("dedup new key", bench.call_new_key, publishes=True),
-                    Case("dedup duplicate", bench.call_duplicate, publishes=False),
+def measure(args: argparse.Namespace, server: RedisServer, result_backend: bool) -> Run:
+    """Time the cases on ``server``, count their commands, and clean up."""
+    app = build_app(server.url, result_backend=result_backend)
+    plain, keyed = make_tasks(app)
+    peers = make_peer_tasks(app) if args.peers else None
+    client: redis.Redis = redis.Redis.from_url(server.url)
+    try:
+        with app.producer_or_acquire() as producer:
+            bench = Bench(app, client, plain, keyed, producer, peers)
+            cases = [
+                Case("plain", bench.call_plain, publishes=True),
+                Case("dedup new key", bench.call_new_key, publishes=True),
+                Case("dedup duplicate", bench.call_duplicate, publishes=False),
+            ]
+            if peers is not None:
+                cases += [
+                    Case("celery-once new key", bench.call_once_new_key, publishes=True),
+                    Case("celery-once duplicate", bench.call_once_duplicate, publishes=False),
+                    Case("celery-singleton new key", bench.call_singleton_new_key, publishes=True),
+                    Case("celery-singleton duplicate", bench.call_singleton_duplicate, publishes=False),
                 ]
-                if peers is not None:
-                    cases += [
-                        Case("celery-once new key", bench.call_once_new_key, publishes=True),
-                        Case("celery-once duplicate", bench.call_once_duplicate, publishes=False),
-                        Case("celery-singleton new key", bench.call_singleton_new_key, publishes=True),
-                        Case("celery-singleton duplicate", bench.call_singleton_duplicate, publishes=False),
-                    ]
-                if args.warmup:
-                    run_repeat(bench, cases, args.warmup, args.block)
-                    for case in cases:
-                        case.times_ns.clear()
-                started = time.monotonic()
-                for repeat in range(args.repeats):
-                    run_repeat(bench, cases, args.calls, args.block)
-                    print(f"repeat {repeat + 1}/{args.repeats} done", file=sys.stderr)
-                elapsed = time.monotonic() - started
-                load_after = os.getloadavg()[0]
-                bench.clear()
-                bench.hold_duplicate_key()
-                trips = [count_round_trips(server.url, case, args.rt_calls) for case in cases]
-                bench.clear()
-        finally:
-            # kombu's queue bindings, made by the producer's declare.
-            bindings = list(client.scan_iter(match=f"_kombu.binding.{QUEUE}*"))
-            if bindings:
-                client.delete(*bindings)
-            client.close()
-            app.close()
-        return Run(server.binary, server_version, load_before, load_after, elapsed, summarize(cases), trips)
-
-
-def peer_dists(args: argparse.Namespace) -> tuple[str, ...]:
-    return PEERS if args.peers else ()
+            if args.warmup:
+                run_repeat(bench, cases, args.warmup, args.block)
+                for case in cases:
+                    case.times_ns.clear()
+            started = time.monotonic()
+            for repeat in range(args.repeats):
+                run_repeat(bench, cases, args.calls, args.block)
+                harness.progress(f"repeat {repeat + 1}/{args.repeats} done")
+            elapsed = time.monotonic() - started
+            bench.clear()
+            bench.hold_duplicate_key()
+            trips = [count_round_trips(server.url, case, args.rt_calls) for case in cases]
+            bench.clear()
+    finally:
+        # kombu's queue bindings, made by the producer's declare.
+        bindings = list(client.scan_iter(match=f"_kombu.binding.{QUEUE}*"))
+        if bindings:
+            client.delete(*bindings)
+        client.close()
+        app.close()
+    return Run(result_backend, elapsed, summarize(cases), trips)
 
 
 def print_report(args: argparse.Namespace, run: Run) -> None:
     print()
     print(
         f"apply_async: {args.calls} calls x {args.repeats} repeats per case, blocks of {args.block}, "
-        f"{run.elapsed_s:.1f} s, load average after {run.load_after:.2f}; "
-        f"{'Redis result backend' if args.result_backend else 'no result backend (ignore_result)'}"
+        f"{run.elapsed_s:.1f} s; "
+        f"{'Redis result backend' if run.result_backend else 'no result backend (ignore_result)'}"
     )
     print()
     print(timing_table(run.rows))
@@ -525,40 +418,26 @@ def print_report(args: argparse.Namespace, run: Run) -> None:
         print("INFO commandstats deltas over the same calls agree with MONITOR.")
 
 
-def write_result(args: argparse.Namespace, run: Run) -> None:
-    result = {
-        "benchmark": "enqueue",
-        "when": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
-        "server": {"binary": run.server_binary, "version": run.server_version},
-        "versions": versions(*peer_dists(args)),
-        "machine": {
-            "platform": platform.platform(),
-            "cpus": os.cpu_count(),
-            "loadavg_1m_before": run.load_before,
-            "loadavg_1m_after": run.load_after,
-        },
-        "settings": {
-            "calls": args.calls,
-            "repeats": args.repeats,
-            "block": args.block,
-            "warmup": args.warmup,
-            "rt_calls": args.rt_calls,
-            "peers": args.peers,
-            "result_backend": args.result_backend,
-            "celery_once_duplicate": "raises AlreadyQueued (its default, not graceful), caught by the caller",
-        },
-        "elapsed_s": run.elapsed_s,
-        "timing": run.rows,
-        "round_trips": run.trips,
-    }
-    save(args.output, result)
-
-
 def main(argv: Sequence[str] | None = None) -> int:
-    args = parse_args(argv)
-    run = measure(args)
-    print_report(args, run)
-    write_result(args, run)
+    script = harness.Script("enqueue", __doc__)
+    args = parse_args(script, argv)
+    backends = {"off": [False], "on": [True], "both": [False, True]}[args.result_backend]
+    with RedisServer() as server:
+        script.header(f"server: {server.binary} ({server.version()})", peers=args.peers)
+        runs = [measure(args, server, backend) for backend in backends]
+        version = server.version()
+    for run in runs:
+        print_report(args, run)
+    script.save(
+        args,
+        {
+            "server": {"binary": server.binary, "version": version},
+            "celery_once_duplicate": "raises AlreadyQueued (its default, not graceful), caught by the caller",
+            "timing": [{**row, "result_backend": run.result_backend} for run in runs for row in run.rows],
+            "round_trips": [{**row, "result_backend": run.result_backend} for run in runs for row in run.trips],
+        },
+        peers=args.peers,
+    )
     return 0
 
 

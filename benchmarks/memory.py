@@ -36,10 +36,8 @@ is not changed; the notes it prints say what dominates and what could shrink it.
 from __future__ import annotations
 
 import argparse
-import datetime
 import json
 import os
-import platform
 import random
 import secrets
 import socket
@@ -49,26 +47,19 @@ import time
 from collections import Counter
 from collections.abc import Sequence
 from dataclasses import dataclass, field
-from pathlib import Path
 from typing import Any
 
 import redis
 from celery import Celery
 
-ROOT = Path(__file__).resolve().parent.parent
-if str(ROOT) not in sys.path:
-    sys.path.insert(0, str(ROOT))  # run as ``python benchmarks/<name>.py``: make ``benchmarks.*`` importable
+import celery_dedup
+from benchmarks import harness
+from celery_dedup import DedupTask, runtime
+from celery_dedup.keys import KeySchema, member_for, task_namespace
+from celery_dedup.lock import new_token
+from celery_dedup.store import DedupStore
+from celery_dedup.testing import RedisServer
 
-import celery_dedup  # noqa: E402
-from benchmarks.harness import save, versions  # noqa: E402
-from celery_dedup import DedupTask, runtime  # noqa: E402
-from celery_dedup.keys import KeySchema, member_for, task_namespace  # noqa: E402
-from celery_dedup.lock import new_token  # noqa: E402
-from celery_dedup.store import DedupStore  # noqa: E402
-from celery_dedup.testing import RedisServer  # noqa: E402
-
-ROOT = Path(__file__).resolve().parent.parent
-DEFAULT_OUTPUT = ROOT / "benchmarks" / "results" / "memory.json"
 QUEUE = "bench-memory"
 TASK = "shop.orders.charge"
 FIRST_ORDER = 10_000_000  # eight-digit order ids, as a shop's would be
@@ -377,12 +368,11 @@ def measure_variants(client: redis.Redis, url: str, count: int, rng: random.Rand
     return rows
 
 
-def measure(args: argparse.Namespace) -> Run:
+def measure(script: harness.Script, args: argparse.Namespace) -> Run:
     rng = random.Random(args.seed)
     with RedisServer() as server:
         server_version = server.version()
-        print(f"server: {server.binary} ({server_version})")
-        print(", ".join(f"{k} {v}" for k, v in versions().items()))
+        script.header(f"server: {server.binary} ({server_version})")
         client: redis.Redis = redis.Redis.from_url(server.url)
         config = {
             str(k): str(v)
@@ -580,53 +570,41 @@ def notes(run: Run) -> list[str]:
     return out
 
 
-def write_result(args: argparse.Namespace, run: Run) -> None:
-    result = {
-        "benchmark": "memory",
-        "when": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
-        "server": {"binary": run.server_binary, "version": run.server_version, "encodings": run.config},
-        "versions": versions(),
-        "machine": {"platform": platform.platform(), "cpus": os.cpu_count()},
-        "settings": {
-            "keys": args.keys,
-            "sample": args.sample,
-            "variant_keys": args.variant_keys,
-            "seed": args.seed,
-            "task": TASK,
-            "hostname": DEFAULT_HOST,
-            "pid": DEFAULT_PID,
-        },
-        "elapsed_s": run.elapsed_s,
-        "states": run.states,
-        "queue_used_memory_per_message": run.queue_used_memory_per_message,
-        "message_bytes_mean": run.message_bytes_mean,
-        "dedup_header_bytes": run.dedup_header_bytes,
-        "summary": summary(run),
-        "variants": run.variants,
-        "notes": notes(run),
-    }
-    save(args.output, result)
-
-
-def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n", 1)[0] if __doc__ else None)
-    parser.add_argument("--keys", type=int, default=100_000, help="keys enqueued (default 100000)")
-    parser.add_argument("--sample", type=int, default=1000, help="keys sampled for MEMORY USAGE (default 1000)")
-    parser.add_argument("--variant-keys", type=int, default=2000, help="keys per record variant (default 2000)")
-    parser.add_argument("--seed", type=int, default=1, help="random seed for amounts and the sample (default 1)")
-    parser.add_argument("--output", type=Path, default=DEFAULT_OUTPUT, help="JSON result file")
-    args = parser.parse_args(argv)
-    for name in ("keys", "sample", "variant_keys"):
-        if getattr(args, name) < 1:
-            parser.error(f"--{name.replace('_', '-')} must be at least 1")
-    return args
+def parse_args(script: harness.Script, argv: Sequence[str] | None) -> argparse.Namespace:
+    script.option("--keys", 100_000, "keys enqueued")
+    script.option("--sample", 1000, "keys sampled for MEMORY USAGE")
+    script.option("--variant-keys", 2000, "keys per record variant")
+    script.option("--seed", 1, "random seed for amounts and the sample", minimum=None)
+    return script.parse(argv)
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    args = parse_args(argv)
-    run = measure(args)
+    script = harness.Script("memory", __doc__)
+    args = parse_args(script, argv)
+    run = measure(script, args)
     print_report(args, run)
-    write_result(args, run)
+    script.save(
+        args,
+        {
+            "server": {"binary": run.server_binary, "version": run.server_version, "encodings": run.config},
+            "memory_settings": {
+                "keys": args.keys,
+                "sample": args.sample,
+                "variant_keys": args.variant_keys,
+                "seed": args.seed,
+                "task": TASK,
+                "hostname": DEFAULT_HOST,
+                "pid": DEFAULT_PID,
+            },
+            "states": run.states,
+            "queue_used_memory_per_message": run.queue_used_memory_per_message,
+            "message_bytes_mean": run.message_bytes_mean,
+            "dedup_header_bytes": run.dedup_header_bytes,
+            "summary": summary(run),
+            "variants": run.variants,
+            "notes": notes(run),
+        },
+    )
     return 0
 
 

@@ -36,45 +36,29 @@ from __future__ import annotations
 
 import argparse
 import contextlib
-import datetime
 import hashlib
 import os
-import platform
-import signal
 import statistics
-import subprocess
 import sys
-import threading
 import time
 from collections import Counter, defaultdict
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field
-from pathlib import Path
 from typing import Any
 
 import redis
 from celery import Celery
 from celery.contrib.testing.worker import start_worker
 
-ROOT = Path(__file__).resolve().parent.parent
-if str(ROOT) not in sys.path:
-    # Run as ``python -m benchmarks.worker``: make ``benchmarks.*`` importable, as the worker subprocess needs too.
-    sys.path.insert(0, str(ROOT))
+from benchmarks import harness
+from benchmarks.harness import CommandLog, WorkerProcess, commandstats
+from benchmarks.worker_app import PREFIX, QUEUE, build_app, peer_bases
+from celery_dedup import runtime
+from celery_dedup.keys import member_for, new_nonce, new_task_id
+from celery_dedup.lock import new_token
+from celery_dedup.store import load_script
+from celery_dedup.testing import RedisServer
 
-from benchmarks.enqueue import CommandLog, commandstats  # noqa: E402
-from benchmarks.harness import (  # noqa: E402
-    READY_MARKER,
-    save,
-    versions,
-)
-from benchmarks.worker_app import PREFIX, QUEUE, build_app, peer_bases  # noqa: E402
-from celery_dedup import runtime  # noqa: E402
-from celery_dedup.keys import member_for, new_nonce, new_task_id  # noqa: E402
-from celery_dedup.lock import new_token  # noqa: E402
-from celery_dedup.store import load_script  # noqa: E402
-from celery_dedup.testing import RedisServer  # noqa: E402
-
-DEFAULT_OUTPUT = ROOT / "benchmarks" / "results" / "worker.json"
 STAGING = "bench-worker-staging"
 UNACKED = "unacked"  # kombu's Redis transport default
 CATEGORIES = ("broker", "result backend", "celery-dedup")
@@ -191,64 +175,13 @@ def solo_worker(url: str) -> Iterator[None]:
         app.close()
 
 
-def _drain_output(process: subprocess.Popen[bytes], output: list[str]) -> None:
-    assert process.stdout is not None
-    for raw in iter(process.stdout.readline, b""):
-        output.append(raw.decode(errors="replace"))
-
-
 @contextlib.contextmanager
 def prefork_worker(url: str, concurrency: int) -> Iterator[None]:
     """``celery -A benchmarks.worker_app worker --pool prefork`` in a subprocess."""
-    env = dict(os.environ, CELERY_DEDUP_BENCH_BROKER=url)
-    env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(ROOT), env.get("PYTHONPATH")]))
-    command = [
-        sys.executable,
-        "-m",
-        "celery",
-        "-A",
-        "benchmarks.worker_app",
-        "worker",
-        "--pool",
-        "prefork",
-        "--concurrency",
-        str(concurrency),
-        "--loglevel",
-        "WARNING",
-        "--hostname",
-        "bench-prefork@%h",
-        "--without-gossip",
-        "--without-mingle",
-        "--without-heartbeat",
-    ]
-    process = subprocess.Popen(
-        command, cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, start_new_session=True
-    )
-    output: list[str] = []
-    try:
-        assert process.stdout is not None
-        deadline = time.monotonic() + 60
-        while True:
-            line = process.stdout.readline().decode(errors="replace")
-            output.append(line)
-            if READY_MARKER in line:
-                break
-            if (not line and process.poll() is not None) or time.monotonic() > deadline:
-                raise RuntimeError("prefork worker did not start:\n" + "".join(output))
-        # Keep reading, so a chatty worker never blocks on a full pipe.
-        threading.Thread(target=_drain_output, args=(process, output), daemon=True).start()
+    with WorkerProcess(
+        "benchmarks.worker_app", env={"CELERY_DEDUP_BENCH_BROKER": url}, concurrency=concurrency, name="bench-prefork"
+    ):
         yield
-    finally:
-        if process.poll() is None:
-            os.killpg(process.pid, signal.SIGTERM)
-            try:
-                process.wait(30)
-            except subprocess.TimeoutExpired:
-                os.killpg(process.pid, signal.SIGKILL)
-                process.wait()
-        errors = [line for line in output if "ERROR" in line or "Traceback" in line]
-        if errors:
-            print("prefork worker logged errors:\n" + "".join(errors[:20]), file=sys.stderr)
 
 
 # --- round trips ---------------------------------------------------------------------------------
@@ -697,40 +630,25 @@ def budget_table(rows: Sequence[dict[str, Any]]) -> str:
 # --- main ----------------------------------------------------------------------------------------
 
 
-def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n", 1)[0] if __doc__ else None)
-    parser.add_argument("--tasks", type=int, default=2000, help="tasks per throughput drain (default 2000)")
-    parser.add_argument("--repeats", type=int, default=7, help="throughput drains per case and pool (default 7)")
-    parser.add_argument("--rt-tasks", type=int, default=200, help="executions per round-trip count (default 200)")
-    parser.add_argument("--sleep-ms", type=float, default=20.0, help="body of the sleeping cases, ms (default 20)")
-    parser.add_argument("--warmup", type=int, default=200, help="untimed tasks per case first (default 200)")
-    parser.add_argument(
-        "--guard-pairs", type=int, default=1000, help="start+finish pairs timed directly (default 1000)"
-    )
-    parser.add_argument("--concurrency", type=int, default=2, help="prefork children (default 2)")
-    parser.add_argument("--pools", default="solo,prefork", help="comma-separated: solo, prefork (default both)")
-    parser.add_argument(
-        "--results", default="off,on", help="throughput without (off) and/or with (on) a result backend (default both)"
-    )
-    parser.add_argument(
-        "--no-peers", dest="peers", action="store_false", help="leave celery-once and celery-singleton out"
-    )
-    parser.add_argument(
-        "--no-round-trips", dest="round_trips", action="store_false", help="skip the MONITOR round-trip counts"
-    )
-    parser.add_argument("--output", type=Path, default=DEFAULT_OUTPUT, help="JSON result file")
-    args = parser.parse_args(argv)
+def parse_args(script: harness.Script, argv: Sequence[str] | None) -> argparse.Namespace:
+    script.option("--tasks", 2000, "tasks per throughput drain")
+    script.option("--repeats", 7, "throughput drains per case and pool")
+    script.option("--rt-tasks", 200, "executions per round-trip count")
+    script.option("--sleep-ms", 20.0, "body of the sleeping cases, ms", minimum=0.001)
+    script.option("--warmup", 200, "untimed tasks per case first")
+    script.option("--guard-pairs", 1000, "start+finish pairs timed directly")
+    script.option("--concurrency", 2, "prefork children")
+    script.option("--pools", "solo,prefork", "comma-separated: solo, prefork", minimum=None)
+    script.option("--results", "off,on", "throughput without (off) and/or with (on) a result backend", minimum=None)
+    script.flag("--no-peers", "leave celery-once and celery-singleton out", dest="peers", action="store_false")
+    script.flag("--no-round-trips", "skip the MONITOR round-trip counts", dest="round_trips", action="store_false")
+    args = script.parse(argv)
     args.results = [m.strip() for m in args.results.split(",") if m.strip()]
     if not args.results or any(m not in ("off", "on") for m in args.results):
-        parser.error("--results takes off and/or on")
-    for name in ("tasks", "repeats", "rt_tasks", "warmup", "concurrency", "guard_pairs"):
-        if getattr(args, name) < 1:
-            parser.error(f"--{name.replace('_', '-')} must be at least 1")
-    if args.sleep_ms <= 0:
-        parser.error("--sleep-ms must be positive")
+        script.parser.error("--results takes off and/or on")
     args.pools = [p.strip() for p in args.pools.split(",") if p.strip()]
     if not args.pools or any(p not in ("solo", "prefork") for p in args.pools):
-        parser.error("--pools takes solo and/or prefork")
+        script.parser.error("--pools takes solo and/or prefork")
     return args
 
 
@@ -740,21 +658,16 @@ class Run:
 
     server_binary: str
     server_version: str
-    load_before: float
-    load_after: float
     elapsed_s: float
     trips: list[dict[str, Any]]
     throughput: list[dict[str, Any]]
     guard_calls: dict[str, float]
 
 
-def measure(args: argparse.Namespace) -> Run:
+def measure(script: harness.Script, args: argparse.Namespace) -> Run:
     with RedisServer() as server:
         server_version = server.version()
-        print(f"server: {server.binary} ({server_version})")
-        print(", ".join(f"{k} {v}" for k, v in versions().items()))
-        load_before = os.getloadavg()[0]
-        print(f"load average before: {load_before:.2f} (cpus: {os.cpu_count()})", flush=True)
+        script.header(f"server: {server.binary} ({server_version})", peers=args.peers)
         publisher = build_app(server.url, "bench_publisher")
         args.lock_ttl_s = runtime.config_for(publisher).lock_ttl
         admin: redis.Redis = redis.Redis.from_url(server.url)
@@ -772,8 +685,7 @@ def measure(args: argparse.Namespace) -> Run:
             admin.close()
             publisher.close()
         elapsed = time.monotonic() - started
-        load_after = os.getloadavg()[0]
-        return Run(server.binary, server_version, load_before, load_after, elapsed, trips, throughput, guard_calls)
+        return Run(server.binary, server_version, elapsed, trips, throughput, guard_calls)
 
 
 def print_report(args: argparse.Namespace, run: Run) -> None:
@@ -811,8 +723,7 @@ def print_report(args: argparse.Namespace, run: Run) -> None:
     print()
     print(
         f"No-op throughput: {args.tasks} tasks pre-queued then drained, {args.repeats} repeats per case, "
-        f"plain and DedupTask alternating (ignore_result, task_acks_late); {run.elapsed_s:.0f} s in all, "
-        f"load average after {run.load_after:.2f}"
+        f"plain and DedupTask alternating (ignore_result, task_acks_late); {run.elapsed_s:.0f} s in all"
     )
     print()
     print(throughput_table(run.throughput))
@@ -861,46 +772,25 @@ def renewal_notes(trips: Sequence[dict[str, Any]], lock_ttl_s: float) -> list[st
     return notes
 
 
-def write_result(args: argparse.Namespace, run: Run) -> None:
-    result = {
-        "benchmark": "worker",
-        "when": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
-        "server": {"binary": run.server_binary, "version": run.server_version},
-        "versions": versions(),
-        "machine": {
-            "platform": platform.platform(),
-            "cpus": os.cpu_count(),
-            "loadavg_1m_before": run.load_before,
-            "loadavg_1m_after": run.load_after,
-        },
-        "settings": {
-            "tasks": args.tasks,
-            "repeats": args.repeats,
-            "rt_tasks": args.rt_tasks,
-            "sleep_ms": args.sleep_ms,
-            "warmup": args.warmup,
-            "concurrency": args.concurrency,
-            "pools": args.pools,
-            "results": args.results,
-            "peers": [case.task for case in PEERS] if args.peers else [],
+def main(argv: Sequence[str] | None = None) -> int:
+    script = harness.Script("worker", __doc__)
+    args = parse_args(script, argv)
+    run = measure(script, args)
+    print_report(args, run)
+    script.save(
+        args,
+        {
+            "server": {"binary": run.server_binary, "version": run.server_version},
             "worker": "task_acks_late=True, dedup_reap_interval=0",
             "dedup_lock_ttl_s": args.lock_ttl_s,
+            "round_trips": run.trips,
+            "throughput": run.throughput,
+            "guard_calls": run.guard_calls,
+            "time_budget": time_budget(run),
+            "notes": renewal_notes(run.trips, args.lock_ttl_s),
         },
-        "elapsed_s": run.elapsed_s,
-        "round_trips": run.trips,
-        "throughput": run.throughput,
-        "guard_calls": run.guard_calls,
-        "time_budget": time_budget(run),
-        "notes": renewal_notes(run.trips, args.lock_ttl_s),
-    }
-    save(args.output, result)
-
-
-def main(argv: Sequence[str] | None = None) -> int:
-    args = parse_args(argv)
-    run = measure(args)
-    print_report(args, run)
-    write_result(args, run)
+        peers=args.peers,
+    )
     return 0
 
 
