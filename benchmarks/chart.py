@@ -1,16 +1,19 @@
-"""One picture of the comparison: enqueue cost per call, and what a storm with worker kills left behind.
+"""One picture of the comparison: enqueue cost per call, what a storm with worker kills left behind, and recovery.
 
-Reads the JSON results of ``benchmarks/enqueue.py`` and ``benchmarks/storm.py``
-and draws one PNG with two panels:
+Reads the JSON results of ``benchmarks/enqueue.py``, ``benchmarks/storm.py``
+and (where present) ``benchmarks/recovery.py``, and draws one PNG:
 
-- left: median µs per ``apply_async`` call for each case, with the spread
-  (min to max) of the per-repeat medians as error bars;
-- right: per library, the storm's duplicates executed, re-runs after kills,
-  accepted calls lost and keys left stuck.
+- left: median µs per ``apply_async`` call for each case (no result
+  backend), with the spread (min to max) of the per-repeat medians as error
+  bars;
+- middle: per library, the storm's duplicates executed, re-runs after kills,
+  accepted calls lost and keys left stuck;
+- right: per library, seconds from a worker's restart to the re-run of the
+  task a SIGKILL interrupted, for a killed pool child and a killed worker.
 
-Run it from the repository root, after those two::
+Run it from the repository root, after those::
 
-    .venv/bin/python -m benchmarks.chart [--enqueue FILE] [--storm FILE] [--output PNG ...]
+    .venv/bin/python -m benchmarks.chart [--enqueue FILE] [--storm FILE] [--recovery FILE] [--output PNG ...]
 
 It writes ``docs/_static/benchmarks.png`` and ``benchmarks/results/benchmarks.png``.
 """
@@ -61,7 +64,7 @@ def colour(name: str) -> str:
 
 
 def enqueue_panel(ax: Axes, result: dict[str, Any]) -> None:
-    rows = result["timing"]
+    rows = [row for row in result["timing"] if not row.get("result_backend")]
     names = [row["case"] for row in rows]
     medians = [row["median_us"] for row in rows]
     low = [row["median_us"] - min(row["repeat_medians_us"]) for row in rows]
@@ -100,10 +103,35 @@ def storm_panel(ax: Axes, result: dict[str, Any]) -> None:
     ax.margins(y=0.15)
 
 
-def draw(enqueue: dict[str, Any], storm: dict[str, Any], outputs: Sequence[Path]) -> None:
-    figure, (left, right) = plt.subplots(1, 2, figsize=(15, 5.5), gridspec_kw={"width_ratios": [1.25, 1]})
-    enqueue_panel(left, enqueue)
-    storm_panel(right, storm)
+def recovery_panel(ax: Axes, result: dict[str, Any]) -> None:
+    """Seconds from the restart to the re-run, per library, for a killed pool child and a killed worker."""
+    rows = result["scenarios"]
+    libraries = list(dict.fromkeys(row["library"] for row in rows))
+    kinds = list(dict.fromkeys(row["scenario"] for row in rows))
+    width = 0.8 / len(kinds)
+    for i, kind in enumerate(kinds):
+        xs = [j + (i - (len(kinds) - 1) / 2) * width for j in range(len(libraries))]
+        found = {row["library"]: row["from_restart_s"] for row in rows if row["scenario"] == kind}
+        values = [max((found.get(name) or {}).get("median", 0.0), 0.0) for name in libraries]
+        bars = ax.bar(xs, values, width, label=f"{kind} SIGKILLed", color=("#1f6fb2", "#9e9e9e")[i % 2])
+        ax.bar_label(bars, labels=[f"{v:.2f} s" for v in values], fontsize=8)
+    ax.set_xticks(range(len(libraries)), libraries)
+    ax.set_ylabel("seconds from the worker's restart to the re-run")
+    ax.set_title(f"Crash recovery (acks_late; restarted {float(result['settings'].get('restart_after', 2)):g} s after the kill)")
+    ax.legend(fontsize=8)
+    ax.margins(y=0.15)
+
+
+def draw(
+    enqueue: dict[str, Any], storm: dict[str, Any], recovery: dict[str, Any] | None, outputs: Sequence[Path]
+) -> None:
+    panels = 3 if recovery is not None else 2
+    ratios = [1.25, 1, 1][:panels]
+    figure, axes = plt.subplots(1, panels, figsize=(7.5 * panels, 5.5), gridspec_kw={"width_ratios": ratios})
+    enqueue_panel(axes[0], enqueue)
+    storm_panel(axes[1], storm)
+    if recovery is not None:
+        recovery_panel(axes[2], recovery)
     server = enqueue["server"]["version"]
     versions = enqueue["versions"]
     figure.suptitle(
@@ -124,6 +152,9 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     parser.add_argument("--enqueue", type=Path, default=RESULTS / "enqueue.json", help="enqueue.py's JSON result")
     parser.add_argument("--storm", type=Path, default=RESULTS / "storm.json", help="storm.py's JSON result")
     parser.add_argument(
+        "--recovery", type=Path, default=RESULTS / "recovery.json", help="recovery.py's JSON result (drawn if present)"
+    )
+    parser.add_argument(
         "--output", type=Path, action="append", help="PNG file (repeatable; default both docs and results)"
     )
     return parser.parse_args(argv)
@@ -131,7 +162,8 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
 
 def main(argv: Sequence[str] | None = None) -> int:
     args = parse_args(argv)
-    draw(load(args.enqueue, "enqueue"), load(args.storm, "storm"), args.output or DEFAULT_OUTPUTS)
+    recovery = load(args.recovery, "recovery") if args.recovery.exists() else None
+    draw(load(args.enqueue, "enqueue"), load(args.storm, "storm"), recovery, args.output or DEFAULT_OUTPUTS)
     return 0
 
 

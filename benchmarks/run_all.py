@@ -52,6 +52,7 @@ def quick_outputs(name: str) -> list[str]:
         return [
             *("--enqueue", str(QUICK_RESULTS / "enqueue.json")),
             *("--storm", str(QUICK_RESULTS / "storm.json")),
+            *("--recovery", str(QUICK_RESULTS / "recovery.json")),
             *("--output", str(QUICK_RESULTS / "benchmarks.png")),
         ]
     return ["--output", str(QUICK_RESULTS / f"{name}.json")]
