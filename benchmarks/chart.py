@@ -117,7 +117,8 @@ def recovery_panel(ax: Axes, result: dict[str, Any]) -> None:
         ax.bar_label(bars, labels=[f"{v:.2f} s" for v in values], fontsize=8)
     ax.set_xticks(range(len(libraries)), libraries)
     ax.set_ylabel("seconds from the worker's restart to the re-run")
-    ax.set_title(f"Crash recovery (acks_late; restarted {float(result['settings'].get('restart_after', 2)):g} s after the kill)")
+    restart = float(result["settings"].get("restart_after", 2))
+    ax.set_title(f"Crash recovery (acks_late; restarted {restart:g} s after the kill)")
     ax.legend(fontsize=8)
     ax.margins(y=0.15)
 
