@@ -32,7 +32,7 @@ from .gate import GateHeader, call_payload, decode_payload, decode_result, resul
 from .keyed import KeyedTask
 from .keys import member_for, split_member
 from .lock import ExecutionLock, new_token, renewer
-from .processes import exit_watcher, gone, token_pid
+from .processes import exit_watcher, owner_gone, token_pid
 from .store import DedupStore, Finished, StartDecision
 
 logger = logging.getLogger("celery_dedup")
@@ -88,6 +88,8 @@ def guarded_call(
     record_ms = runtime.config_for(task.app).record_ms
     try:
         decision = start(task, store, member, gated, token, lock_ms, record_ms)
+        if decision.holder and owner_gone(decision.holder):
+            decision = take_over(task, store, member, gated, token, lock_ms, record_ms, decision)
     except redis.RedisError as exc:
         return store_unreachable(task, store, member, exc, args, kwargs, body)
     if decision.code == StartDecision.FOLLOW:
@@ -250,6 +252,31 @@ def start(
         on_locked=policy.on_locked,
         keep_payload=records_args(task),
     )
+
+
+def take_over(
+    task: KeyedTask,
+    store: DedupStore,
+    member: str,
+    gated: bool,
+    token: str,
+    lock_ms: int,
+    record_ms: int,
+    refused: StartDecision,
+) -> StartDecision:
+    """Take over the lock that refused this delivery, whose owner is provably dead, and start again.
+
+    The refusal is uncounted; the takeover is counted (``taken_over``) and the
+    dead run's record says ``lost ... taken over from <token>``. If the lock
+    changed meanwhile (released, or another delivery's now), the refusal stands.
+    """
+    locked = refused.code == StartDecision.LOCKED or task.dedup_policy.on_locked == "reschedule"
+    if not store.take_over(member, refused.holder, refused="deferred" if locked else "skipped"):
+        return refused
+    decisions.log(
+        "taken_over", task.name, _key(member), task.request.id, f"from {refused.holder}, whose process is gone"
+    )
+    return start(task, store, member, gated, token, lock_ms, record_ms)
 
 
 def records_args(task: KeyedTask) -> bool:
@@ -531,11 +558,11 @@ def settle_elsewhere(
 def delivery_gone(token: str) -> bool:
     """Whether the delivery that took lock ``token`` cannot be running any more.
 
-    True only for a token of this host whose process has exited (or is this
-    process, which runs no delivery under it). Another host's delivery is
-    assumed alive: its lock expires unless renewed.
+    True only for a token of this process table whose process is provably
+    dead (:func:`~celery_dedup.processes.owner_gone`), or of this process,
+    which runs no delivery under it. Another machine's delivery is assumed
+    alive: its lock expires unless renewed.
     """
     if any(lock.token == token for lock in list(_running.values())):
         return False
-    pid = token_pid(token)
-    return pid is not None and (pid == os.getpid() or gone(pid))
+    return token_pid(token) == os.getpid() or owner_gone(token)

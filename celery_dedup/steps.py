@@ -1,7 +1,8 @@
 """Worker bootsteps: the background services a worker runs for celery-dedup.
 
 Both run in the worker's main process only. The reaper cleans up after
-crashes on the worker's timer; the dispatcher pushes debounced runs when they
+crashes on the worker's timer, and puts back the messages of runs whose
+process died on this machine (at start-up too, see ``recovery``); the dispatcher pushes debounced runs when they
 are due, on a thread of its own because how long it sleeps depends on when
 the next run is due.
 """
@@ -14,8 +15,9 @@ from typing import Any
 
 import redis
 from celery import bootsteps
+from kombu.exceptions import OperationalError
 
-from . import runtime
+from . import recovery, runtime
 from .exceptions import DedupConfigError, store_failure
 from .task import DedupTask
 
@@ -23,23 +25,31 @@ logger = logging.getLogger("celery_dedup")
 
 
 class ReaperStep(bootsteps.StartStopStep):
-    """Runs the reaper on the worker's timer every ``dedup_reap_interval`` seconds (0: never)."""
+    """Runs the reaper on the worker's timer every ``dedup_reap_interval`` seconds (0: never).
+
+    Once at start-up, and after every reaper pass, it also puts back the
+    messages of started runs whose process died on this machine (a worker
+    killed whole and restarted): see :mod:`celery_dedup.recovery`.
+    """
 
     requires = ("celery.worker.components:Timer",)
 
     def __init__(self, worker: Any, **kwargs: Any) -> None:
         super().__init__(worker, **kwargs)
         self.tref: Any = None
+        self.recovery: Any = None
 
     def start(self, worker: Any) -> None:
+        self.recovery = worker.timer.call_after(0.0, self.recover, (worker.app,), priority=10)
         interval = runtime.config_for(worker.app).reap_interval
         if interval > 0:
             self.tref = worker.timer.call_repeatedly(interval, self.reap, (worker.app,), priority=10)
 
     def stop(self, worker: Any) -> None:
-        if self.tref is not None:
-            self.tref.cancel()
-            self.tref = None
+        for entry in (self.tref, self.recovery):
+            if entry is not None:
+                entry.cancel()
+        self.tref = self.recovery = None
 
     def terminate(self, worker: Any) -> None:
         # A terminating worker calls this, not stop; the base class's version
@@ -53,6 +63,7 @@ class ReaperStep(bootsteps.StartStopStep):
         except redis.RedisError as exc:
             logger.warning("reaper pass failed: %s", store_failure(exc))
             return
+        self.recover(app)
         if any((report.released, report.lost, report.stale, report.vanished)):
             logger.info(
                 "reaper: %d expired holds released, %d dead runs and %d lost messages marked lost, "
@@ -62,6 +73,16 @@ class ReaperStep(bootsteps.StartStopStep):
                 report.vanished,
                 report.stale,
             )
+
+
+    def recover(self, app: Any) -> None:
+        try:
+            restored = recovery.recover(app, runtime.store_for(app))
+        except (redis.RedisError, OperationalError, OSError) as exc:
+            logger.warning("recovery pass failed: %s", exc)
+            return
+        if restored:
+            logger.info("recovery: %d messages of runs whose process died put back in their queues", restored)
 
 
 class DispatchStep(bootsteps.StartStopStep):

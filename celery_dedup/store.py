@@ -26,7 +26,7 @@ from .status import Status
 logger = logging.getLogger("celery_dedup")
 
 #: Scripts that change status records get the shared helpers of ``lib.lua`` first.
-_WITH_LIB = frozenset({"gate", "confirm", "start", "finish", "reap", "dispatch", "peek", "release", "purge", "settle"})
+_WITH_LIB = frozenset({"gate", "confirm", "start", "takeover", "finish", "reap", "dispatch", "peek", "release", "purge", "settle"})
 
 #: Every state a record can be in, and those in which its run has ended (as in ``lib.lua``).
 STATES = (
@@ -64,6 +64,7 @@ class Scripts:
         self.gate: Script = client.register_script(load_script("gate"))
         self.confirm: Script = client.register_script(load_script("confirm"))
         self.start: Script = client.register_script(load_script("start"))
+        self.takeover: Script = client.register_script(load_script("takeover"))
         self.finish: Script = client.register_script(load_script("finish"))
         self.renew: Script = client.register_script(load_script("renew"))
         self.reap: Script = client.register_script(load_script("reap"))
@@ -105,6 +106,8 @@ class StartDecision:
     #: RUN: the payload a debounced run executes with (asked for, and
     #: present); FOLLOW: the followed run's outcome (JSON); else "".
     payload: str = ""
+    #: LOCKED*: the token of the lock that refused this delivery; else "".
+    holder: str = ""
 
     @property
     def run(self) -> bool:
@@ -520,8 +523,21 @@ class DedupStore:
         reply = self.scripts.start(keys, args)
         if int(reply[0]) == StartDecision.RUN:  # a refusal takes nothing a lost write could give back
             self._replicated(keys[1])
-        payload = _text(reply[2]) if len(reply) > 2 else ""
-        return StartDecision(int(reply[0]), _text(reply[1]), payload)
+        code = int(reply[0])
+        third = _text(reply[2]) if len(reply) > 2 else ""
+        if code in (StartDecision.LOCKED, StartDecision.LOCKED_BY_OTHER_RUN):
+            return StartDecision(code, _text(reply[1]), holder=third)
+        return StartDecision(code, _text(reply[1]), third)
+
+    def take_over(self, member: str, dead: str, *, refused: str) -> bool:
+        """Free ``member``'s lock if it still holds ``dead``, a token whose process is provably gone.
+
+        ``refused``: the decision the refused start counted ("deferred" or
+        "skipped"), uncounted here. See ``takeover.lua``.
+        """
+        at = self._at(member)
+        keys = [at.record(member), at.lock(member)]
+        return bool(self.scripts.takeover(keys, [member, dead, at.prefix, self.history_length, refused]))
 
     def finish(
         self,

@@ -1,0 +1,112 @@
+"""Putting back the message of a run whose worker died on this machine.
+
+With ``task_acks_late`` a run's message waits in kombu's unacknowledged hash
+while the run executes. When the whole worker is killed, nobody acknowledges
+or rejects it, and kombu hands it out again only once ``visibility_timeout``
+has passed (an hour by default). A process of the same machine can prove
+that the run's owner is dead (its lock token, see
+:func:`celery_dedup.processes.owner_gone`): then the message goes back to the
+head of its queue at once, and its copy takes the dead owner's lock over
+(``guard.take_over``). Workers do this when they start and at every reaper
+pass; another machine's runs are left to their lock TTL and the visibility
+timeout.
+"""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass
+from typing import Any
+
+from kombu.utils.json import loads
+
+from .processes import owner_gone
+from .store import DedupStore
+
+logger = logging.getLogger("celery_dedup")
+
+#: Started runs looked at per pass, and per page read.
+LIMIT, PAGE = 1000, 200
+
+
+@dataclass(frozen=True)
+class Orphan:
+    """A started run whose lock owner is provably dead, and where its message waits."""
+
+    member: str
+    task: str
+    task_id: str
+    token: str
+    tag: str
+    unacked: str
+
+
+def orphans(store: DedupStore, *, limit: int = LIMIT) -> list[Orphan]:
+    """Started runs (at most ``limit`` read) whose execution lock was taken by a process now dead."""
+    found: list[Orphan] = []
+    cursor: str | None = None
+    seen = 0
+    while seen < limit:
+        page = store.records(state="started", cursor=cursor, limit=min(PAGE, limit - seen))
+        for status in page.records:
+            tag, unacked = status.fields.get("tag", ""), status.fields.get("unacked", "")
+            if status.lock and tag and unacked and owner_gone(status.lock):
+                found.append(Orphan(status.member, status.task, status.task_id, status.lock, tag, unacked))
+        seen += len(page.records)
+        if page.cursor is None or not page.records:
+            break
+        cursor = page.cursor
+    return found
+
+
+def restore(app: Any, store: DedupStore, found: list[Orphan]) -> int:
+    """Put each orphan's unacknowledged message back at the head of its queue; returns how many.
+
+    Through kombu's own ``QoS.restore_by_tag`` on a connection of ``app``'s
+    broker (a Redis broker only; elsewhere nothing is restored). A message is
+    left alone when its lock now belongs to another delivery (a copy runs),
+    when it is no longer unacknowledged (restored or acknowledged already), or
+    when it is not that run's.
+    """
+    if not found:
+        return 0
+    restored = 0
+    with app.connection_for_write() as connection:
+        channel: Any = connection.default_channel
+        qos = getattr(channel, "qos", None)
+        if not hasattr(qos, "restore_by_tag") or not hasattr(channel, "unacked_key"):
+            return 0
+        unacked = str(getattr(channel, "global_keyprefix", "") or "") + channel.unacked_key
+        for orphan in found:
+            if orphan.unacked != unacked:
+                continue
+            holder = store.lock_holder(orphan.member)
+            if holder is not None and holder != orphan.token:
+                continue
+            with channel.conn_or_acquire() as client:
+                raw = client.hget(channel.unacked_key, orphan.tag)
+            if raw is None or _task_id(raw) != orphan.task_id:
+                continue
+            qos.restore_by_tag(orphan.tag)
+            restored += 1
+            logger.warning(
+                "recovered: %s[%s] key %r: its process is gone (lock %s); its message is back in its queue",
+                orphan.task,
+                orphan.task_id,
+                orphan.member.partition(":")[2],
+                orphan.token,
+            )
+    return restored
+
+
+def _task_id(raw: bytes | str) -> str:
+    try:
+        message = loads(raw)[0]
+        return str(message["headers"]["id"])
+    except (ValueError, TypeError, KeyError, IndexError):
+        return ""
+
+
+def recover(app: Any, store: DedupStore, *, limit: int = LIMIT) -> int:
+    """Restore the messages of ``app``'s started runs whose owner died on this machine; returns how many."""
+    return restore(app, store, orphans(store, limit=limit))
