@@ -87,9 +87,7 @@ def guarded_call(
     lock_ms = int(policy.lock_ttl * 1000)
     record_ms = runtime.config_for(task.app).record_ms
     try:
-        decision = start(task, store, member, gated, token, lock_ms, record_ms)
-        if decision.holder and owner_gone(decision.holder):
-            decision = take_over(task, store, member, gated, token, lock_ms, record_ms, decision)
+        decision = begin(task, store, member, gated, token, lock_ms, record_ms)
     except redis.RedisError as exc:
         return store_unreachable(task, store, member, exc, args, kwargs, body)
     if decision.code == StartDecision.FOLLOW:
@@ -252,6 +250,19 @@ def start(
         on_locked=policy.on_locked,
         keep_payload=records_args(task),
     )
+
+
+def begin(
+    task: KeyedTask, store: DedupStore, member: str, gated: bool, token: str, lock_ms: int, record_ms: int
+) -> StartDecision:
+    """:func:`start`, and if a lock whose owner is provably dead refused it, :func:`take_over`.
+
+    The common path stays one round trip; only a refusal asks the process table.
+    """
+    decision = start(task, store, member, gated, token, lock_ms, record_ms)
+    if decision.holder and owner_gone(decision.holder):
+        return take_over(task, store, member, gated, token, lock_ms, record_ms, decision)
+    return decision
 
 
 def take_over(

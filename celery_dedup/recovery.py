@@ -73,7 +73,7 @@ def restore(app: Any, store: DedupStore, found: list[Orphan]) -> int:
     restored = 0
     with app.connection_for_write() as connection:
         channel: Any = connection.default_channel
-        qos = getattr(channel, "qos", None)
+        qos: Any = getattr(channel, "qos", None)
         if not hasattr(qos, "restore_by_tag") or not hasattr(channel, "unacked_key"):
             return 0
         unacked = str(getattr(channel, "global_keyprefix", "") or "") + channel.unacked_key

@@ -74,7 +74,6 @@ class ReaperStep(bootsteps.StartStopStep):
                 report.stale,
             )
 
-
     def recover(self, app: Any) -> None:
         try:
             restored = recovery.recover(app, runtime.store_for(app))

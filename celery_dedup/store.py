@@ -26,7 +26,9 @@ from .status import Status
 logger = logging.getLogger("celery_dedup")
 
 #: Scripts that change status records get the shared helpers of ``lib.lua`` first.
-_WITH_LIB = frozenset({"gate", "confirm", "start", "takeover", "finish", "reap", "dispatch", "peek", "release", "purge", "settle"})
+_WITH_LIB = frozenset(
+    {"gate", "confirm", "start", "takeover", "finish", "reap", "dispatch", "peek", "release", "purge", "settle"}
+)
 
 #: Every state a record can be in, and those in which its run has ended (as in ``lib.lua``).
 STATES = (
