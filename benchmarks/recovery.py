@@ -179,6 +179,7 @@ def scenario(url: str, library: str, kind: str, args: Any) -> dict[str, Any]:
         else:
             workers[0].kill()
         time.sleep(args.restart_after / 2)
+        probed = time.time()
         answered_duplicate = duplicate(task, first.id)
         time.sleep(max(killed + args.restart_after - time.time(), 0))
         if kind == "child":
@@ -196,23 +197,36 @@ def scenario(url: str, library: str, kind: str, args: Any) -> dict[str, Any]:
         "from_restart_s": None if at is None else round(at - ready, 3),
         "from_kill_s": None if at is None else round(at - killed, 3),
         "restart_after_kill_s": round(ready - killed, 3),
-        "duplicate_during_outage": answered_duplicate,
+        # None: the re-run had started before the call, so it did not fall in an outage.
+        "duplicate_during_outage": None if at is not None and at < probed else answered_duplicate,
     }
 
 
 def summary(runs: Sequence[dict[str, Any]]) -> dict[str, Any]:
-    def median(field: str) -> float | None:
+    def spread(field: str) -> dict[str, float] | None:
         values = [run[field] for run in runs if run[field] is not None]
-        return round(statistics.median(values), 3) if len(values) == len(runs) else None
+        if len(values) < len(runs):
+            return None
+        return {"median": round(statistics.median(values), 3), "min": min(values), "max": max(values)}
 
+    probes = [run["duplicate_during_outage"] for run in runs if run["duplicate_during_outage"] is not None]
     return {
         "library": runs[0]["library"],
         "scenario": runs[0]["scenario"],
-        "from_restart_s": median("from_restart_s"),
-        "from_kill_s": median("from_kill_s"),
-        "duplicate_during_outage": all(run["duplicate_during_outage"] for run in runs),
+        "from_restart_s": spread("from_restart_s"),
+        "from_kill_s": spread("from_kill_s"),
+        "outage_calls": len(probes),
+        "outage_calls_duplicate": sum(probes),
         "runs": list(runs),
     }
+
+
+def seconds(value: dict[str, float] | None) -> str:
+    if value is None:
+        return "-"
+    if len({value["min"], value["max"]}) == 1:
+        return f"{value['median']:.2f}"
+    return f"{value['median']:.2f} ({value['min']:.2f} to {value['max']:.2f})"
 
 
 def main(argv: Sequence[str] | None = None) -> int:
@@ -241,20 +255,22 @@ def main(argv: Sequence[str] | None = None) -> int:
     print()
     print(
         f"recovery: re-run of a SIGKILLed acks_late task (task_reject_on_worker_lost on), restart "
-        f"{args.restart_after:g} s after the kill, visibility_timeout {args.visibility_timeout:g} s, "
-        f"median of {args.repeats}; '-' = no re-run within {args.wait:g} s of the restart"
+        f"{args.restart_after:g} s after the kill, visibility_timeout {args.visibility_timeout:g} s; "
+        f"median (min to max) of {args.repeats}; negative: re-run by the old worker before the restart; "
+        f"'-': no re-run within {args.wait:g} s of the restart. A new call of the key is made "
+        f"{args.restart_after / 2:g} s after the kill; it counts only if the re-run had not started yet."
     )
     print()
     print(
         table(
-            ("library", "scenario", "re-run after restart (s)", "re-run after kill (s)", "new call = duplicate"),
+            ("library", "scenario", "re-run after restart (s)", "re-run after kill (s)", "new calls = duplicate"),
             [
                 (
                     row["library"],
                     row["scenario"],
-                    "-" if row["from_restart_s"] is None else f"{row['from_restart_s']:.2f}",
-                    "-" if row["from_kill_s"] is None else f"{row['from_kill_s']:.2f}",
-                    "yes" if row["duplicate_during_outage"] else "no",
+                    seconds(row["from_restart_s"]),
+                    seconds(row["from_kill_s"]),
+                    f"{row['outage_calls_duplicate']} of {row['outage_calls']}",
                 )
                 for row in rows
             ],

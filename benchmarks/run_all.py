@@ -41,6 +41,7 @@ SCRIPTS: tuple[tuple[str, tuple[str, ...]], ...] = (
     ("admin", ("--records", "10000", "--renders", "5", "--later", "3")),
     ("followers", ("--followers", "50")),
     ("cluster", ("--calls", "300", "--repeats", "1", "--threads", "4")),
+    ("recovery", ("--repeats", "1", "--wait", "30")),
     ("chart", ()),
 )
 
