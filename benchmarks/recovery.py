@@ -9,7 +9,7 @@ scenarios, each ``--repeats`` times:
 - ``child``: SIGKILL the prefork child running the task; 2 s later
   (``--restart-after``) stop the worker (warm shutdown) and start a new one;
 - ``worker``: SIGKILL the whole worker (its process group); 2 s later start
-  a new one on the same host.
+  a new one on the same host, under the same node name.
 
 It prints, per library and scenario, the seconds from the new worker being
 ready to the re-run's start (negative: the old worker re-ran it before the
@@ -166,7 +166,7 @@ def scenario(url: str, library: str, kind: str, args: Any) -> dict[str, Any]:
         "CELERY_DEDUP_RECOVERY_LIBRARY": library,
         "CELERY_DEDUP_RECOVERY_VISIBILITY": str(args.visibility_timeout),
     }
-    workers = [WorkerProcess("benchmarks.recovery", env=env, concurrency=2, name="recovery-1").wait_ready()]
+    workers = [WorkerProcess("benchmarks.recovery", env=env, concurrency=2, name="recovery").wait_ready()]
     try:
         first = task.apply_async((1,))
         started = wait_for(lambda: starts(client), 30)
@@ -184,7 +184,7 @@ def scenario(url: str, library: str, kind: str, args: Any) -> dict[str, Any]:
         time.sleep(max(killed + args.restart_after - time.time(), 0))
         if kind == "child":
             workers[0].stop()
-        workers.append(WorkerProcess("benchmarks.recovery", env=env, concurrency=2, name="recovery-2").wait_ready())
+        workers.append(WorkerProcess("benchmarks.recovery", env=env, concurrency=2, name="recovery").wait_ready())
         ready = time.time()
         rerun = wait_for(lambda: [s for s in starts(client)[1:] if s[0] == first.id], args.wait)
     finally:

@@ -4,23 +4,27 @@ With ``task_acks_late`` a run's message waits in kombu's unacknowledged hash
 while the run executes. When the whole worker is killed, nobody acknowledges
 or rejects it, and kombu hands it out again only once ``visibility_timeout``
 has passed (an hour by default). A process of the same machine can prove
-that the run's owner is dead (its lock token, see
-:func:`celery_dedup.processes.owner_gone`): then the message goes back to the
-head of its queue at once, and its copy takes the dead owner's lock over
-(``guard.take_over``). Workers do this when they start and at every reaper
-pass; another machine's runs are left to their lock TTL and the visibility
-timeout.
+that both the run's owner (its lock token, see
+:func:`celery_dedup.processes.owner_gone`) and the main process of its worker
+(which alone acknowledges, rejects or requeues the message: every worker
+registers its token under its node name) are dead: then the message goes
+back to the head of its queue at once, and its copy takes the dead owner's
+lock over (``guard.take_over``). A pool child that died under a live main
+process is left to that process, which settles its message as Celery's
+settings say. Workers do this when they start and after every reaper pass;
+another machine's runs are left to their lock TTL and the visibility timeout.
 """
 
 from __future__ import annotations
 
 import logging
+from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
 
 from kombu.utils.json import loads
 
-from .processes import owner_gone
+from .processes import owner_gone, token
 from .store import DedupStore
 
 logger = logging.getLogger("celery_dedup")
@@ -37,12 +41,17 @@ class Orphan:
     task: str
     task_id: str
     token: str
+    #: The node name of the worker that ran it.
+    worker: str
     tag: str
     unacked: str
 
 
 def orphans(store: DedupStore, *, limit: int = LIMIT) -> list[Orphan]:
-    """Started runs (at most ``limit`` read) whose execution lock was taken by a process now dead."""
+    """Started runs (at most ``limit`` read) whose execution lock was taken by a process now dead.
+
+    Whether their worker's main process is dead too is :func:`recover`'s to ask.
+    """
     found: list[Orphan] = []
     cursor: str | None = None
     seen = 0
@@ -51,7 +60,9 @@ def orphans(store: DedupStore, *, limit: int = LIMIT) -> list[Orphan]:
         for status in page.records:
             tag, unacked = status.fields.get("tag", ""), status.fields.get("unacked", "")
             if status.lock and tag and unacked and owner_gone(status.lock):
-                found.append(Orphan(status.member, status.task, status.task_id, status.lock, tag, unacked))
+                found.append(
+                    Orphan(status.member, status.task, status.task_id, status.lock, status.worker, tag, unacked)
+                )
         seen += len(page.records)
         if page.cursor is None or not page.records:
             break
@@ -107,6 +118,26 @@ def _task_id(raw: bytes | str) -> str:
         return ""
 
 
-def recover(app: Any, store: DedupStore, *, limit: int = LIMIT) -> int:
-    """Restore the messages of ``app``'s started runs whose owner died on this machine; returns how many."""
-    return restore(app, store, orphans(store, limit=limit))
+def register(store: DedupStore, nodename: str) -> dict[str, str]:
+    """Register this process as the main process of worker ``nodename``.
+
+    Returns ``{nodename: token}`` of the process registered before under
+    that name (a restarted worker's previous incarnation), else ``{}``: pass
+    it to :func:`recover`, which no longer finds it in the registry.
+    """
+    replaced = store.register_worker(nodename, token())
+    return {} if replaced is None else {nodename: replaced}
+
+
+def recover(app: Any, store: DedupStore, *, replaced: Mapping[str, str] | None = None, limit: int = LIMIT) -> int:
+    """Restore the messages of ``app``'s started runs whose owner and worker died on this machine.
+
+    ``replaced``: worker tokens :func:`register` replaced. Returns how many
+    messages were put back.
+    """
+    found = orphans(store, limit=limit)
+    if not found:
+        return 0
+    mains = {**store.worker_tokens(), **(replaced or {})}
+    dead = [orphan for orphan in found if orphan.worker in mains and owner_gone(mains[orphan.worker])]
+    return restore(app, store, dead)

@@ -40,7 +40,7 @@ class ReaperStep(bootsteps.StartStopStep):
         self.recovery: Any = None
 
     def start(self, worker: Any) -> None:
-        self.recovery = worker.timer.call_after(0.0, self.recover, (worker.app,), priority=10)
+        self.recovery = worker.timer.call_after(0.0, self.start_up, (worker.app, worker.hostname), priority=10)
         interval = runtime.config_for(worker.app).reap_interval
         if interval > 0:
             self.tref = worker.timer.call_repeatedly(interval, self.reap, (worker.app,), priority=10)
@@ -74,9 +74,18 @@ class ReaperStep(bootsteps.StartStopStep):
                 report.stale,
             )
 
-    def recover(self, app: Any) -> None:
+    def start_up(self, app: Any, nodename: str) -> None:
+        """Register this worker's main process, then recover what its previous incarnation left."""
         try:
-            restored = recovery.recover(app, runtime.store_for(app))
+            replaced = recovery.register(runtime.store_for(app), nodename)
+        except redis.RedisError as exc:
+            logger.warning("could not register this worker for crash recovery: %s", store_failure(exc))
+            return
+        self.recover(app, replaced)
+
+    def recover(self, app: Any, replaced: dict[str, str] | None = None) -> None:
+        try:
+            restored = recovery.recover(app, runtime.store_for(app), replaced=replaced)
         except (redis.RedisError, OperationalError, OSError) as exc:
             logger.warning("recovery pass failed: %s", exc)
             return

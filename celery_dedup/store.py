@@ -611,6 +611,18 @@ class DedupStore:
         lost = self.scripts.renew(keys, [lock_ms, record_ms, *(ref.token for ref in locks)])
         return [locks[int(i) - 1] for i in lost]
 
+    def register_worker(self, nodename: str, token: str) -> str | None:
+        """Record ``token`` as worker ``nodename``'s main process; returns the token it replaced, if any."""
+        with self.client.pipeline(transaction=True) as pipe:
+            pipe.hget(self.schema.workers, nodename)
+            pipe.hset(self.schema.workers, nodename, token)
+            old, _ = pipe.execute()
+        return None if old is None else _text(old)
+
+    def worker_tokens(self) -> dict[str, str]:
+        """Worker node name -> the token of its main process, as each worker last registered it."""
+        return {_text(k): _text(v) for k, v in self.client.hgetall(self.schema.workers).items()}
+
     def lock_holder(self, member: str) -> str | None:
         """The token of ``member``'s live execution lock, or None."""
         token = self.client.get(self._at(member).lock(member))

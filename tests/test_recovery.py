@@ -30,7 +30,7 @@ from celery_dedup.keys import KeySchema
 from celery_dedup.lock import new_token
 
 from . import crash_app
-from .conftest import ROOT, AppFactory, Server, wait_for
+from .conftest import ROOT, AppFactory, Server, WorkerProcess, wait_for
 from .test_crash import Fleet, executions, history_states, member, record, run_ids, started_pid
 
 SCHEMA = KeySchema("dedup")
@@ -213,15 +213,17 @@ def test_a_killed_pool_child_reruns_at_once_after_a_restart(
 
 
 @pytest.mark.slow
+@pytest.mark.parametrize("name", ["same", "another"])
 def test_a_killed_worker_reruns_at_once_after_a_restart_on_the_same_host(
-    fleet: Fleet, tasks: crash_app.Tasks, r: redis.Redis
+    name: str, fleet: Fleet, tasks: crash_app.Tasks, r: redis.Redis, server: Server
 ) -> None:
     """SIGKILL a whole worker (its process group) mid-task; start a new one on the same host.
 
     Nobody acknowledged the message: kombu would hand it out again only after
-    its visibility timeout (an hour here). Proves: the new worker sees that the
-    run's owner is dead, restores its message at once, and the copy takes the
-    lock over and runs once more.
+    its visibility timeout (an hour here). Proves: the new worker, under the
+    same node name (a restart) or another one, sees that the run's owner and
+    its worker's main process are dead, restores the message at once, and the
+    copy takes the lock over and runs once more.
     """
     conf = recovery_conf(reject_on_worker_lost=False)
     (worker,) = fleet.start(conf=conf, transport={})
@@ -230,7 +232,14 @@ def test_a_killed_worker_reruns_at_once_after_a_restart_on_the_same_host(
     started_pid(r, "hang:1")
     worker.stop(signal.SIGKILL)
     assert r.hlen("unacked") == 1, "premise: the message waits, unacknowledged"
-    fleet.start(conf=conf, transport={})
+    if name == "same":
+        again = WorkerProcess(
+            server.url, app="tests.crash_app", transport_options={}, extra=("--hostname", "crash0@%h")
+        )
+        fleet.workers.append(again)
+        again.wait_ready(timeout=60)
+    else:
+        fleet.start(conf=conf, transport={})
     try:
         assert_rerun_once_and_succeeded(r, run.id)
         assert r.hlen("unacked") == 0
