@@ -2,9 +2,9 @@
 
 Both run in the worker's main process only. The reaper cleans up after
 crashes on the worker's timer, and puts back the messages of runs whose
-process died on this machine (at start-up too, see ``recovery``); the dispatcher pushes debounced runs when they
-are due, on a thread of its own because how long it sleeps depends on when
-the next run is due.
+worker died on this machine (at start-up too, see ``recovery``); the
+dispatcher pushes debounced runs when they are due, on a thread of its own
+because how long it sleeps depends on when the next run is due.
 """
 
 from __future__ import annotations
@@ -27,9 +27,11 @@ logger = logging.getLogger("celery_dedup")
 class ReaperStep(bootsteps.StartStopStep):
     """Runs the reaper on the worker's timer every ``dedup_reap_interval`` seconds (0: never).
 
-    Once at start-up, and after every reaper pass, it also puts back the
-    messages of started runs whose process died on this machine (a worker
-    killed whole and restarted): see :mod:`celery_dedup.recovery`.
+    At start-up it registers the worker's main process for crash recovery;
+    then, and after every reaper pass, it puts back the messages of started
+    runs whose worker died on this machine (killed whole): see
+    :mod:`celery_dedup.recovery`. The start-up pass runs even with the
+    reaper off.
     """
 
     requires = ("celery.worker.components:Timer",)
