@@ -18,7 +18,7 @@ own INFO calls left out).
 
 Run it from the repository root::
 
-    .venv/bin/python benchmarks/admin.py [--records 100000] [--renders 20] [--output FILE]
+    .venv/bin/python -m benchmarks.admin [--records 100000] [--renders 20] [--output FILE]
 
 It starts its own server, prints a Markdown table and writes
 ``benchmarks/results/admin.json``. Nothing here asserts on time.
@@ -27,16 +27,12 @@ It starts its own server, prints a Markdown table and writes
 from __future__ import annotations
 
 import argparse
-import datetime
-import os
-import platform
 import re
 import statistics
 import sys
 import time
 from collections.abc import Sequence
 from dataclasses import dataclass, field
-from pathlib import Path
 from typing import Any
 
 import django
@@ -49,18 +45,13 @@ from django.core.management import call_command
 from django.test import Client
 from django.urls import path
 
-ROOT = Path(__file__).resolve().parent.parent
-if str(ROOT) not in sys.path:
-    sys.path.insert(0, str(ROOT))  # run as ``python benchmarks/<name>.py``: make ``benchmarks.*`` importable
+import celery_dedup
+from benchmarks import harness
+from celery_dedup import DedupTask, runtime
+from celery_dedup.keys import member_for, new_nonce, new_task_id
+from celery_dedup.lock import new_token
+from celery_dedup.testing import RedisServer
 
-import celery_dedup  # noqa: E402
-from benchmarks.harness import save, versions  # noqa: E402
-from celery_dedup import DedupTask, runtime  # noqa: E402
-from celery_dedup.keys import member_for, new_nonce, new_task_id  # noqa: E402
-from celery_dedup.lock import new_token  # noqa: E402
-from celery_dedup.testing import RedisServer  # noqa: E402
-
-DEFAULT_OUTPUT = ROOT / "benchmarks" / "results" / "admin.json"
 LIST = "/admin/celery_dedup/record/"
 TASKS = ("shop.charge", "shop.refund")
 
@@ -211,16 +202,15 @@ def measure_case(client: Any, admin: redis.Redis, case: Case, renders: int) -> N
     case.commands = (command_count(admin) - before) / renders
 
 
-def run(args: argparse.Namespace) -> dict[str, Any]:
+def run(script: harness.Script, args: argparse.Namespace) -> dict[str, Any]:
     with RedisServer() as server:
         app = build_app(server.url)
         admin: redis.Redis = redis.Redis.from_url(server.url)
-        print(f"server: {server.binary} ({server.version()})")
-        print(", ".join(f"{k} {v}" for k, v in versions().items()))
+        script.header(f"server: {server.binary} ({server.version()}); django {django.get_version()}")
         started = time.monotonic()
         seed(app, args.records)
         seed_s = time.monotonic() - started
-        print(f"seeded {args.records} records in {seed_s:.1f} s", file=sys.stderr)
+        harness.progress(f"seeded {args.records} records in {seed_s:.1f} s")
         client = configure_django(app)
         cases = [
             Case("first page", LIST),
@@ -230,30 +220,19 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         cases.append(Case(f"later page ({args.later} x Next)", later_page_url(client, args.later)))
         for case in cases:
             case.rows = len(_ROW.findall(render(client, case.url)))  # warm-up, and what the page shows
-        load_before = os.getloadavg()[0]
         clock = time.perf_counter_ns
         for i in range(args.renders):
             for case in cases[i % len(cases) :] + cases[: i % len(cases)]:
                 start = clock()
                 render(client, case.url)
                 case.times_ms.append((clock() - start) / 1e6)
-        load_after = os.getloadavg()[0]
         for case in cases:
             measure_case(client, admin, case, 5)
         admin.close()
         app.close()
         return {
-            "benchmark": "admin",
-            "when": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
             "server": {"binary": server.binary, "version": server.version()},
-            "versions": {**versions(), "django": django.get_version()},
-            "machine": {
-                "platform": platform.platform(),
-                "cpus": os.cpu_count(),
-                "loadavg_1m_before": load_before,
-                "loadavg_1m_after": load_after,
-            },
-            "settings": {"records": args.records, "renders": args.renders, "later": args.later},
+            "django": django.get_version(),
             "seed_s": seed_s,
             "cases": [
                 {
@@ -271,43 +250,33 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         }
 
 
-def table(rows: Sequence[dict[str, Any]]) -> str:
-    lines = [
-        "| page | rows | median ms | min\N{EN DASH}max ms | Redis commands/render |",
-        "|---|---:|---:|---:|---:|",
-    ]
-    for row in rows:
-        lines.append(
-            f"| {row['case']} | {row['rows']} | {row['median_ms']:.1f} | "
-            f"{row['min_ms']:.1f}\N{EN DASH}{row['max_ms']:.1f} | {row['redis_commands_per_render']:g} |"
-        )
-    return "\n".join(lines)
-
-
-def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n", 1)[0] if __doc__ else None)
-    parser.add_argument("--records", type=int, default=100_000, help="records seeded (default 100000)")
-    parser.add_argument("--renders", type=int, default=20, help="timed renders per page (default 20)")
-    parser.add_argument("--later", type=int, default=10, help="Next clicks to the later page (default 10)")
-    parser.add_argument("--output", type=Path, default=DEFAULT_OUTPUT, help="JSON result file")
-    args = parser.parse_args(argv)
-    if args.records < 10_000 or args.renders < 1 or args.later < 1:
-        parser.error("--records must be at least 10000, --renders and --later at least 1")
-    return args
-
-
 def main(argv: Sequence[str] | None = None) -> int:
-    args = parse_args(argv)
-    result = run(args)
+    script = harness.Script("admin", __doc__)
+    script.option("--records", 100_000, "records seeded", minimum=10_000)
+    script.option("--renders", 20, "timed renders per page")
+    script.option("--later", 10, "Next clicks to the later page")
+    args = script.parse(argv)
+    result = run(script, args)
+    print()
+    print(f"admin record list: {args.records} records, {args.renders} renders per page")
     print()
     print(
-        f"admin record list: {args.records} records, {args.renders} renders per page, "
-        f"load average {result['machine']['loadavg_1m_before']:.2f} before, "
-        f"{result['machine']['loadavg_1m_after']:.2f} after"
+        harness.table(
+            ["page", "rows", "median ms", "min ms", "max ms", "Redis commands/render"],
+            [
+                [
+                    row["case"],
+                    row["rows"],
+                    row["median_ms"],
+                    row["min_ms"],
+                    row["max_ms"],
+                    row["redis_commands_per_render"],
+                ]
+                for row in result["cases"]
+            ],
+        )
     )
-    print()
-    print(table(result["cases"]))
-    save(args.output, result)
+    script.save(args, result)
     return 0
 
 

@@ -7,7 +7,7 @@ first. Reported: median and min-max seconds and calls/s, and the ratio.
 
 Run it from the repository root::
 
-    .venv/bin/python benchmarks/bulk.py [--tasks 10000] [--duplicates 0.1] [--repeats 5] [--output FILE]
+    .venv/bin/python -m benchmarks.bulk [--tasks 10000] [--duplicates 0.1] [--repeats 5] [--output FILE]
 
 It starts its own server, prints a Markdown table and writes
 ``benchmarks/results/bulk.json``.
@@ -15,25 +15,18 @@ It starts its own server, prints a Markdown table and writes
 
 from __future__ import annotations
 
-import argparse
 import random
 import statistics
-import sys
 import time
-from pathlib import Path
 from typing import Any
 
 import redis
 from celery import Celery
 
-ROOT = Path(__file__).resolve().parent.parent
-if str(ROOT) not in sys.path:
-    sys.path.insert(0, str(ROOT))
-
-import celery_dedup  # noqa: E402
-from benchmarks.harness import save, versions  # noqa: E402
-from celery_dedup import DedupTask  # noqa: E402
-from celery_dedup.testing import RedisServer  # noqa: E402
+import celery_dedup
+from benchmarks import harness
+from celery_dedup import DedupTask
+from celery_dedup.testing import RedisServer
 
 Call = tuple[tuple[Any, ...], dict[str, Any]]
 
@@ -60,18 +53,16 @@ def run(task: Any, client: redis.Redis, calls: list[Call], how: str) -> tuple[fl
 
 
 def main(argv: list[str] | None = None) -> None:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--tasks", type=int, default=10_000, help="calls per run (default 10000)")
-    parser.add_argument("--duplicates", type=float, default=0.1, help="share of calls repeating a key (default 0.1)")
-    parser.add_argument("--repeats", type=int, default=5, help="runs of each (default 5)")
-    parser.add_argument("--output", type=Path, default=ROOT / "benchmarks" / "results" / "bulk.json")
-    args = parser.parse_args(argv)
+    script = harness.Script("bulk", __doc__)
+    script.option("--tasks", 10_000, "calls per run")
+    script.option("--duplicates", 0.1, "share of calls repeating a key", minimum=0)
+    script.option("--repeats", 5, "runs of each")
+    args = script.parse(argv)
 
     with RedisServer() as server:
         client = redis.Redis.from_url(server.url)
-        info = client.info("server")
-        version = info.get("valkey_version") or info.get("redis_version")
-        print(f"server: {server.binary} ({version})")
+        version = server.version()
+        script.header(f"server: {server.binary} ({version})")
         app = Celery("bench_bulk", set_as_current=False)
         app.conf.update(broker_url=server.url, task_ignore_result=True)
         celery_dedup.install(app)
@@ -108,23 +99,24 @@ def main(argv: list[str] | None = None) -> None:
     dups = args.tasks - unique
     print(f"{args.tasks} calls of a DedupTask ({unique} keys, {dups} duplicates), {args.repeats} runs each")
     print()
-    print("| case | median s | min-max s | calls/s | µs/call | throughput vs loop |")
-    print("|---|---:|---:|---:|---:|---:|")
-    for row, ratio in zip(rows, (1.0, speedup), strict=True):
-        print(
-            f"| {row['case']} | {row['median_s']:.3f} | {row['min_s']:.3f}-{row['max_s']:.3f} "
-            f"| {row['calls_per_s']:,.0f} | {row['us_per_call']:.1f} | {ratio:.2f}x |"
+    print(
+        harness.table(
+            ["case", "median s", "min s", "max s", "calls/s", "µs/call", "throughput vs loop"],
+            [
+                [
+                    row["case"],
+                    row["median_s"],
+                    row["min_s"],
+                    row["max_s"],
+                    row["calls_per_s"],
+                    row["us_per_call"],
+                    f"{ratio:.2f}x",
+                ]
+                for row, ratio in zip(rows, (1.0, speedup), strict=True)
+            ],
         )
-    save(
-        args.output,
-        {
-            "versions": versions() | {"server": str(version)},
-            "rows": rows,
-            "speedup": speedup,
-            "runs": times,
-            "options": vars(args) | {"output": str(args.output)},
-        },
     )
+    script.save(args, {"server": str(version), "rows": rows, "speedup": speedup, "runs": times})
 
 
 if __name__ == "__main__":

@@ -10,7 +10,7 @@ and draws one PNG with two panels:
 
 Run it from the repository root, after those two::
 
-    .venv/bin/python benchmarks/chart.py [--enqueue FILE] [--storm FILE] [--output PNG ...]
+    .venv/bin/python -m benchmarks.chart [--enqueue FILE] [--storm FILE] [--output PNG ...]
 
 It writes ``docs/_static/benchmarks.png`` and ``benchmarks/results/benchmarks.png``.
 """

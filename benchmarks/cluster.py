@@ -16,7 +16,7 @@ costs what its protocol and the WAIT cost, not what more hardware would buy.
 
 Run it from the repository root::
 
-    .venv/bin/python benchmarks/cluster.py [--calls 2000] [--threads 8] [--repeats 3]
+    .venv/bin/python -m benchmarks.cluster [--calls 2000] [--threads 8] [--repeats 3]
 
 It prints a Markdown table and writes ``benchmarks/results/cluster.json``.
 Nothing here asserts on time; the numbers are for reading.
@@ -24,26 +24,17 @@ Nothing here asserts on time; the numbers are for reading.
 
 from __future__ import annotations
 
-import argparse
-import statistics
 import sys
-import threading
-import time
 from collections.abc import Sequence
-from pathlib import Path
 from typing import Any, cast
 
 import redis
 
-ROOT = Path(__file__).resolve().parent.parent
-sys.path.insert(0, str(ROOT))
+from benchmarks import harness
+from celery_dedup.keys import member_for, new_nonce, new_task_id
+from celery_dedup.store import DedupStore
+from celery_dedup.testing import RedisCluster, RedisServer
 
-from benchmarks.harness import save, versions  # noqa: E402
-from celery_dedup.keys import member_for, new_nonce, new_task_id  # noqa: E402
-from celery_dedup.store import DedupStore  # noqa: E402
-from celery_dedup.testing import RedisCluster, RedisServer  # noqa: E402
-
-DEFAULT_OUTPUT = ROOT / "benchmarks" / "results" / "cluster.json"
 HOLD_MS, GRACE_MS, LEASE_MS = 3_600_000, 86_400_000, 30_000
 
 
@@ -63,54 +54,26 @@ def duplicate(store: DedupStore, member: str) -> None:
 
 
 def timed(store: DedupStore, case: str, calls: int, threads: int, tag: str) -> tuple[float, list[float]]:
-    """``calls`` calls split over ``threads`` threads; returns (calls per second, per-call latencies in µs)."""
+    """``calls`` calls of ``case`` split over ``threads`` threads, each on its own keys."""
     per_thread = calls // threads
-    latencies: list[list[float]] = [[] for _ in range(threads)]
     members = [[member_for("bench", f"{tag}:{t}:{i}") for i in range(per_thread)] for t in range(threads)]
     if case == "duplicate":
         for row in members:
             for member in row:
                 new_key(store, member)
     step = new_key if case == "new key" else duplicate
-    start = threading.Barrier(threads + 1)
-
-    def work(t: int) -> None:
-        start.wait()
-        for member in members[t]:
-            began = time.perf_counter()
-            step(store, member)
-            latencies[t].append((time.perf_counter() - began) * 1e6)
-
-    pool = [threading.Thread(target=work, args=(t,)) for t in range(threads)]
-    for thread in pool:
-        thread.start()
-    start.wait()
-    began = time.perf_counter()
-    for thread in pool:
-        thread.join()
-    elapsed = time.perf_counter() - began
-    flat = [value for row in latencies for value in row]
-    return len(flat) / elapsed, flat
-
-
-def percentile(values: Sequence[float], share: float) -> float:
-    ordered = sorted(values)
-    return ordered[min(len(ordered) - 1, int(share * len(ordered)))]
-
-
-def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n", 1)[0] if __doc__ else None)
-    parser.add_argument("--calls", type=int, default=2000, help="calls per case, store and thread count (default 2000)")
-    parser.add_argument("--threads", type=int, default=8, help="threads of the concurrent rows (default 8)")
-    parser.add_argument("--repeats", type=int, default=3, help="repeats; the median repeat is shown (default 3)")
-    parser.add_argument("--output", type=Path, default=DEFAULT_OUTPUT, help="JSON result file")
-    return parser.parse_args(argv)
+    return harness.threaded(lambda t, i: step(store, members[t][i]), calls, threads)
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    args = parse_args(argv)
+    script = harness.Script("cluster", __doc__)
+    script.option("--calls", 2000, "calls per case, store and thread count")
+    script.option("--threads", 8, "threads of the concurrent rows")
+    script.option("--repeats", 3, "repeats; the median repeat is shown")
+    args = script.parse(argv)
     rows: list[dict[str, Any]] = []
     with RedisServer() as single, RedisCluster() as cluster:
+        script.header(f"server: {single.binary} ({single.version()}); cluster: 3 masters, 3 replicas")
         stores = {
             "single": DedupStore(redis.Redis.from_url(single.url), "dedup"),
             "cluster": DedupStore(cast(redis.Redis, cluster.client()), "dedup", wait_replicas=1),
@@ -119,38 +82,54 @@ def main(argv: Sequence[str] | None = None) -> int:
         for threads in (1, args.threads):
             for case in ("new key", "duplicate"):
                 for name, store in stores.items():
-                    repeats = [
+                    runs = [
                         timed(store, case, args.calls, threads, f"{name}:{case}:{threads}:{n}")
                         for n in range(args.repeats)
                     ]
-                    repeats.sort(key=lambda item: item[0])
-                    rate, latencies = repeats[len(repeats) // 2]
+                    rate, latencies = harness.middle(runs, key=lambda run: run[0])
                     rows.append(
                         {
                             "store": name,
                             "case": case,
                             "threads": threads,
                             "calls_per_s": rate,
-                            "p50_us": statistics.median(latencies),
-                            "p99_us": percentile(latencies, 0.99),
+                            "p50_us": harness.percentile(latencies, 0.5),
+                            "p99_us": harness.percentile(latencies, 0.99),
                             "shards": store.schema.shards,
                         }
                     )
-                    print(f"{name} / {case} / {threads} threads done", file=sys.stderr)
+                    harness.progress(f"{name} / {case} / {threads} threads done")
+
+    def base(row: dict[str, Any]) -> float:
+        return float(
+            next(
+                r["calls_per_s"]
+                for r in rows
+                if r["store"] == "single" and (r["case"], r["threads"]) == (row["case"], row["threads"])
+            )
+        )
+
     print()
     print(f"Two-phase gate steps, {args.calls} calls per row, median of {args.repeats} repeats:")
     print()
-    print("| store | case | threads | calls/s | p50 µs | p99 µs | vs single |")
-    print("|---|---|---:|---:|---:|---:|---:|")
-    for row in rows:
-        base = next(
-            r for r in rows if r["store"] == "single" and (r["case"], r["threads"]) == (row["case"], row["threads"])
+    print(
+        harness.table(
+            ["store", "case", "threads", "calls/s", "p50 µs", "p99 µs", "vs single"],
+            [
+                [
+                    r["store"],
+                    r["case"],
+                    r["threads"],
+                    r["calls_per_s"],
+                    r["p50_us"],
+                    r["p99_us"],
+                    harness.ratio(r["calls_per_s"], base(r)),
+                ]
+                for r in rows
+            ],
         )
-        print(
-            f"| {row['store']} | {row['case']} | {row['threads']} | {row['calls_per_s']:,.0f} | "
-            f"{row['p50_us']:,.0f} | {row['p99_us']:,.0f} | {row['calls_per_s'] / base['calls_per_s']:.2f}x |"
-        )
-    save(args.output, {"versions": versions(), "calls": args.calls, "repeats": args.repeats, "rows": rows})
+    )
+    script.save(args, {"rows": rows})
     return 0
 
 

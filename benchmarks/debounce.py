@@ -11,7 +11,7 @@ server's MONITOR feed (commands scripts run appear there too).
 
 Run it from the repository root::
 
-    .venv/bin/python benchmarks/debounce.py [--rounds 5] [--keys 10] [--calls 50] [--output FILE]
+    .venv/bin/python -m benchmarks.debounce [--rounds 5] [--keys 10] [--calls 50] [--output FILE]
 
 It starts its own server and an in-process solo worker, prints Markdown
 tables and writes ``benchmarks/results/debounce.json``.
@@ -19,32 +19,21 @@ tables and writes ``benchmarks/results/debounce.json``.
 
 from __future__ import annotations
 
-import argparse
 import statistics
-import sys
 import threading
 import time
 from collections import defaultdict
-from pathlib import Path
 from typing import Any
 
 import redis
 from celery import Celery
 from celery.contrib.testing.worker import start_worker
 
-ROOT = Path(__file__).resolve().parent.parent
-if str(ROOT) not in sys.path:
-    sys.path.insert(0, str(ROOT))
-
-import celery_dedup  # noqa: E402
-from benchmarks.harness import save, versions  # noqa: E402
-from celery_dedup import DedupTask  # noqa: E402
-from celery_dedup.testing import RedisServer  # noqa: E402
-
-
-def server_ms(client: redis.Redis) -> float:
-    seconds, micros = client.time()
-    return int(seconds) * 1000 + int(micros) / 1000
+import celery_dedup
+from benchmarks import harness
+from benchmarks.harness import server_ms
+from celery_dedup import DedupTask
+from celery_dedup.testing import RedisServer
 
 
 class PushCounter:
@@ -164,24 +153,22 @@ def run_case(
         "runs_per_burst": statistics.mean(runs_per_burst),
         "ran_latest_args": len(latencies) / bursts,
         "latency_ms_median": statistics.median(ordered),
-        "latency_ms_p95": ordered[max(int(len(ordered) * 0.95) - 1, 0)],
+        "latency_ms_p95": harness.percentile(ordered, 0.95),
         "latency_ms_max": ordered[-1],
     }
 
 
 def main(argv: list[str] | None = None) -> None:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--rounds", type=int, default=5)
-    parser.add_argument("--keys", type=int, default=10, help="bursts at once, one per key")
-    parser.add_argument("--calls", type=int, default=50, help="calls per burst")
-    parser.add_argument("--spread", type=float, default=0.5, help="seconds a burst's calls span")
-    parser.add_argument("--output", type=Path, default=ROOT / "benchmarks" / "results" / "debounce.json")
-    args = parser.parse_args(argv)
+    script = harness.Script("debounce", __doc__)
+    script.option("--rounds", 5, "rounds of bursts per row")
+    script.option("--keys", 10, "bursts at once, one per key")
+    script.option("--calls", 50, "calls per burst")
+    script.option("--spread", 0.5, "seconds a burst's calls span", minimum=0)
+    args = script.parse(argv)
 
     cases = []
     with RedisServer() as server:
-        version = redis.Redis.from_url(server.url).info("server")
-        print(f"server: {server.binary} ({version.get('valkey_version') or version.get('redis_version')})")
+        script.header(f"server: {server.binary} ({server.version()})")
         for window, interval in ((0.2, 0.1), (0.5, 0.1), (0.5, 0.02)):
             redis.Redis.from_url(server.url).flushall()
             cases.append(run_case(server.url, window, interval, args.rounds, args.keys, args.calls, args.spread))
@@ -190,20 +177,37 @@ def main(argv: list[str] | None = None) -> None:
     print(f"{args.rounds * args.keys} bursts per row, {args.calls} calls each over {args.spread:g} s")
     print()
     print(
-        "| window | dispatch interval | broker messages / burst | runs / burst | ran with last call's args "
-        "| last call to run, median | p95 | beyond the window, median | p95 | max |"
-    )
-    print("|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|")
-    for case in cases:
-        window_ms = case["window_s"] * 1000
-        print(
-            f"| {case['window_s']:g} s | {case['dispatch_interval_s']:g} s | {case['messages_per_burst']:.2f} "
-            f"| {case['runs_per_burst']:.2f} | {case['ran_latest_args']:.0%} "
-            f"| {window_ms + case['latency_ms_median']:.1f} ms | {window_ms + case['latency_ms_p95']:.1f} ms "
-            f"| {case['latency_ms_median']:.1f} ms | {case['latency_ms_p95']:.1f} ms "
-            f"| {case['latency_ms_max']:.1f} ms |"
+        harness.table(
+            [
+                "window s",
+                "dispatch interval s",
+                "broker messages / burst",
+                "runs / burst",
+                "ran with last call's args",
+                "last call to run, median ms",
+                "p95 ms",
+                "beyond the window, median ms",
+                "p95 ms",
+                "max ms",
+            ],
+            [
+                [
+                    case["window_s"],
+                    case["dispatch_interval_s"],
+                    case["messages_per_burst"],
+                    case["runs_per_burst"],
+                    f"{case['ran_latest_args']:.0%}",
+                    case["window_s"] * 1000 + case["latency_ms_median"],
+                    case["window_s"] * 1000 + case["latency_ms_p95"],
+                    case["latency_ms_median"],
+                    case["latency_ms_p95"],
+                    case["latency_ms_max"],
+                ]
+                for case in cases
+            ],
         )
-    save(args.output, {"versions": versions(), "cases": cases, "options": vars(args) | {"output": str(args.output)}})
+    )
+    script.save(args, {"cases": cases})
 
 
 if __name__ == "__main__":

@@ -33,7 +33,7 @@ are recorded beside them as a cross-check.
 
 Run it from the repository root::
 
-    .venv/bin/python benchmarks/enqueue.py [--calls 5000] [--repeats 5] [--no-peers] [--output FILE]
+    .venv/bin/python -m benchmarks.enqueue [--calls 5000] [--repeats 5] [--no-peers] [--output FILE]
 
 It starts its own server (``celery_dedup.testing.RedisServer``), prints two
 Markdown tables and writes ``benchmarks/results/enqueue.json``. Nothing here

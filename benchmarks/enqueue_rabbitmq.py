@@ -23,7 +23,7 @@ over ``--rt-calls`` separate, untimed calls of each case from one thread.
 
 Run it from the repository root::
 
-    .venv/bin/python benchmarks/enqueue_rabbitmq.py [--calls 2000] [--threads 1,4] [--repeats 3]
+    .venv/bin/python -m benchmarks.enqueue_rabbitmq [--calls 2000] [--threads 1,4] [--repeats 3]
 
 It needs RabbitMQ (Debian's ``rabbitmq-server``; ``run-tests`` installs it as
 root) and says so, exiting 0, where it is missing. Prints a Markdown table and
@@ -35,36 +35,24 @@ from __future__ import annotations
 
 import argparse
 import contextlib
-import datetime
 import gc
 import itertools
-import os
-import platform
 import statistics
 import sys
 import threading
 import time
-from collections import Counter
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
-from pathlib import Path
 from typing import Any
 
-import redis
 from celery import Celery
 from kombu import Connection
 
-ROOT = Path(__file__).resolve().parent.parent
-if str(ROOT) not in sys.path:
-    sys.path.insert(0, str(ROOT))  # run as ``python benchmarks/<name>.py``: make ``benchmarks.*`` importable
+import celery_dedup
+from benchmarks import harness
+from celery_dedup import DedupTask
+from celery_dedup.testing import RabbitMQNode, RabbitMQNotFound, RedisServer
 
-import celery_dedup  # noqa: E402
-from benchmarks.enqueue import CommandLog  # noqa: E402
-from benchmarks.harness import save, versions  # noqa: E402
-from celery_dedup import DedupTask  # noqa: E402
-from celery_dedup.testing import RabbitMQNode, RabbitMQNotFound, RedisServer  # noqa: E402
-
-DEFAULT_OUTPUT = ROOT / "benchmarks" / "results" / "enqueue_rabbitmq.json"
 QUEUE = "bench-enqueue-rabbitmq"
 DUPLICATE_ORDER = 0  # new-key calls count up from 1, so they never meet the held key
 
@@ -228,34 +216,15 @@ def run_case(bench: Bench, case: Case, calls: int, threads: int) -> Sample:
 
 def count_round_trips(bench: Bench, case: Case, calls: int, url: str) -> dict[str, Any]:
     """Redis commands per call of ``case`` from one thread: sent by the client, and run inside Lua."""
-    admin: redis.Redis = redis.Redis.from_url(url)
-    admin_port = str(admin.client_info()["addr"]).rsplit(":", 1)[1]
-    log = CommandLog(url)
     with bench.app_of(case).producer_or_acquire() as producer:
-        for _ in range(calls):
-            case.call(producer)
-    entries = log.close(admin)
-    admin.close()
+        counted = harness.count_commands(url, lambda: case.call(producer), calls)
     bench.purge(calls if case.publishes else 0)
-    sent: Counter[str] = Counter()
-    in_lua: Counter[str] = Counter()
-    for entry in entries:
-        if entry["client_type"] != "lua" and entry["client_port"] == admin_port:
-            continue
-        name = entry["command"].split(" ", 1)[0].lower()
-        (in_lua if entry["client_type"] == "lua" else sent)[name] += 1
     return {
-        "commands_sent_per_call": sum(sent.values()) / calls,
-        "lua_commands_per_call": sum(in_lua.values()) / calls,
-        "client_commands_per_call": {k: v / calls for k, v in sorted(sent.items())},
-        "commands_inside_lua_per_call": {k: v / calls for k, v in sorted(in_lua.items())},
+        "commands_sent_per_call": counted["round_trips_per_call"],
+        "lua_commands_per_call": sum(counted["lua_commands_per_call"].values()),
+        "client_commands_per_call": counted["client_commands_per_call"],
+        "commands_inside_lua_per_call": counted["lua_commands_per_call"],
     }
-
-
-def percentile(sorted_values: Sequence[float], fraction: float) -> float:
-    """Nearest-rank percentile of already sorted values."""
-    index = max(0, min(len(sorted_values) - 1, round(fraction * len(sorted_values) + 0.5) - 1))
-    return sorted_values[index]
 
 
 def summarize(
@@ -266,7 +235,7 @@ def summarize(
         for case in cases:
             samples = case.samples[threads]
             rates = [s.calls / s.wall_s for s in samples]
-            pooled = sorted(t / 1000 for s in samples for t in s.latencies_ns)
+            pooled = [t / 1000 for s in samples for t in s.latencies_ns]
             rows.append(
                 {
                     "case": case.name,
@@ -276,8 +245,8 @@ def summarize(
                     "repeats": len(samples),
                     "calls_per_s": statistics.median(rates),
                     "repeat_calls_per_s": rates,
-                    "p50_us": percentile(pooled, 0.50),
-                    "p99_us": percentile(pooled, 0.99),
+                    "p50_us": harness.percentile(pooled, 0.50),
+                    "p99_us": harness.percentile(pooled, 0.99),
                     **trips[case.name],
                 }
             )
@@ -289,45 +258,55 @@ def summarize(
 
 
 def table(rows: Sequence[dict[str, Any]]) -> str:
-    lines = [
-        "| case | publisher confirms | threads | calls/s (median) | per-repeat min\N{EN DASH}max | p50 µs | p99 µs "
-        "| calls/s vs plain with confirms | Redis commands sent/call | Redis commands inside Lua/call |",
-        "|---|---|---:|---:|---:|---:|---:|---:|---:|---:|",
-    ]
-    for row in rows:
-        rates = row["repeat_calls_per_s"]
-        lines.append(
-            f"| {row['case']} | {'on' if row['publisher_confirms'] else 'off'} | {row['threads']} | "
-            f"{row['calls_per_s']:,.0f} | {min(rates):,.0f}\N{EN DASH}{max(rates):,.0f} | {row['p50_us']:,.0f} | "
-            f"{row['p99_us']:,.0f} | {row['ratio_to_plain']:.2f}x | {row['commands_sent_per_call']:g} | "
-            f"{row['lua_commands_per_call']:g} |"
-        )
-    return "\n".join(lines)
-
-
-def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n", 1)[0] if __doc__ else None)
-    parser.add_argument("--calls", type=int, default=2000, help="calls per case, thread count, repeat (default 2000)")
-    parser.add_argument("--threads", default="1,4", help="thread counts, comma-separated (default 1,4)")
-    parser.add_argument("--repeats", type=int, default=3, help="repeats (default 3)")
-    parser.add_argument("--warmup", type=int, default=200, help="untimed calls per case and thread count first")
-    parser.add_argument("--rt-calls", type=int, default=100, help="calls per case for command counts (default 100)")
-    parser.add_argument(
-        "--queue-type", choices=("classic", "quorum"), default="classic", help="the task queue's type (default classic)"
+    return harness.table(
+        [
+            "case",
+            "publisher confirms",
+            "threads",
+            "calls/s (median)",
+            "per-repeat min",
+            "max",
+            "p50 µs",
+            "p99 µs",
+            "calls/s vs plain with confirms",
+            "Redis commands sent/call",
+            "Redis commands inside Lua/call",
+        ],
+        [
+            [
+                row["case"],
+                "on" if row["publisher_confirms"] else "off",
+                row["threads"],
+                row["calls_per_s"],
+                min(row["repeat_calls_per_s"]),
+                max(row["repeat_calls_per_s"]),
+                row["p50_us"],
+                row["p99_us"],
+                f"{row['ratio_to_plain']:.2f}x",
+                row["commands_sent_per_call"],
+                row["lua_commands_per_call"],
+            ]
+            for row in rows
+        ],
     )
-    parser.add_argument("--output", type=Path, default=DEFAULT_OUTPUT, help="JSON result file")
-    args = parser.parse_args(argv)
+
+
+def parse_args(script: harness.Script, argv: Sequence[str] | None) -> argparse.Namespace:
+    script.option("--calls", 2000, "calls per case, thread count, repeat")
+    script.option("--threads", "1,4", "thread counts, comma-separated", minimum=None)
+    script.option("--repeats", 3, "repeats")
+    script.option("--warmup", 200, "untimed calls per case and thread count first", minimum=0)
+    script.option("--rt-calls", 100, "calls per case for command counts")
+    script.option("--queue-type", "classic", "the task queue's type", choices=("classic", "quorum"))
+    args = script.parse(argv)
     try:
         args.threads = [int(n) for n in args.threads.split(",") if n.strip()]
     except ValueError:
-        parser.error("--threads takes comma-separated integers")
+        script.parser.error("--threads takes comma-separated integers")
     if not args.threads or min(args.threads) < 1:
-        parser.error("--threads needs thread counts of at least 1")
-    for name in ("calls", "repeats", "rt_calls"):
-        if getattr(args, name) < 1:
-            parser.error(f"--{name} must be at least 1")
+        script.parser.error("--threads needs thread counts of at least 1")
     if args.calls < max(args.threads):
-        parser.error("--calls must be at least the largest thread count")
+        script.parser.error("--calls must be at least the largest thread count")
     return args
 
 
@@ -338,22 +317,19 @@ class Run:
     broker_version: str
     node_start_s: float
     store_version: str
-    load_before: float
-    load_after: float
     elapsed_s: float
     rows: list[dict[str, Any]]
 
 
-def measure(args: argparse.Namespace, node: RabbitMQNode) -> Run:
+def measure(script: harness.Script, args: argparse.Namespace, node: RabbitMQNode) -> Run:
     """Start the node and a Redis server, time the cases, and stop both."""
     with RedisServer() as store, node:
         assert node.started_in is not None
         broker_version = node.version()
-        print(f"broker: {broker_version}, a private node started in {node.started_in:.1f} s")
-        print(f"dedup store: {store.binary} ({store.version()})")
-        print(", ".join(f"{k} {v}" for k, v in versions("amqp").items()))
-        load_before = os.getloadavg()[0]
-        print(f"load average before: {load_before:.2f} (cpus: {os.cpu_count()})", flush=True)
+        script.header(
+            f"broker: {broker_version}, a private node started in {node.started_in:.1f} s",
+            f"dedup store: {store.binary} ({store.version()})",
+        )
         bench = Bench(node.url, store.url, args.queue_type)
         try:
             cases = bench.cases()
@@ -368,9 +344,8 @@ def measure(args: argparse.Namespace, node: RabbitMQNode) -> Run:
                 for threads in args.threads:
                     for case in cases[repeat % len(cases) :] + cases[: repeat % len(cases)]:
                         case.samples.setdefault(threads, []).append(run_case(bench, case, args.calls, threads))
-                print(f"repeat {repeat + 1}/{args.repeats} done", file=sys.stderr)
+                harness.progress(f"repeat {repeat + 1}/{args.repeats} done")
             elapsed = time.monotonic() - started
-            load_after = os.getloadavg()[0]
             trips = {case.name: count_round_trips(bench, case, args.rt_calls, store.url) for case in cases}
         finally:
             bench.close()
@@ -378,8 +353,6 @@ def measure(args: argparse.Namespace, node: RabbitMQNode) -> Run:
             broker_version,
             node.started_in,
             store.version(),
-            load_before,
-            load_after,
             elapsed,
             summarize(cases, args.threads, trips),
         )
@@ -389,7 +362,7 @@ def print_report(args: argparse.Namespace, run: Run) -> None:
     print()
     print(
         f"apply_async on RabbitMQ ({args.queue_type} queue): {args.calls} calls per case and thread count x "
-        f"{args.repeats} repeats, {run.elapsed_s:.1f} s, load average after {run.load_after:.2f}"
+        f"{args.repeats} repeats, {run.elapsed_s:.1f} s"
     )
     print()
     print(table(run.rows))
@@ -400,42 +373,24 @@ def print_report(args: argparse.Namespace, run: Run) -> None:
     )
 
 
-def write_result(args: argparse.Namespace, run: Run) -> None:
-    result = {
-        "benchmark": "enqueue_rabbitmq",
-        "when": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
-        "broker": {"version": run.broker_version, "node_start_s": run.node_start_s, "queue_type": args.queue_type},
-        "store": {"version": run.store_version},
-        "versions": versions("amqp"),
-        "machine": {
-            "platform": platform.platform(),
-            "cpus": os.cpu_count(),
-            "loadavg_1m_before": run.load_before,
-            "loadavg_1m_after": run.load_after,
-        },
-        "settings": {
-            "calls": args.calls,
-            "threads": args.threads,
-            "repeats": args.repeats,
-            "warmup": args.warmup,
-            "rt_calls": args.rt_calls,
-        },
-        "elapsed_s": run.elapsed_s,
-        "timing": run.rows,
-    }
-    save(args.output, result)
-
-
 def main(argv: Sequence[str] | None = None) -> int:
-    args = parse_args(argv)
+    script = harness.Script("enqueue_rabbitmq", __doc__, packages=("amqp",))
+    args = parse_args(script, argv)
     try:
         node = RabbitMQNode()
     except RabbitMQNotFound as exc:
         print(f"skipped: {exc}; run-tests installs it when run as root")
         return 0
-    run = measure(args, node)
+    run = measure(script, args, node)
     print_report(args, run)
-    write_result(args, run)
+    script.save(
+        args,
+        {
+            "broker": {"version": run.broker_version, "node_start_s": run.node_start_s, "queue_type": args.queue_type},
+            "store": {"version": run.store_version},
+            "timing": run.rows,
+        },
+    )
     return 0
 
 

@@ -18,35 +18,27 @@ What it measures, on a real server with a real worker:
 
 Run it from the repository root::
 
-    .venv/bin/python benchmarks/followers.py [--followers 200] [--output FILE]
+    .venv/bin/python -m benchmarks.followers [--followers 200] [--output FILE]
 
 It prints Markdown tables and writes ``benchmarks/results/followers.json``.
 """
 
 from __future__ import annotations
 
-import argparse
 import statistics
-import sys
 import time
-from pathlib import Path
 from typing import Any
 
 import redis
 from celery import Celery
 from celery.contrib.testing.worker import start_worker
 
-ROOT = Path(__file__).resolve().parent.parent
-if str(ROOT) not in sys.path:
-    sys.path.insert(0, str(ROOT))
+import celery_dedup
+from benchmarks import harness
+from celery_dedup import DedupTask
+from celery_dedup.keys import KeySchema, member_for
+from celery_dedup.testing import RedisServer
 
-import celery_dedup  # noqa: E402
-from benchmarks.harness import save, versions  # noqa: E402
-from celery_dedup import DedupTask  # noqa: E402
-from celery_dedup.keys import KeySchema, member_for  # noqa: E402
-from celery_dedup.testing import RedisServer  # noqa: E402
-
-HERE = ROOT / "benchmarks"
 SCHEMA = KeySchema("dedup")
 
 
@@ -109,22 +101,31 @@ def measure(followers: int) -> dict[str, Any]:
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--followers", type=int, default=200)
-    parser.add_argument("--output", type=Path, default=HERE / "results" / "followers.json")
-    options = parser.parse_args()
-    result = measure(options.followers)
-    print("| followers | bytes / follower (parked) | message bytes | round trips / follower publish |")
-    print("|---:|---:|---:|---:|")
+    script = harness.Script("followers", __doc__)
+    script.option("--followers", 200, "followers parked on one run")
+    args = script.parse()
+    result = measure(args.followers)
     print(
-        f"| {result['followers']} | {result['bytes_per_follower']:.0f} | {result['message_bytes']} "
-        f"| {result['scripts_per_follower_publish']} |"
+        harness.table(
+            ["followers", "bytes / follower (parked)", "message bytes", "round trips / follower publish"],
+            [
+                [
+                    result["followers"],
+                    result["bytes_per_follower"],
+                    result["message_bytes"],
+                    result["scripts_per_follower_publish"],
+                ]
+            ],
+        )
     )
     print()
-    print("| followers resolved | after the run returned: median ms | max ms |")
-    print("|---:|---:|---:|")
-    print(f"| {result['resolved']} | {result['resolve_median_ms']:.1f} | {result['resolve_max_ms']:.1f} |")
-    save(options.output, {"versions": versions(), **result})
+    print(
+        harness.table(
+            ["followers resolved", "after the run returned: median ms", "max ms"],
+            [[result["resolved"], result["resolve_median_ms"], result["resolve_max_ms"]]],
+        )
+    )
+    script.save(args, result)
 
 
 if __name__ == "__main__":

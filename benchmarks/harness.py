@@ -56,11 +56,14 @@ class Script:
     """One benchmark's options, header and result file.
 
     ``name`` names the result (``benchmarks/results/<name>.json``); the first
-    paragraph of ``doc`` is the ``--help`` description.
+    paragraph of ``doc`` is the ``--help`` description; ``packages`` are
+    distributions whose versions it reports besides Celery's, kombu's,
+    redis-py's and its own.
     """
 
-    def __init__(self, name: str, doc: str | None) -> None:
+    def __init__(self, name: str, doc: str | None, *, packages: Sequence[str] = ()) -> None:
         self.name = name
+        self.packages = tuple(packages)
         self.parser = argparse.ArgumentParser(description=(doc or "").split("\n\n", 1)[0] or None)
         self.parser.add_argument(
             "--output", type=Path, default=RESULTS / f"{name}.json", help="JSON result file (default %(default)s)"
@@ -92,7 +95,7 @@ class Script:
         """Print what runs: ``lines`` (the server, say), the versions and the machine's load."""
         for line in lines:
             print(line)
-        print(", ".join(f"{k} {v}" for k, v in versions(*(PEERS if peers else ())).items()))
+        print(", ".join(f"{k} {v}" for k, v in versions(*self.packages, *(PEERS if peers else ())).items()))
         print(f"load average before: {self.load_before:.2f} (cpus: {os.cpu_count()})", flush=True)
 
     def save(self, args: argparse.Namespace, result: Mapping[str, Any], *, peers: bool = False) -> None:
@@ -103,7 +106,7 @@ class Script:
             {
                 "benchmark": self.name,
                 "when": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
-                "versions": versions(*(PEERS if peers else ())),
+                "versions": versions(*self.packages, *(PEERS if peers else ())),
                 "machine": {
                     "platform": platform.platform(),
                     "cpus": os.cpu_count(),
@@ -252,15 +255,24 @@ def cell(value: object) -> str:
         magnitude = abs(value)
         if magnitude >= 100:
             return f"{value:,.0f}"
-        return f"{value:.1f}" if magnitude >= 10 else f"{value:.2f}"
+        if magnitude >= 10:
+            return f"{value:.1f}"
+        return f"{value:.2f}" if magnitude >= 1 or value == 0 else f"{value:.2g}"
     return str(value)
 
 
+def _numeric(value: object) -> bool:
+    """Whether a cell reads as a number (a ratio such as ``1.05x`` does)."""
+    if isinstance(value, bool):
+        return False
+    return isinstance(value, int | float) or (isinstance(value, str) and value.rstrip("x%").replace(".", "").isdigit())
+
+
 def table(headers: Sequence[str], rows: Iterable[Sequence[object]]) -> str:
-    """A Markdown table; a column whose first cell is a number is right-aligned."""
+    """A Markdown table; a column whose first cell is a number (or a ratio) is right-aligned."""
     body = [list(row) for row in rows]
     first = body[0] if body else [""] * len(headers)
-    align = ["---:" if isinstance(v, int | float) and not isinstance(v, bool) else "---" for v in first]
+    align = ["---:" if _numeric(v) else "---" for v in first]
     lines = ["| " + " | ".join(headers) + " |", "|" + "|".join(align) + "|"]
     lines += ["| " + " | ".join(cell(v) for v in row) + " |" for row in body]
     return "\n".join(lines)
@@ -471,7 +483,7 @@ class WorkerProcess:
         return [
             line
             for line in self.output
-            if ("ERROR" in line or "CRITICAL" in line or "Traceback" in line)
+            if ("ERROR" in line or "CRITICAL" in line)
             and not any(text in line for text in expected)
         ]
 

@@ -26,7 +26,7 @@ or a real hash table) flips on its longest value.
 
 Run it from the repository root::
 
-    .venv/bin/python benchmarks/memory.py [--keys 100000] [--sample 1000] [--output FILE]
+    .venv/bin/python -m benchmarks.memory [--keys 100000] [--sample 1000] [--output FILE]
 
 It starts its own server (``celery_dedup.testing.RedisServer``), prints
 Markdown tables and writes ``benchmarks/results/memory.json``. Library code

@@ -10,9 +10,9 @@ installed.
 
 Run it from the repository root::
 
-    .venv/bin/python benchmarks/run_all.py [--quick] [--only enqueue,storm,...]
+    .venv/bin/python -m benchmarks [--quick] [--only enqueue,storm,...]
 
-or ``.venv/bin/python -m benchmarks``. Every script writes its JSON result to
+(``python -m benchmarks.run_all`` is the same). Every script writes its JSON result to
 ``benchmarks/results/``; the chart goes to ``docs/_static/benchmarks.png`` too.
 """
 
@@ -64,7 +64,7 @@ def plan(only: Sequence[str], quick: bool) -> list[tuple[str, list[str]]]:
         if (only and name not in only) or not script.exists():
             continue
         options = [*quick_options, *quick_outputs(name)] if quick else []
-        commands.append((name, [sys.executable, str(script), *options]))
+        commands.append((name, [sys.executable, "-m", f"benchmarks.{name}", *options]))
     return commands
 
 
@@ -85,7 +85,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     args = parse_args(argv)
     took: list[tuple[str, float]] = []
     for name, command in plan(args.only, args.quick):
-        shown = " ".join(str(Path(part).relative_to(ROOT)) if part.startswith(str(ROOT)) else part for part in command)
+        shown = " ".join(["python", *command[1:]])
         print(f"\n## {name}\n\n$ {shown}")
         print(flush=True)
         began = time.monotonic()

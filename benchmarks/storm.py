@@ -28,7 +28,7 @@ too. ``stuck``: keys the library still holds when nothing is left to run.
 
 Run it from the repository root::
 
-    .venv/bin/python benchmarks/storm.py [--producers 4] [--keys 500] [--sends 4] [--kills 2]
+    .venv/bin/python -m benchmarks.storm [--producers 4] [--keys 500] [--sends 4] [--kills 2]
 
 It starts its own server, prints Markdown tables and writes
 ``benchmarks/results/storm.json``. About a minute and a half with the defaults.
@@ -38,33 +38,25 @@ from __future__ import annotations
 
 import argparse
 import contextlib
-import datetime
 import itertools
 import multiprocessing
 import os
-import platform
 import random
 import signal
-import subprocess
 import sys
-import threading
 import time
 from collections import Counter, defaultdict
 from collections.abc import Iterator, Sequence
 from concurrent.futures import ProcessPoolExecutor
 from dataclasses import asdict, dataclass, field
-from pathlib import Path
 from typing import Any
 
 import redis
 from kombu.utils.uuid import uuid
 
-ROOT = Path(__file__).resolve().parent.parent
-if str(ROOT) not in sys.path:
-    sys.path.insert(0, str(ROOT))  # run as ``python benchmarks/storm.py``: make ``benchmarks.*`` importable
-
-from benchmarks.harness import READY_MARKER, save, versions  # noqa: E402
-from benchmarks.storm_app import (  # noqa: E402
+from benchmarks import harness
+from benchmarks.harness import WorkerProcess, children_of
+from benchmarks.storm_app import (
     DEDUP_PREFIX,
     LIBRARIES,
     LOG,
@@ -76,10 +68,9 @@ from benchmarks.storm_app import (  # noqa: E402
     StormSettings,
     build_app,
 )
-from celery_dedup.keys import KeySchema, member_for  # noqa: E402
-from celery_dedup.testing import RedisServer  # noqa: E402
+from celery_dedup.keys import KeySchema, member_for
+from celery_dedup.testing import RedisServer
 
-DEFAULT_OUTPUT = ROOT / "benchmarks" / "results" / "storm.json"
 GO = "bench-storm:go"
 READY = "bench-storm:ready"
 #: Beyond the lock TTL, what a dead run's key may take to be freed: a reaper pass and a late restore sweep.
@@ -161,100 +152,14 @@ def publish(url: str, library: str, settings: StormSettings, args: argparse.Name
 # --- workers -------------------------------------------------------------------------------------
 
 
-def children_of(pid: int) -> list[int]:
-    """Live child pids of ``pid``, from /proc."""
-    found = []
-    for entry in os.listdir("/proc"):
-        if not entry.isdigit():
-            continue
-        try:
-            with open(f"/proc/{entry}/stat") as stat:
-                fields = stat.read().rsplit(")", 1)[1].split()
-        except OSError:
-            continue
-        if fields[0] != "Z" and int(fields[1]) == pid:
-            found.append(int(entry))
-    return found
-
-
-class Worker:
-    """``celery -A benchmarks.storm_app worker --pool prefork`` for one library, in its own process group."""
-
-    def __init__(self, url: str, library: str, settings: StormSettings, name: str, concurrency: int) -> None:
-        env = dict(
-            os.environ,
-            CELERY_DEDUP_BENCH_BROKER=url,
-            CELERY_DEDUP_STORM_LIBRARY=library,
-            CELERY_DEDUP_STORM_SETTINGS=settings.to_json(),
-        )
-        env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(ROOT), env.get("PYTHONPATH")]))
-        command = [
-            sys.executable,
-            "-m",
-            "celery",
-            "-A",
-            "benchmarks.storm_app",
-            "worker",
-            "--pool",
-            "prefork",
-            "--concurrency",
-            str(concurrency),
-            "--loglevel",
-            "WARNING",
-            "--hostname",
-            f"{name}@%h",
-            "--without-gossip",
-            "--without-mingle",
-            "--without-heartbeat",
-        ]
-        self.name = name
-        self.process = subprocess.Popen(
-            command, cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, start_new_session=True
-        )
-        self.output: list[str] = []
-
-    @property
-    def pid(self) -> int:
-        return self.process.pid
-
-    def wait_ready(self, timeout: float = 60.0) -> Worker:
-        assert self.process.stdout is not None
-        deadline = time.monotonic() + timeout
-        while True:
-            line = self.process.stdout.readline().decode(errors="replace")
-            self.output.append(line)
-            if READY_MARKER in line:
-                break
-            if (not line and self.process.poll() is not None) or time.monotonic() > deadline:
-                raise RuntimeError(f"worker {self.name} did not start:\n" + "".join(self.output))
-        threading.Thread(target=self._drain, daemon=True).start()
-        return self
-
-    def _drain(self) -> None:
-        assert self.process.stdout is not None
-        for raw in iter(self.process.stdout.readline, b""):
-            self.output.append(raw.decode(errors="replace"))
-
-    def alive(self) -> bool:
-        return self.process.poll() is None
-
-    def kill(self) -> list[int]:
-        """SIGKILL the whole worker (its process group); the pids that died."""
-        pids = [self.pid, *children_of(self.pid)]
-        os.killpg(self.pid, signal.SIGKILL)
-        self.process.wait()
-        return pids
-
-    def stop(self) -> None:
-        if self.process.poll() is None:
-            os.killpg(self.pid, signal.SIGTERM)
-            try:
-                self.process.wait(30)
-            except subprocess.TimeoutExpired:
-                os.killpg(self.pid, signal.SIGKILL)
-                self.process.wait()
-        if self.process.stdout is not None:
-            self.process.stdout.close()
+def start_worker(url: str, library: str, settings: StormSettings, name: str, concurrency: int) -> WorkerProcess:
+    """``celery -A benchmarks.storm_app worker --pool prefork`` for one library."""
+    env = {
+        "CELERY_DEDUP_BENCH_BROKER": url,
+        "CELERY_DEDUP_STORM_LIBRARY": library,
+        "CELERY_DEDUP_STORM_SETTINGS": settings.to_json(),
+    }
+    return WorkerProcess("benchmarks.storm_app", env=env, concurrency=concurrency, name=name)
 
 
 @dataclass
@@ -265,11 +170,11 @@ class Fleet:
     library: str
     settings: StormSettings
     concurrency: int
-    workers: list[Worker] = field(default_factory=list)
+    workers: list[WorkerProcess] = field(default_factory=list)
 
-    def start(self, count: int) -> list[Worker]:
+    def start(self, count: int) -> list[WorkerProcess]:
         started = [
-            Worker(self.url, self.library, self.settings, f"storm{len(self.workers) + i}", self.concurrency)
+            start_worker(self.url, self.library, self.settings, f"storm{len(self.workers) + i}", self.concurrency)
             for i in range(count)
         ]
         self.workers += started
@@ -277,7 +182,7 @@ class Fleet:
             worker.wait_ready()
         return started
 
-    def live(self) -> list[Worker]:
+    def live(self) -> list[WorkerProcess]:
         return [worker for worker in self.workers if worker.alive()]
 
     def stop_all(self) -> None:
@@ -287,12 +192,7 @@ class Fleet:
     def errors(self) -> list[str]:
         """Error lines the workers logged, but the kills' own reports (a lost child, WorkerLostError)."""
         expected = ("signal 9 (SIGKILL)", "WorkerLostError")
-        return [
-            f"{worker.name}: {line}"
-            for worker in self.workers
-            for line in worker.output
-            if ("ERROR" in line or "CRITICAL" in line) and not any(text in line for text in expected)
-        ]
+        return [f"{worker.name}: {line}" for worker in self.workers for line in worker.errors(*expected)]
 
 
 @contextlib.contextmanager
@@ -527,29 +427,41 @@ def storm(url: str, library: str, settings: StormSettings, args: argparse.Namesp
 
 
 def table(rows: Sequence[dict[str, Any]]) -> str:
-    lines = [
-        "| library | calls | accepted | executions | duplicates executed | re-runs after kills | lost | stuck |",
-        "|---|---:|---:|---:|---:|---:|---:|---:|",
-    ]
-    for row in rows:
-        lines.append(
-            f"| {row['library']} | {row['calls']} | {row['accepted']} | {row['executions']} | "
-            f"{row['duplicates']} | {row['reruns_after_kill']} | {row['lost']} | {row['stuck']} |"
-        )
-    return "\n".join(lines)
+    return harness.table(
+        ["library", "calls", "accepted", "executions", "duplicates executed", "re-runs after kills", "lost", "stuck"],
+        [
+            [
+                r["library"],
+                r["calls"],
+                r["accepted"],
+                r["executions"],
+                r["duplicates"],
+                r["reruns_after_kill"],
+                r["lost"],
+                r["stuck"],
+            ]
+            for r in rows
+        ],
+    )
 
 
 def kill_table(rows: Sequence[dict[str, Any]]) -> str:
-    lines = [
-        "| library | kills (target at executions started) | stuck held for up to | publish + drain |",
-        "|---|---|---:|---:|",
-    ]
-    for row in rows:
-        kills = ", ".join(f"{kill['target']} at {kill['at_started']}" for kill in row["kills"]) or "none"
+    def held(row: dict[str, Any]) -> str:
         longest = row["stuck_detail"]["max_held_s"]
-        held = "-" if not row["stuck"] else ("no expiry" if longest < 0 else f"{longest:.0f} s")
-        lines.append(f"| {row['library']} | {kills} | {held} | {row['drained_s']:.1f} s |")
-    return "\n".join(lines)
+        return "-" if not row["stuck"] else ("no expiry" if longest < 0 else f"{longest:.0f} s")
+
+    return harness.table(
+        ["library", "kills (target at executions started)", "stuck held for up to", "publish + drain s"],
+        [
+            [
+                r["library"],
+                ", ".join(f"{k['target']} at {k['at_started']}" for k in r["kills"]) or "none",
+                held(r),
+                r["drained_s"],
+            ]
+            for r in rows
+        ],
+    )
 
 
 def notes(rows: Sequence[dict[str, Any]]) -> list[str]:
@@ -582,41 +494,35 @@ def notes(rows: Sequence[dict[str, Any]]) -> list[str]:
 # --- main ----------------------------------------------------------------------------------------
 
 
-def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n", 1)[0] if __doc__ else None)
-    parser.add_argument("--producers", type=int, default=4, help="producer processes (default 4)")
-    parser.add_argument("--keys", type=int, default=500, help="business keys (default 500)")
-    parser.add_argument("--sends", type=int, default=4, help="calls per key per producer (default 4)")
-    parser.add_argument("--workers", type=int, default=2, help="worker processes (default 2)")
-    parser.add_argument("--concurrency", type=int, default=2, help="prefork children per worker (default 2)")
-    parser.add_argument("--kills", type=int, default=2, help="SIGKILLs: child, worker, child, ... (default 2)")
-    parser.add_argument("--body-ms", type=float, default=40.0, help="task body sleep, ms (default 40)")
-    parser.add_argument("--slow-every", type=int, default=100, help="every Nth key runs slow, 0: none (default 100)")
-    parser.add_argument("--slow-ms", type=float, default=None, help="slow body, ms (default: visibility timeout + 2 s)")
-    parser.add_argument("--visibility-timeout", type=float, default=4.0, help="seconds (default 4)")
-    parser.add_argument("--overlap", action="store_true", help="start the workers before the producers")
-    parser.add_argument("--lock-ttl", type=float, default=2.0, help="celery-dedup's execution lock TTL (default 2)")
-    parser.add_argument("--hold-ttl", type=int, default=3600, help="queued key hold TTL, all libraries (default 3600)")
-    parser.add_argument("--libraries", default=",".join(LIBRARIES), help="comma-separated (default all three)")
-    parser.add_argument("--timeout", type=float, default=90.0, help="seconds a drain may take (default 90)")
-    parser.add_argument("--seed", type=int, default=1, help="shuffle and kill-point seed (default 1)")
-    parser.add_argument("--output", type=Path, default=DEFAULT_OUTPUT, help="JSON result file")
-    args = parser.parse_args(argv)
-    for name in ("producers", "keys", "sends", "workers", "concurrency"):
-        if getattr(args, name) < 1:
-            parser.error(f"--{name} must be at least 1")
+def parse_args(script: harness.Script, argv: Sequence[str] | None) -> argparse.Namespace:
+    script.option("--producers", 4, "producer processes")
+    script.option("--keys", 500, "business keys")
+    script.option("--sends", 4, "calls per key per producer")
+    script.option("--workers", 2, "worker processes")
+    script.option("--concurrency", 2, "prefork children per worker")
+    script.option("--kills", 2, "SIGKILLs: child, worker, child, ...", minimum=0)
+    script.option("--body-ms", 40.0, "task body sleep, ms", minimum=0.001)
+    script.option("--slow-every", 100, "every Nth key runs slow, 0: none", minimum=0)
+    script.option("--slow-ms", None, "slow body, ms; none: visibility timeout + 2 s", type=float, minimum=None)
+    script.option("--visibility-timeout", 4.0, "seconds", minimum=0.001)
+    script.flag("--overlap", "start the workers before the producers")
+    script.option("--lock-ttl", 2.0, "celery-dedup's execution lock TTL", minimum=0.001)
+    script.option("--hold-ttl", 3600, "queued key hold TTL, all libraries")
+    script.option("--libraries", ",".join(LIBRARIES), "comma-separated", minimum=None)
+    script.option("--timeout", 90.0, "seconds a drain may take")
+    script.option("--seed", 1, "shuffle and kill-point seed", minimum=None)
+    args = script.parse(argv)
     if args.slow_ms is None:
         args.slow_ms = (args.visibility_timeout + 2) * 1000
-    if args.kills < 0 or args.slow_every < 0 or args.body_ms <= 0 or args.visibility_timeout <= 0 or args.lock_ttl <= 0:
-        parser.error("--kills must be >= 0; --body-ms, --visibility-timeout and --lock-ttl positive")
     args.libraries = [name.strip() for name in args.libraries.split(",") if name.strip()]
     if not args.libraries or any(name not in LIBRARIES for name in args.libraries):
-        parser.error(f"--libraries takes {', '.join(LIBRARIES)}")
+        script.parser.error(f"--libraries takes {', '.join(LIBRARIES)}")
     return args
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    args = parse_args(argv)
+    script = harness.Script("storm", __doc__)
+    args = parse_args(script, argv)
     settings = StormSettings(
         body_s=args.body_ms / 1000,
         slow_every=args.slow_every,
@@ -627,21 +533,17 @@ def main(argv: Sequence[str] | None = None) -> int:
     )
     with RedisServer() as server:
         server_version = server.version()
-        print(f"server: {server.binary} ({server_version})")
-        print(", ".join(f"{k} {v}" for k, v in versions("celery-once", "celery-singleton").items()))
-        load_before = os.getloadavg()[0]
-        print(f"load average before: {load_before:.2f} (cpus: {os.cpu_count()})", flush=True)
+        script.header(f"server: {server.binary} ({server_version})", peers=True)
         started = time.monotonic()
         rows = [storm(server.url, library, settings, args) for library in args.libraries]
         elapsed = time.monotonic() - started
-    load_after = os.getloadavg()[0]
     print()
     print(
         f"storm: {args.producers} producers x {args.keys} keys x {args.sends} sends, {args.workers} workers "
         f"x {args.concurrency} children, {args.kills} kills, body {args.body_ms:g} ms (every "
         f"{args.slow_every}th key {args.slow_ms / 1000:g} s), visibility timeout {args.visibility_timeout:g} s, "
         f"{'workers draining while producers publish' if args.overlap else 'published, then drained'}; "
-        f"{elapsed:.0f} s, load average after {load_after:.2f}"
+        f"{elapsed:.0f} s"
     )
     print()
     print(table(rows))
@@ -649,28 +551,20 @@ def main(argv: Sequence[str] | None = None) -> int:
     print(kill_table(rows))
     for note in notes(rows):
         print(f"note: {note}")
-    result = {
-        "benchmark": "storm",
-        "when": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
-        "server": {"binary": server.binary, "version": server_version},
-        "versions": versions("celery-once", "celery-singleton"),
-        "machine": {
-            "platform": platform.platform(),
-            "cpus": os.cpu_count(),
-            "loadavg_1m_before": load_before,
-            "loadavg_1m_after": load_after,
+    script.save(
+        args,
+        {
+            "server": {"binary": server.binary, "version": server_version},
+            "storm_settings": {
+                **asdict(settings),
+                "task_acks_late": True,
+                "task_reject_on_worker_lost": True,
+                "celery_once_duplicate": "raises AlreadyQueued (its default), caught: not accepted",
+            },
+            "libraries": rows,
         },
-        "settings": {
-            **{k: v for k, v in vars(args).items() if k != "output"},
-            **asdict(settings),
-            "task_acks_late": True,
-            "task_reject_on_worker_lost": True,
-            "celery_once_duplicate": "raises AlreadyQueued (its default), caught: not accepted",
-        },
-        "elapsed_s": elapsed,
-        "libraries": rows,
-    }
-    save(args.output, result)
+        peers=True,
+    )
     return 0
 
 

@@ -25,7 +25,7 @@ BRPOP again.
 
 Run it from the repository root::
 
-    .venv/bin/python benchmarks/worker.py [--tasks 2000] [--repeats 7] [--output FILE]
+    .venv/bin/python -m benchmarks.worker [--tasks 2000] [--repeats 7] [--output FILE]
 
 It starts its own server (``celery_dedup.testing.RedisServer``), prints
 Markdown tables and writes ``benchmarks/results/worker.json``. Nothing here
@@ -58,7 +58,7 @@ from celery.contrib.testing.worker import start_worker
 
 ROOT = Path(__file__).resolve().parent.parent
 if str(ROOT) not in sys.path:
-    # Run as ``python benchmarks/worker.py``: make ``benchmarks.*`` importable, as the worker subprocess needs too.
+    # Run as ``python -m benchmarks.worker``: make ``benchmarks.*`` importable, as the worker subprocess needs too.
     sys.path.insert(0, str(ROOT))
 
 from benchmarks.enqueue import CommandLog, commandstats  # noqa: E402
