@@ -8,7 +8,8 @@ that both the run's owner (its lock token, see
 :func:`celery_dedup.processes.owner_gone`) and the main process of its worker
 (which alone acknowledges, rejects or requeues the message: every worker
 registers its token under its node name) are dead: then the message goes
-back to the head of its queue at once, and its copy takes the dead owner's
+back to the head of its queue at once (on the atomic gate's path, where the
+store is the broker), and its copy takes the dead owner's
 lock over (``guard.take_over``). A pool child that died under a live main
 process is left to that process, which settles its message as Celery's
 settings say. Workers do this when they start and after every reaper pass;
@@ -22,8 +23,10 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
 
-from kombu.utils.json import loads
+import redis
+from kombu.utils.json import dumps, loads
 
+from . import runtime
 from .processes import owner_gone, token
 from .store import DedupStore
 
@@ -45,6 +48,8 @@ class Orphan:
     worker: str
     tag: str
     unacked: str
+    #: The list its message was pushed to (priority and global key prefix included).
+    queue: str
 
 
 def orphans(store: DedupStore, *, limit: int = LIMIT) -> list[Orphan]:
@@ -61,7 +66,16 @@ def orphans(store: DedupStore, *, limit: int = LIMIT) -> list[Orphan]:
             tag, unacked = status.fields.get("tag", ""), status.fields.get("unacked", "")
             if status.lock and tag and unacked and owner_gone(status.lock):
                 found.append(
-                    Orphan(status.member, status.task, status.task_id, status.lock, status.worker, tag, unacked)
+                    Orphan(
+                        member=status.member,
+                        task=status.task,
+                        task_id=status.task_id,
+                        token=status.lock,
+                        worker=status.worker,
+                        tag=tag,
+                        unacked=unacked,
+                        queue=status.queue,
+                    )
                 )
         seen += len(page.records)
         if page.cursor is None or not page.records:
@@ -73,32 +87,29 @@ def orphans(store: DedupStore, *, limit: int = LIMIT) -> list[Orphan]:
 def restore(app: Any, store: DedupStore, found: list[Orphan]) -> int:
     """Put each orphan's unacknowledged message back at the head of its queue; returns how many.
 
-    Through kombu's own ``QoS.restore_by_tag`` on a connection of ``app``'s
-    broker (a Redis broker only; elsewhere nothing is restored). A message is
-    left alone when its lock now belongs to another delivery (a copy runs),
-    when it is no longer unacknowledged (restored or acknowledged already), or
-    when it is not that run's.
+    As kombu's ``QoS.restore_by_tag`` does (one transaction: out of the
+    unacknowledged hash and its index, marked redelivered, pushed where the
+    next fetch takes it), on the store's own connection: only where the store
+    is the broker (the atomic gate), and only for the unacknowledged hash of
+    ``app``'s transport options. A message is left alone when its lock now
+    belongs to another delivery (a copy runs), when it is no longer
+    unacknowledged (restored or acknowledged already), or when it is not that
+    run's.
     """
-    if not found:
+    if not found or not runtime.is_atomic(app):
         return 0
+    options = app.conf.broker_transport_options or {}
+    prefix = str(options.get("global_keyprefix") or "")
+    unacked = prefix + str(options.get("unacked_key") or "unacked")
+    index = prefix + str(options.get("unacked_index_key") or "unacked_index")
     restored = 0
-    with app.connection_for_write() as connection:
-        channel: Any = connection.default_channel
-        qos: Any = getattr(channel, "qos", None)
-        if not hasattr(qos, "restore_by_tag") or not hasattr(channel, "unacked_key"):
-            return 0
-        unacked = str(getattr(channel, "global_keyprefix", "") or "") + channel.unacked_key
-        for orphan in found:
-            if orphan.unacked != unacked:
-                continue
-            holder = store.lock_holder(orphan.member)
-            if holder is not None and holder != orphan.token:
-                continue
-            with channel.conn_or_acquire() as client:
-                raw = client.hget(channel.unacked_key, orphan.tag)
-            if raw is None or _task_id(raw) != orphan.task_id:
-                continue
-            qos.restore_by_tag(orphan.tag)
+    for orphan in found:
+        if orphan.unacked != unacked or not orphan.queue:
+            continue
+        holder = store.lock_holder(orphan.member)
+        if holder is not None and holder != orphan.token:
+            continue
+        if _restore(store.client, unacked, index, orphan):
             restored += 1
             logger.warning(
                 "recovered: %s[%s] key %r: its process is gone (lock %s); its message is back in its queue",
@@ -110,12 +121,38 @@ def restore(app: Any, store: DedupStore, found: list[Orphan]) -> int:
     return restored
 
 
-def _task_id(raw: bytes | str) -> str:
+def _restore(client: redis.Redis, unacked: str, index: str, orphan: Orphan) -> bool:
+    moved = False
+
+    def move(pipe: Any) -> None:
+        nonlocal moved
+        moved = False
+        message = _message(pipe.hget(unacked, orphan.tag))
+        if message is None or str(message["headers"].get("id")) != orphan.task_id:
+            return
+        message["headers"]["redelivered"] = True
+        delivery = message.get("properties", {}).get("delivery_info")
+        if isinstance(delivery, dict):
+            delivery["redelivered"] = True
+        pipe.multi()
+        pipe.zrem(index, orphan.tag)
+        pipe.hdel(unacked, orphan.tag)
+        pipe.rpush(orphan.queue, dumps(message))
+        moved = True
+
+    client.transaction(move, unacked)
+    return moved
+
+
+def _message(raw: bytes | str | None) -> dict[str, Any] | None:
+    """The message kombu keeps in its unacknowledged hash (``[message, exchange, routing key]``)."""
+    if raw is None:
+        return None
     try:
         message = loads(raw)[0]
-        return str(message["headers"]["id"])
     except (ValueError, TypeError, KeyError, IndexError):
-        return ""
+        return None
+    return message if isinstance(message, dict) and isinstance(message.get("headers"), dict) else None
 
 
 def register(store: DedupStore, nodename: str) -> dict[str, str]:
