@@ -483,8 +483,7 @@ class WorkerProcess:
         return [
             line
             for line in self.output
-            if ("ERROR" in line or "CRITICAL" in line)
-            and not any(text in line for text in expected)
+            if ("ERROR" in line or "CRITICAL" in line) and not any(text in line for text in expected)
         ]
 
     def __enter__(self) -> WorkerProcess:

@@ -40,6 +40,7 @@ SCRIPTS: tuple[tuple[str, tuple[str, ...]], ...] = (
     ("debounce", ("--rounds", "2", "--keys", "5", "--calls", "20")),
     ("admin", ("--records", "10000", "--renders", "5", "--later", "3")),
     ("followers", ("--followers", "50")),
+    ("limits", ("--tasks", "200", "--calls", "200", "--repeats", "2")),
     ("cluster", ("--calls", "300", "--repeats", "1", "--threads", "4")),
     ("recovery", ("--repeats", "1", "--wait", "30")),
     ("chart", ()),

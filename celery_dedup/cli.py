@@ -4,8 +4,8 @@ A ``celery.commands`` plugin (entry point ``dedup``), so it runs with the
 project's own app and settings. Every action goes through
 :mod:`celery_dedup.operations` and the store, as the Django admin's do.
 
-Commands: ``list``, ``show``, ``release``, ``purge``, ``reap``, ``stats`` and
-``check``. Tables are for people; ``--json`` prints one JSON document for
+Commands: ``list``, ``show``, ``release``, ``purge``, ``reap``, ``stats``,
+``limits`` and ``check``. Tables are for people; ``--json`` prints one JSON document for
 scripts. Errors go to stderr.
 
 Exit codes::
@@ -36,7 +36,8 @@ from celery.bin.base import CLIContext
 
 import celery_dedup
 
-from . import operations
+from . import limits as limit_groups
+from . import operations, runtime
 from .checks import run_checks
 from .decisions import DECISIONS
 from .exceptions import DedupError
@@ -455,6 +456,34 @@ def stats(ctx: click.Context, as_json: bool) -> None:
     columns = [*DECISIONS, *sorted(seen - set(DECISIONS))]
     rows = [(name, *(str(counts[name].get(d, 0)) for d in columns)) for name in sorted(counts)]
     click.echo(_table(rows, ("TASK", *(c.upper() for c in columns))))
+
+
+@dedup.command("limits")
+@click.option("--limit", type=click.IntRange(1, 10_000), default=100, show_default=True, help="Groups at most.")
+@_json_flag
+@click.pass_context
+def limits_(ctx: click.Context, limit: int, as_json: bool) -> None:
+    """Limit groups used in the last day: slots in use, waiting runs, rate window, mean body time."""
+    groups = limit_groups.groups(runtime.store_for(_app(ctx)), limit=limit)
+    if as_json:
+        _emit_json([{**asdict(g), "rate": None if g.rate is None else str(g.rate)} for g in groups])
+        return
+    if not groups:
+        click.echo("no limit groups used in the last day")
+        return
+    rows = [
+        (
+            g.task,
+            g.key,
+            "-" if g.concurrency is None else f"{g.in_use}/{g.concurrency}",
+            str(g.waiting),
+            "-" if g.rate is None else f"{g.starts}/{g.rate}",
+            f"{g.avg_ms} ms" if g.avg_ms else "-",
+            human_time(str(g.last_used)),
+        )
+        for g in groups
+    ]
+    click.echo(_table(rows, ("TASK", "GROUP", "SLOTS", "WAITING", "RATE", "MEAN BODY", "LAST USED")))
 
 
 @dedup.command()

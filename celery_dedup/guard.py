@@ -26,7 +26,7 @@ import redis
 from celery.exceptions import Ignore, Reject, Retry
 from kombu.utils.json import loads
 
-from . import decisions, runtime
+from . import decisions, limits, runtime
 from .exceptions import UNREACHABLE, DedupError, DedupFollowerError, DedupStoreError, DedupUnavailableError
 from .gate import GateHeader, call_payload, decode_payload, decode_result, result_payload
 from .keyed import KeyedTask
@@ -78,6 +78,8 @@ def guarded_call(
     task_id = request.id
     if task_id is None or request.called_directly:
         return body(args, kwargs)
+    if not task.dedup_policy.mode.guards:
+        return limits.limited_call(task, args, kwargs, body)
     located = locate(task, request.headers, request.args, request.kwargs)
     if located is None:
         return body(args, kwargs)
@@ -87,7 +89,7 @@ def guarded_call(
     lock_ms = int(policy.lock_ttl * 1000)
     record_ms = runtime.config_for(task.app).record_ms
     try:
-        decision = begin(task, store, member, gated, token, lock_ms, record_ms)
+        lease, decision = admitted_start(task, store, member, gated, token, lock_ms, record_ms)
     except redis.RedisError as exc:
         return store_unreachable(task, store, member, exc, args, kwargs, body)
     if decision.code == StartDecision.FOLLOW:
@@ -101,8 +103,9 @@ def guarded_call(
 
     def end(ending: Ending, value: Any = None) -> None:
         keeper.remove(lock)
-        _running.pop(task_id, None)
-        replacement = _replacements.pop(task_id, None)
+        limits.leave(lease, ran=True)
+        forget(task_id, lock)
+        replacement = _replacements.pop(token, None)
         own = token
         if replacement is not None and replacement.handed_over:
             if ending.state == REPLACED:
@@ -139,15 +142,39 @@ def guarded_call(
     except (SystemExit, KeyboardInterrupt):
         # The process is being torn down (hard time limit, terminate, shutdown):
         # the worker's main process reports how this run ended, releasing the lock.
-        keeper.remove(lock)
-        _running.pop(task_id, None)
-        _replacements.pop(task_id, None)
+        _forget(task_id, token, lock, lease)
         raise
     except BaseException as exc:
-        end(ending_of(exc, task_id))
+        end(ending_of(exc, token))
         raise
     end(Ending(SUCCEEDED, drop=not policy.mode.holds_after_success), result)
     return result
+
+
+def admitted_start(
+    task: KeyedTask, store: DedupStore, member: str, gated: bool, token: str, lock_ms: int, record_ms: int
+) -> tuple[limits.SlotLease | None, StartDecision]:
+    """The task's limits, then :func:`begin`: a run that must wait takes nothing else (``Ignore``, re-published).
+
+    A delivery the guard then refuses gives its slot back at once.
+    """
+    lease = limits.admit(task, store, member, token)
+    try:
+        decision = begin(task, store, member, gated, token, lock_ms, record_ms)
+    except redis.RedisError:
+        limits.leave(lease, ran=False)
+        raise
+    if not decision.run:
+        limits.leave(lease, ran=False)
+    return lease, decision
+
+
+def _forget(task_id: str, token: str, lock: ExecutionLock, lease: limits.SlotLease | None) -> None:
+    """Stop renewing a delivery's lock and give back its slot, without recording an ending (someone else will)."""
+    renewer().remove(lock)
+    limits.leave(lease, ran=True)
+    forget(task_id, lock)
+    _replacements.pop(token, None)
 
 
 class Ending(NamedTuple):
@@ -160,15 +187,15 @@ class Ending(NamedTuple):
     note: str = ""
 
 
-def ending_of(exc: BaseException, task_id: str) -> Ending:
-    """The ending of a body that raised ``exc``."""
+def ending_of(exc: BaseException, token: str) -> Ending:
+    """The ending of a body that raised ``exc``, run under lock ``token``."""
     if isinstance(exc, Retry):
         return Ending(RETRY, drop=False)  # the retry was published under this run's key
     if isinstance(exc, Reject):
         requeue = bool(getattr(exc, "requeue", False))
         return Ending(RETRY, drop=False) if requeue else Ending(REJECTED, drop=True)
     if isinstance(exc, Ignore):
-        replacement = _replacements.get(task_id)
+        replacement = _replacements.get(token)
         if replacement is None:
             return Ending(IGNORED, drop=True)
         return Ending(REPLACED, drop=True, note=f"by {replacement.by}")
@@ -187,7 +214,9 @@ class Replacement:
     handed_over: bool = False
 
 
-#: Runs of this process inside ``Task.replace``, by task id.
+#: Deliveries of this process inside ``Task.replace``, by lock token. Not by
+#: task id: a replacement under the same key carries the run's id, and may
+#: start and end on another thread before the delivery it replaced unwinds.
 _replacements: dict[str, Replacement] = {}
 
 
@@ -195,8 +224,8 @@ def replacing(task: KeyedTask, by: str) -> None:
     """Note that the run executing ``task`` replaces itself with ``by`` (called from ``on_replace``)."""
     task_id = task.request.id
     lock = _running.get(task_id) if task_id is not None else None
-    if task_id is not None and lock is not None:
-        _replacements[task_id] = Replacement(lock.member, by)
+    if lock is not None:
+        _replacements[lock.token] = Replacement(lock.member, by)
 
 
 def hand_over(task_id: str | None, member: str) -> bool:
@@ -208,8 +237,8 @@ def hand_over(task_id: str | None, member: str) -> bool:
     """
     if task_id is None:
         return False
-    replacement = _replacements.get(task_id)
     lock = _running.get(task_id)
+    replacement = _replacements.get(lock.token) if lock is not None else None
     if replacement is None or lock is None or replacement.member != member:
         return False
     if not replacement.handed_over:
@@ -358,6 +387,12 @@ def store_refused(
 #: The lock of each run executing in this process, by task id. Kept off the
 #: request: Celery copies request attributes into a retry's headers.
 _running: dict[str, ExecutionLock] = {}
+
+
+def forget(task_id: str, lock: ExecutionLock) -> None:
+    """Drop ``lock`` from the running runs, unless a later delivery of the same run (a replacement) took its place."""
+    if _running.get(task_id) is lock:
+        del _running[task_id]
 
 
 def lock_lost(task_id: str | None) -> bool:
@@ -530,6 +565,9 @@ def settle_elsewhere(
     by its own guard if it lives on (``SIGUSR1`` raises in the body and lets
     it clean up). Another delivery's or another run's lock is never touched.
     """
+    if not task.dedup_policy.mode.guards:  # no lock, no record: only its place in its limit group
+        limits.reported_ending(task, runtime.store_for(task.app), "", args, kwargs, task_id, "")
+        return False
     located = locate(task, headers, args, kwargs)
     if located is None:
         return False
@@ -554,6 +592,7 @@ def settle_elsewhere(
         record_ms=record_ms,
         payload=payload,
     )
+    limits.reported_ending(task, store, member, args, kwargs, task_id, token)
     owned = finished is not None and finished.owned
     pid = token_pid(holder) if holder is not None and not token else None
     if stopping and owned and holder is not None and pid is not None:
@@ -561,6 +600,7 @@ def settle_elsewhere(
 
         def release() -> None:
             finish(task, store, member, task_id, state, drop=True, role="report", token=live, record_ms=record_ms)
+            limits.reported_ending(task, store, member, args, kwargs, task_id, live)
 
         exit_watcher().when_gone(pid, release, within=task.dedup_policy.lock_ttl)
     return owned

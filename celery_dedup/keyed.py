@@ -19,6 +19,7 @@ from .keys import KeySpec
 
 if TYPE_CHECKING:
     from .gate import GateHeader
+    from .limits import LimitPolicy
     from .modes import Mode
 
 
@@ -38,6 +39,8 @@ class TaskPolicy:
     max_wait: float | None = None
     #: Debounce only: run with the ``latest`` call's arguments or the ``first``.
     debounce: str = "latest"
+    #: Per-group concurrency and rate limits (``limit_*`` options); None: none.
+    limit: LimitPolicy | None = None
 
 
 #: Celery < 5.7 (celery#4925): an async result backend keeps one result object

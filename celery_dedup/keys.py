@@ -396,6 +396,34 @@ class KeySchema:
         """ZSET of every member with score 0, for prefix search with ZRANGEBYLEX."""
         return f"{self.prefix}:idx:name"
 
+    # Limits (see limits.py): one group's keys, in the shard of its group
+    # (named like a member: ``<escaped task name>:<group key>``).
+
+    def limit_slots(self, group: str) -> str:
+        """ZSET of the group's slot leases: token -> lease deadline (ms)."""
+        return f"{self.prefix}:lim:slots:{group}"
+
+    def limit_starts(self, group: str) -> str:
+        """ZSET of the group's starts in its rate window: token -> start (ms)."""
+        return f"{self.prefix}:lim:starts:{group}"
+
+    def limit_waiting(self, group: str) -> str:
+        """ZSET of the group's waiting runs: run id -> first arrival (ms)."""
+        return f"{self.prefix}:lim:wait:{group}"
+
+    def limit_deadlines(self, group: str) -> str:
+        """ZSET of the group's waiting runs: run id -> when it must be back to keep its place (ms)."""
+        return f"{self.prefix}:lim:due:{group}"
+
+    def limit_info(self, group: str) -> str:
+        """HASH of the group's slot start times, mean body time and last limits."""
+        return f"{self.prefix}:lim:info:{group}"
+
+    @property
+    def limit_groups(self) -> str:
+        """ZSET of the shard's limit groups: group -> last acquire (ms)."""
+        return f"{self.prefix}:lim:groups"
+
 
 class KeySpec:
     """A task's compiled ``dedup_key`` option: turns call arguments into a business key.

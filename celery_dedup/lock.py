@@ -14,12 +14,13 @@ import os
 import threading
 import time
 from collections import defaultdict
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 
 import redis
 
 from . import processes
 from .exceptions import store_failure
+from .limits import SlotLease, renew_leases
 from .store import DedupStore, LockRef
 
 logger = logging.getLogger("celery_dedup")
@@ -66,11 +67,11 @@ class Renewer:
 
     def __init__(self, clock: Callable[[], float] = time.monotonic) -> None:
         self.clock = clock
-        self._locks: set[ExecutionLock] = set()
+        self._locks: set[ExecutionLock | SlotLease] = set()
         self._cond = threading.Condition()
         self._thread: threading.Thread | None = None
 
-    def add(self, lock: ExecutionLock) -> None:
+    def add(self, lock: ExecutionLock | SlotLease) -> None:
         with self._cond:
             self._locks.add(lock)
             if self._thread is None or not self._thread.is_alive():
@@ -78,13 +79,13 @@ class Renewer:
                 self._thread.start()
             self._cond.notify()
 
-    def remove(self, lock: ExecutionLock) -> None:
+    def remove(self, lock: ExecutionLock | SlotLease) -> None:
         with self._cond:
             self._locks.discard(lock)
 
     def held(self) -> list[ExecutionLock]:
         with self._cond:
-            return list(self._locks)
+            return [lock for lock in self._locks if isinstance(lock, ExecutionLock)]
 
     def _run(self) -> None:
         while True:
@@ -98,11 +99,17 @@ class Renewer:
                     continue
             self.renew(due)
 
-    def renew(self, locks: list[ExecutionLock]) -> None:
-        """Renew ``locks`` now (grouped per server and TTL: one call each)."""
+    def renew(self, locks: list[ExecutionLock | SlotLease]) -> None:
+        """Renew ``locks`` (and limit slot leases) now (grouped per server and TTL: one call each)."""
         groups: dict[tuple[int, int, int], list[ExecutionLock]] = defaultdict(list)
+        leases: dict[tuple[int, int], list[SlotLease]] = defaultdict(list)
         for lock in locks:
-            groups[(id(lock.store.client), lock.ttl_ms, lock.record_ms)].append(lock)
+            if isinstance(lock, SlotLease):
+                leases[(id(lock.store.client), lock.ttl_ms)].append(lock)
+            else:
+                groups[(id(lock.store.client), lock.ttl_ms, lock.record_ms)].append(lock)
+        for (_, ttl_ms), batch in leases.items():
+            self._renew_leases(batch, ttl_ms)
         for (_, ttl_ms, record_ms), group in groups.items():
             started = self.clock()
             try:
@@ -118,7 +125,21 @@ class Renewer:
                     lock.valid_until = started + ttl_ms / 1000
                     lock.renew_at = started + ttl_ms / 1000 * RENEW_FRACTION
 
-    def _unreachable(self, group: list[ExecutionLock], exc: Exception) -> None:
+    def _renew_leases(self, group: list[SlotLease], ttl_ms: int) -> None:
+        started = self.clock()
+        try:
+            lost = set(renew_leases(group, lease_ms=ttl_ms))
+        except redis.RedisError as exc:
+            self._unreachable(group, exc)
+            return
+        for lease in group:
+            if lease in lost:
+                self._lose(lease, "expired or evicted: the run goes on beyond its group's limit")
+            else:
+                lease.valid_until = started + ttl_ms / 1000
+                lease.renew_at = started + ttl_ms / 1000 * RENEW_FRACTION
+
+    def _unreachable(self, group: Sequence[ExecutionLock | SlotLease], exc: Exception) -> None:
         now = self.clock()
         for lock in group:
             if now >= lock.valid_until:
@@ -127,7 +148,13 @@ class Renewer:
                 lock.renew_at = now + min(0.5, (lock.valid_until - now) / 2)  # retry soon, before it expires
                 logger.warning("could not renew %r, retrying: %s", lock, exc)
 
-    def _lose(self, lock: ExecutionLock, why: str) -> None:
+    def _lose(self, lock: ExecutionLock | SlotLease, why: str) -> None:
+        if isinstance(lock, SlotLease):
+            if not lock.lost.is_set():
+                lock.lost.set()
+                logger.error("limit slot lost in group %r (%s)", lock.member, why)
+            self.remove(lock)
+            return
         if not lock.lost.is_set():
             lock.lost.set()
             logger.error("execution lock lost for key %r (%s): another delivery may run it now", lock.member, why)

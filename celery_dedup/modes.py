@@ -29,6 +29,8 @@ class Mode:
     parks: ClassVar[bool] = False
     #: ``dedup_on_locked`` for tasks of this mode that do not set it (None: the app's setting).
     on_locked: ClassVar[str | None] = None
+    #: Whether deliveries pass the execution guard (lock, status record).
+    guards: ClassVar[bool] = True
 
 
 class UntilExecuted(Mode):
@@ -85,8 +87,16 @@ class Throttle(Mode):
     windowed = True
 
 
+class Off(Mode):
+    """No deduplication at all: no gate, no lock, no record; only the task's limits (``limit_*``) apply."""
+
+    name = "off"
+    gates_enqueue = False
+    guards = False
+
+
 MODES: MappingProxyType[str, type[Mode]] = MappingProxyType(
-    {mode.name: mode for mode in (UntilExecuted, UntilExecuting, UntilExpired, WhileExecuting, Debounce, Throttle)}
+    {mode.name: mode for mode in (UntilExecuted, UntilExecuting, UntilExpired, WhileExecuting, Debounce, Throttle, Off)}
 )
 
 #: Which arguments a debounced run executes with: the newest call's or the first's.

@@ -135,6 +135,9 @@ class Status:
     history: tuple[HistoryEntry, ...] | None
     #: The record as stored: field name to string.
     fields: dict[str, str]
+    #: Limits: why the run waits for its group now ("" when it does not), and how long its last wait took (ms).
+    limit_wait: str = ""
+    waited_ms: int = 0
 
     @classmethod
     def from_record(cls, member: str, fields: Mapping[str, str], history: Sequence[str] | None = None) -> Status:
@@ -172,6 +175,8 @@ class Status:
             purged=get("purged") == "1",
             history=None if history is None else tuple(HistoryEntry.parse(entry) for entry in history),
             fields=raw,
+            limit_wait=get("limit_wait", ""),
+            waited_ms=_int(get("waited_ms")) or 0,
         )
 
     @property
@@ -305,6 +310,21 @@ FIELD_DOCS = (
         "(a redelivery, a re-push) after it ended, or deliveries while another run held the lock.",
     ),
     FieldDoc("debounced", "counters", "Calls joined", "Debounce: later calls that joined this run's burst."),
+    FieldDoc(
+        "limit_wait",
+        "timing",
+        "Waiting for",
+        "Limits: why the run waits (its group's slots in use or rate used); gone once it gets through.",
+    ),
+    FieldDoc(
+        "waiting_since",
+        "timing",
+        "Waiting since",
+        "Limits: when the run was first refused by its group's limits.",
+        time=True,
+    ),
+    FieldDoc("waited_ms", "counters", "Waited (ms)", "Limits: how long the run waited for its group, in ms."),
+    FieldDoc("limit_waits", "counters", "Times refused", "Limits: how often its group's limits sent the run back."),
     FieldDoc("queue", "internals", "Queue", "The broker queue the message went to; the reaper looks for it there."),
     FieldDoc(
         "tag",

@@ -76,6 +76,10 @@ class Scripts:
         self.purge: Script = client.register_script(load_script("purge"))
         self.settle: Script = client.register_script(load_script("settle"))
         self.annotate: Script = client.register_script(load_script("annotate"))
+        self.limit_acquire: Script = client.register_script(load_script("limit_acquire"))
+        self.limit_release: Script = client.register_script(load_script("limit_release"))
+        self.limit_renew: Script = client.register_script(load_script("limit_renew"))
+        self.limit_note: Script = client.register_script(load_script("limit_note"))
 
 
 def storable(text: str) -> str:

@@ -16,7 +16,7 @@ from celery import Task
 from celery.utils.saferepr import saferepr
 from kombu.exceptions import OperationalError
 
-from . import decisions, runtime
+from . import decisions, limits, runtime
 from .bulk import apply_async_many
 from .config import check_debounce, check_mode, check_on_duplicate, check_on_locked, check_ttl
 from .exceptions import (
@@ -111,6 +111,8 @@ class DedupTask(_TaskBase):
     - ``dedup_lock_ttl``: seconds the execution lock lives unrenewed (default ``dedup_lock_ttl``).
     - ``dedup_on_locked``: ``skip`` (default; ``reschedule`` for debounce) or
       ``reschedule`` a run that finds another run of its key executing.
+    - ``limit_concurrency``, ``limit_rate`` (``"30/m"``), ``limit_key``: at most
+      N bodies at once, R starts per period, per group (see :mod:`celery_dedup.limits`).
 
     Example:
         >>> @app.task(base=DedupTask, dedup_key="order:{order_id}")
@@ -130,6 +132,9 @@ class DedupTask(_TaskBase):
     dedup_window: ClassVar[float | None] = None
     dedup_max_wait: ClassVar[float | None] = None
     dedup_debounce: ClassVar[str | None] = None
+    limit_key: ClassVar[KeyOption] = None
+    limit_concurrency: ClassVar[int | None] = None
+    limit_rate: ClassVar[str | None] = None
 
     _dedup_policy: ClassVar[TaskPolicy | None] = None
 
@@ -169,8 +174,17 @@ class DedupTask(_TaskBase):
             on_duplicate=check_on_duplicate("dedup_on_duplicate", on_duplicate, task=name),
             lock_ttl=check_ttl("dedup_lock_ttl", lock_ttl, task=name),
             on_locked=check_on_locked("dedup_on_locked", on_locked, task=name),
+            limit=cls._resolve_limits(signature, config.max_key_length),
             **cls._resolve_window(mode),
         )
+
+    @classmethod
+    def _resolve_limits(cls, signature: inspect.Signature, max_key_length: int) -> limits.LimitPolicy | None:
+        """``limit_key``, ``limit_concurrency`` and ``limit_rate``, validated (see :mod:`celery_dedup.limits`)."""
+        key = cls.__dict__.get("limit_key", cls.limit_key)
+        if isinstance(key, staticmethod):
+            key = key.__func__
+        return limits.resolve(cls.name, key, cls.limit_concurrency, cls.limit_rate, signature, max_key_length)
 
     @classmethod
     def _refuse_unknown_options(cls) -> None:
@@ -330,6 +344,8 @@ class DedupTask(_TaskBase):
         policy = self.dedup_policy
         app = self.app
         atomic = runtime.is_atomic(app)  # also refuses an app that was never installed
+        if policy.limit is not None and policy.limit.spec is not None and task_id is None:
+            policy.limit.spec.business_key(args, kwargs)  # a bad limit group fails here, not on the worker
         if not self._gated(atomic):
             policy.spec.business_key(args, kwargs)  # a bad key fails here, not on the worker
             plain = super().apply_async(args, kwargs, task_id, producer, link, link_error, shadow, **options)

@@ -544,3 +544,25 @@ def test_human_time_shows_local_time_and_age() -> None:
     assert cli.human_time(None) == "-"
     assert cli.human_time("1700000000000", now=1700000090.0).endswith("(1m ago)")
     assert cli.human_time("1700000000000", now=1699999990.0).endswith("(in 10s)")
+
+
+def test_limits_lists_each_groups_usage(apps: ModuleType, dedup: Invoke) -> None:
+    from celery_dedup import limits  # noqa: PLC0415 - only this test reads groups
+
+    assert dedup("limits").stdout == "no limit groups used in the last day\n"
+    store = runtime.store_for(apps.app)
+    policy = limits.LimitPolicy(None, concurrency=2, rate=limits.Rate(30, 60_000))
+    for n in range(3):
+        limits.acquire(store, "cli.report:tenant:acme", f"h:1:{n}", f"r{n}", policy, lease_ms=60_000, task_name="x")
+    (group,) = as_json(dedup("limits", "--json"))
+    assert (group["task"], group["key"], group["in_use"], group["waiting"], group["rate"], group["starts"]) == (
+        "cli.report",
+        "tenant:acme",
+        2,
+        1,
+        "30/m",
+        2,
+    )
+    lines = dedup("limits").stdout.splitlines()
+    assert lines[0].split()[:5] == ["TASK", "GROUP", "SLOTS", "WAITING", "RATE"]
+    assert lines[1].split()[:5] == ["cli.report", "tenant:acme", "2/2", "1", "2/30/m"]

@@ -730,3 +730,22 @@ def test_decision_counters_page_shows_what_the_gate_counted(
     cells = re.findall(r"<td>(\d+)</td>", row.group(1))
     assert cells[:2] == ["1", "2"], "accepted 1, deduplicated 2"
     assert STATS in client_for(users, "viewer").get(LIST).content.decode()
+
+
+def test_limit_groups_page_shows_each_groups_usage(app: Celery, users: dict[str, User]) -> None:
+    from celery_dedup import limits  # noqa: PLC0415 - only this test reads groups
+
+    store = runtime.store_for(app)
+    policy = limits.LimitPolicy(None, concurrency=2, rate=limits.Rate(30, 60_000))
+    for n in range(3):
+        limits.acquire(
+            store, "shop.report:tenant:acme", f"h:1:{n}", f"run-{n}", policy, lease_ms=60_000, task_name="shop.report"
+        )
+    page = client_for(users, "viewer").get(LIST + "limits/")
+    assert page.status_code == 200
+    text = page.content.decode()
+    row = re.search(r"<td>shop\.report</td>\s*<td>tenant:acme</td>(.*?)</tr>", text, re.S)
+    assert row is not None, text
+    cells = [cell.strip() for cell in re.findall(r"<td>(.*?)</td>", row.group(1), re.S)]
+    assert cells[:3] == ["2 / 2", "1", "2 / 30/m"], cells
+    assert LIST + "limits/" in client_for(users, "viewer").get(LIST).content.decode()

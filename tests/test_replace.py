@@ -96,3 +96,39 @@ def test_a_replacement_under_another_key_ends_the_run_as_replaced(make_app: AppF
     assert r.hget(SCHEMA.record(target), "task_id") == run.id.encode(), "the replacement inherits the id"
     assert not r.sismember(SCHEMA.held, origin) and not r.sismember(SCHEMA.held, target)
     assert queued_messages(r) == []
+
+
+def test_a_replacement_that_ends_before_its_predecessor_unwinds_still_settles_the_run(
+    make_app: AppFactory, r: redis.Redis
+) -> None:
+    """The last step finishes on another thread while the step it replaced is still unwinding.
+
+    Both deliveries carry the run's id: the ending of one must not take the
+    other's lock or hand-over for its own (the record would stay ``started``,
+    its lock held, with the result already sent).
+    """
+    app = make_app()
+    client = redis.Redis.from_url(str(app.conf.broker_url))
+
+    class SlowToUnwind(DedupTask):
+        def on_replace(self, sig: Any) -> Any:
+            try:
+                return super().on_replace(sig)  # publishes the replacement, then raises Ignore
+            finally:
+                wait_for(lambda: client.exists("replace:done:9"), 10, "the replacement to return")
+                time.sleep(0.3)  # its guard has ended it: only now does this step unwind
+
+    @app.task(base=SlowToUnwind, name="replace.slow", dedup_key="walk:{n}", bind=True, shared=False)
+    def slow(self: DedupTask, n: int, i: int) -> Any:
+        client.rpush(f"replace:steps:{n}", f"{i} {self.request.id}")
+        if i < 2:
+            return self.replace(slow.s(n, i + 1))
+        client.set(f"replace:done:{n}", 1)
+        return f"walked {n}"
+
+    member = member_for("replace.slow", "walk:9")
+    with in_process_worker(app, pool="threads", concurrency=2):
+        run = slow.delay(9, 1)
+        assert run.get(timeout=20) == "walked 9"
+        wait_for(lambda: r.hget(SCHEMA.record(member), "state") == b"succeeded", 10, "the run to be recorded")
+    assert not r.sismember(SCHEMA.held, member) and not r.exists(SCHEMA.lock(member))

@@ -46,10 +46,19 @@ class DedupCollector(Collector):
         decisions = CounterMetricFamily(
             "celery_dedup_decisions",
             "Decisions celery-dedup made, by task and kind (accepted, deduplicated, collapsed, "
-            "skipped, deferred, lock_lost, released, reaped, fail_open)",
+            "skipped, deferred, limited, lock_lost, released, reaped, fail_open)",
             labels=["task", "decision"],
+        )
+        waited = CounterMetricFamily(
+            "celery_dedup_limit_waited_seconds",
+            "Time runs waited for their group's limits (limit_concurrency, limit_rate), by task",
+            labels=["task"],
         )
         for task, by_decision in sorted(counts.items()):
             for decision, value in sorted(by_decision.items()):
-                decisions.add_metric([task, decision], value)
+                if decision == "waited_ms":
+                    waited.add_metric([task], value / 1000)
+                else:
+                    decisions.add_metric([task, decision], value)
         yield decisions
+        yield waited

@@ -7,9 +7,11 @@
   after that one ended. Dedup windows end, business invariants don't.
   On success it sends the confirmation.
 - ``send_confirmation_email``: never two e-mails for an order (held a day,
-  even after it was sent).
+  even after it was sent), and at most 30 e-mails a minute, the mail
+  provider's quota (a rate limit: the rest wait their turn).
 - ``sync_inventory``: bursts of orders for a product make one sync, after the
-  burst (debounce), at least every ten seconds while it lasts.
+  burst (debounce), at least every ten seconds while it lasts; at most one
+  sync talks to the warehouse at a time (a concurrency limit).
 - ``daily_sales_report``: at most one run per day's report a minute (throttle).
 """
 
@@ -78,6 +80,8 @@ def charge_payment(self: Any, order_id: int) -> str:
     dedup_key="order:{order_id}",
     dedup_mode="until_expired",
     dedup_ttl=24 * 3600,
+    limit_key="mail-provider",
+    limit_rate="30/m",
 )
 def send_confirmation_email(self: Any, order_id: int) -> None:
     """Tell the customer their order is paid (console e-mail backend; logged in ``EmailLog``)."""
@@ -94,6 +98,8 @@ def send_confirmation_email(self: Any, order_id: int) -> None:
     dedup_mode="debounce",
     dedup_window=2,
     dedup_max_wait=10,
+    limit_key="warehouse:main",
+    limit_concurrency=1,
 )
 def sync_inventory(sku: str) -> int:
     """Push the quantity ordered of ``sku`` to the warehouse, once per burst of orders."""

@@ -30,6 +30,7 @@ from kombu.exceptions import OperationalError
 
 import celery_dedup
 from celery_dedup import DedupTask, operations, runtime
+from celery_dedup import limits as limit_groups
 from celery_dedup.decisions import DECISIONS
 from celery_dedup.exceptions import DedupArgumentError, DedupOperationError, DedupUnavailableError
 from celery_dedup.gate import decode_payload
@@ -70,6 +71,7 @@ class RecordAdmin(admin.ModelAdmin):  # type: ignore[type-arg]
             path("", wrap(self.changelist_view), name=f"{name}_changelist"),
             path("purge/", wrap(self.purge_view), name=f"{name}_purge"),
             path("stats/", wrap(self.stats_view), name=f"{name}_stats"),
+            path("limits/", wrap(self.limits_view), name=f"{name}_limits"),
             path("<path:object_id>/change/", wrap(self.change_view), name=f"{name}_change"),
             path("<path:object_id>/release/", wrap(self.release_view), name=f"{name}_release"),
             path("<path:object_id>/requeue/", wrap(self.requeue_view), name=f"{name}_requeue"),
@@ -184,6 +186,7 @@ class RecordAdmin(admin.ModelAdmin):  # type: ignore[type-arg]
             page_size=PAGE_SIZE,
             purge_url=self._url("purge"),
             stats_url=self._url("stats"),
+            limits_url=self._url("limits"),
             **(extra_context or {}),
         )
         return TemplateResponse(request, f"{TEMPLATES}/change_list.html", context)
@@ -299,6 +302,13 @@ class RecordAdmin(admin.ModelAdmin):  # type: ignore[type-arg]
         rows = [(task, [by.get(decision, 0) for decision in DECISIONS]) for task, by in sorted(counts.items())]
         context = self._context(request, "Decision counters", decisions=DECISIONS, rows=rows)
         return TemplateResponse(request, f"{TEMPLATES}/stats.html", context)
+
+    def limits_view(self, request: HttpRequest) -> HttpResponse:
+        """The limit groups used in the last day: slots in use, waiting runs, rate window (read-only)."""
+        self._require(request)
+        groups = limit_groups.groups(runtime.store_for(celery_app()))
+        context = self._context(request, "Limit groups", groups=groups)
+        return TemplateResponse(request, f"{TEMPLATES}/limits.html", context)
 
     def purge_view(self, request: HttpRequest) -> HttpResponse:
         self._require(request, change=True)
