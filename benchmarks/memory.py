@@ -37,10 +37,8 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import random
 import secrets
-import socket
 import statistics
 import sys
 import time
@@ -57,6 +55,7 @@ from benchmarks import harness
 from celery_dedup import DedupTask, runtime
 from celery_dedup.keys import KeySchema, member_for, task_namespace
 from celery_dedup.lock import new_token
+from celery_dedup.processes import HOST_CHARS, owner_of
 from celery_dedup.store import DedupStore
 from celery_dedup.testing import RedisServer
 
@@ -116,12 +115,12 @@ def build_app(url: str, variant: Variant) -> tuple[Celery, Any]:
 
 
 def token_for(hostname: str) -> str:
-    """A lock token as ``celery_dedup.lock.new_token`` makes it, on a worker host called ``hostname``."""
-    token = f"{hostname}:{DEFAULT_PID}:{secrets.token_hex(4)}"
-    real = new_token()  # same shape with this machine's name and pid: guards against format drift
-    if len(real) - len(socket.gethostname()) - len(str(os.getpid())) != len(token) - len(hostname) - 2:
+    """A lock token as ``celery_dedup.lock.new_token`` makes it, for pid ``DEFAULT_PID`` on host ``hostname``."""
+    real = new_token()  # this process's start time and machine: the other parts' real lengths
+    owner = owner_of(real)
+    if owner is None:
         raise RuntimeError(f"new_token's format changed ({real!r}); update token_for")
-    return token
+    return f"{hostname[:HOST_CHARS]}:{DEFAULT_PID}:{owner.start}:{owner.machine}:{secrets.token_hex(4)}"
 
 
 def enqueue(app: Celery, task: Any, count: int, *, note: str, rng: random.Random) -> Keys:

@@ -43,6 +43,7 @@ SCRIPTS: tuple[tuple[str, tuple[str, ...]], ...] = (
     ("limits", ("--tasks", "200", "--calls", "200", "--repeats", "2")),
     ("cluster", ("--calls", "300", "--repeats", "1", "--threads", "4")),
     ("scale", ("--quick", "--calls", "1000", "--passes", "3", "--renders", "5")),
+    ("recovery", ("--repeats", "1", "--wait", "30")),
     ("chart", ()),
 )
 

@@ -33,7 +33,7 @@ from .gate import GateHeader, call_payload, decode_payload, decode_result, resul
 from .keyed import KeyedTask
 from .keys import member_for, split_member
 from .lock import ExecutionLock, new_token, renewer
-from .processes import exit_watcher, gone, token_pid
+from .processes import exit_watcher, owner_gone, token_pid
 from .store import BackendResult, DedupStore, Finished, StartDecision
 
 logger = logging.getLogger("celery_dedup")
@@ -160,13 +160,13 @@ def guarded_call(
 def admitted_start(
     task: KeyedTask, store: DedupStore, member: str, gated: bool, token: str, lock_ms: int, record_ms: int
 ) -> tuple[limits.SlotLease | None, StartDecision]:
-    """The task's limits, then :func:`start`: a run that must wait takes nothing else (``Ignore``, re-published).
+    """The task's limits, then :func:`begin`: a run that must wait takes nothing else (``Ignore``, re-published).
 
     A delivery the guard then refuses gives its slot back at once.
     """
     lease = limits.admit(task, store, member, token)
     try:
-        decision = start(task, store, member, gated, token, lock_ms, record_ms)
+        decision = begin(task, store, member, gated, token, lock_ms, record_ms)
     except redis.RedisError:
         limits.leave(lease, ran=False)
         raise
@@ -285,6 +285,44 @@ def start(
         on_locked=policy.on_locked,
         keep_payload=records_args(task),
     )
+
+
+def begin(
+    task: KeyedTask, store: DedupStore, member: str, gated: bool, token: str, lock_ms: int, record_ms: int
+) -> StartDecision:
+    """:func:`start`, and if a lock whose owner is provably dead refused it, :func:`take_over`.
+
+    The common path stays one round trip; only a refusal asks the process table.
+    """
+    decision = start(task, store, member, gated, token, lock_ms, record_ms)
+    if decision.holder and owner_gone(decision.holder):
+        return take_over(task, store, member, gated, token, lock_ms, record_ms, decision)
+    return decision
+
+
+def take_over(
+    task: KeyedTask,
+    store: DedupStore,
+    member: str,
+    gated: bool,
+    token: str,
+    lock_ms: int,
+    record_ms: int,
+    refused: StartDecision,
+) -> StartDecision:
+    """Take over the lock that refused this delivery, whose owner is provably dead, and start again.
+
+    The refusal is uncounted; the takeover is counted (``taken_over``) and the
+    dead run's record says ``lost ... taken over from <token>``. If the lock
+    changed meanwhile (released, or another delivery's now), the refusal stands.
+    """
+    locked = refused.code == StartDecision.LOCKED or task.dedup_policy.on_locked == "reschedule"
+    if not store.take_over(member, refused.holder, refused="deferred" if locked else "skipped"):
+        return refused
+    decisions.log(
+        "taken_over", task.name, _key(member), task.request.id, f"from {refused.holder}, whose process is gone"
+    )
+    return start(task, store, member, gated, token, lock_ms, record_ms)
 
 
 def records_args(task: KeyedTask) -> bool:
@@ -579,11 +617,11 @@ def settle_elsewhere(
 def delivery_gone(token: str) -> bool:
     """Whether the delivery that took lock ``token`` cannot be running any more.
 
-    True only for a token of this host whose process has exited (or is this
-    process, which runs no delivery under it). Another host's delivery is
-    assumed alive: its lock expires unless renewed.
+    True only for a token of this process table whose process is provably
+    dead (:func:`~celery_dedup.processes.owner_gone`), or of this process,
+    which runs no delivery under it. Another machine's delivery is assumed
+    alive: its lock expires unless renewed.
     """
     if any(lock.token == token for lock in list(_running.values())):
         return False
-    pid = token_pid(token)
-    return pid is not None and (pid == os.getpid() or gone(pid))
+    return token_pid(token) == os.getpid() or owner_gone(token)

@@ -36,11 +36,11 @@ import redis
 from celery.exceptions import Ignore
 from redis.crc import key_slot
 
-from . import decisions, runtime
+from . import decisions, processes, runtime
 from .exceptions import DedupConfigError, DedupError
 from .gate import GateHeader
 from .keys import KeyOption, KeySchema, KeySpec, member_for, split_member, task_namespace
-from .processes import gone, token_pid
+from .processes import token_pid
 from .store import DedupStore, _text
 
 if TYPE_CHECKING:
@@ -267,15 +267,15 @@ def current(task_id: str | None) -> Grant | None:
 
 
 def owner_gone(token: str) -> bool:
-    """Whether the delivery that took ``token`` provably runs no more: its process on this host has exited.
+    """Whether the delivery that took slot ``token`` provably runs no more.
 
-    LIMITS-OWNER-GONE: the single place a holder is judged dead; replace it by
-    ``celery_dedup.processes.owner_gone`` once that exists.
+    A lease this process holds is alive; a token of this process that it no
+    longer holds has ended; otherwise the process table decides
+    (:func:`~celery_dedup.processes.owner_gone`: only on the same machine).
     """
     if any(lease.token == token for lease in list(_held.values())):
         return False
-    pid = token_pid(token)
-    return pid is not None and (pid == os.getpid() or gone(pid))
+    return token_pid(token) == os.getpid() or processes.owner_gone(token)
 
 
 def group_of(task: KeyedTask, args: Any, kwargs: Any, member: str | None = None) -> str | None:

@@ -11,8 +11,6 @@ from __future__ import annotations
 
 import logging
 import os
-import secrets
-import socket
 import threading
 import time
 from collections import defaultdict
@@ -20,6 +18,7 @@ from collections.abc import Callable, Sequence
 
 import redis
 
+from . import processes
 from .exceptions import store_failure
 from .limits import SlotLease, renew_leases
 from .store import DedupStore, LockRef
@@ -31,12 +30,13 @@ RENEW_FRACTION = 1 / 3
 
 
 def new_token() -> str:
-    """A token unique to one delivery: the host and process that run it, and a random part.
+    """A token unique to one delivery: the process that runs it, what proves its death, and a random part.
 
-    Short on purpose: the record keeps it, and a record value over the server's
-    ``hash-max-listpack-value`` (64 bytes) makes the whole record twice as big.
+    See :func:`celery_dedup.processes.token`. Short on purpose: the record
+    keeps it, and a record value over the server's ``hash-max-listpack-value``
+    (64 bytes) makes the whole record twice as big.
     """
-    return f"{socket.gethostname()}:{os.getpid()}:{secrets.token_hex(4)}"
+    return processes.token()
 
 
 class ExecutionLock:

@@ -1,37 +1,155 @@
 """Whether the process behind a lock token is gone, and acting once it is.
 
-A lock token names the host and process that took it (``lock.new_token``).
+A lock token names the process that took it and what proves its death
+(:func:`token`): ``host:pid:start:machine:random``, where ``start`` is the
+process's start time (``/proc/<pid>/stat`` field 22, clock ticks since boot:
+a reused pid has another) and ``machine`` a short hash of the kernel's boot id
+and the pid namespace (two containers may share a host name but not a process
+table; a reboot starts pids afresh). Only a process that shares both can read
+the owner's entry in the process table, and so prove it dead
+(:func:`owner_gone`).
+
 A worker's main process reports endings its pool children never returned
 from (a lost child, a hard time limit, ``revoke(terminate=True)``); it may
 free such a child's lock only once the child has stopped running, so it asks
-here whether it has, and waits for it where it has not yet.
+here whether it has, and waits for it where it has not yet. A delivery
+refused by a lock whose owner is provably gone takes it over (the guard).
 """
 
 from __future__ import annotations
 
+import hashlib
 import logging
 import os
+import secrets
 import socket
 import threading
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
+from typing import NamedTuple
 
 logger = logging.getLogger("celery_dedup")
 
 
-def token_pid(token: str) -> int | None:
-    """The pid in a token taken on this host, None for another host's (or a malformed) token."""
-    host, _, rest = token.partition(":")
-    pid_text = rest.partition(":")[0]
-    if host != socket.gethostname() or not pid_text.isdigit():
+#: Host names are cut to this many characters in a token: the status record keeps
+#: tokens, and a record value over 64 bytes doubles the record's size.
+HOST_CHARS = 20
+_PROC = "/proc"
+
+
+def _read(path: str) -> str | None:
+    try:
+        with open(path, encoding="ascii", errors="replace") as file:
+            return file.read()
+    except OSError:
         return None
-    return int(pid_text)
+
+
+def _machine() -> str:
+    """8 hex digits naming this boot of this kernel and this pid namespace; "" where neither can be read."""
+    boot_id = _read(f"{_PROC}/sys/kernel/random/boot_id")
+    try:
+        namespace = os.stat(f"{_PROC}/self/ns/pid")
+    except OSError:
+        return ""
+    if not boot_id:
+        return ""
+    seen = f"{boot_id.strip()}/{namespace.st_dev}:{namespace.st_ino}"
+    return hashlib.blake2b(seen.encode(), digest_size=4).hexdigest()
+
+
+def _stat(pid: int) -> list[str] | None:
+    """Fields 3 onwards of ``/proc/<pid>/stat`` (after the command name); None if there is no such process."""
+    text = _read(f"{_PROC}/{pid}/stat")
+    return None if text is None else text.rpartition(")")[2].split()
+
+
+def start_time(pid: int) -> int | None:
+    """When process ``pid`` started (clock ticks since boot), None if it does not exist or cannot be read."""
+    fields = _stat(pid)
+    try:
+        return int(fields[19]) if fields is not None else None
+    except (IndexError, ValueError):
+        return None
+
+
+_identity: tuple[int, str, str] | None = None
+
+
+def _own() -> tuple[str, str]:
+    """``(pid:start, machine)`` of this process, read once per process (a fork reads again)."""
+    global _identity  # noqa: PLW0603 - a per-process cache, invalidated by pid
+    pid = os.getpid()
+    if _identity is None or _identity[0] != pid:
+        started = start_time(pid)
+        _identity = (pid, f"{pid}:{started if started is not None else 0}", _machine())
+    return _identity[1], _identity[2]
+
+
+def token() -> str:
+    """A new lock token for one delivery of this process: ``host:pid:start:machine:random``.
+
+    At most 57 characters (short enough for a compact record). Where
+    ``/proc`` cannot be read, ``start`` is 0 and ``machine`` empty: such a
+    token proves nothing and is never taken over.
+    """
+    process, machine = _own()
+    return f"{socket.gethostname()[:HOST_CHARS]}:{process}:{machine}:{secrets.token_hex(4)}"
+
+
+class Owner(NamedTuple):
+    """What a lock token says about the process that took it."""
+
+    host: str
+    pid: int
+    start: int
+    machine: str
+
+
+def owner_of(token_: str) -> Owner | None:
+    """The process a token names; None for a malformed token or one of the older ``host:pid:random`` form."""
+    parts = token_.split(":")
+    if len(parts) != 5 or not parts[1].isdigit() or not parts[2].isdigit():
+        return None
+    return Owner(parts[0], int(parts[1]), int(parts[2]), parts[3])
+
+
+def _here(owner: Owner | None) -> bool:
+    """Whether ``owner`` is a process of this machine's process table (same boot, same pid namespace)."""
+    return owner is not None and bool(owner.machine) and owner.machine == _own()[1]
+
+
+def token_pid(token_: str) -> int | None:
+    """The pid in a token taken in this process table, None for another machine's (or a malformed) token."""
+    owner = owner_of(token_)
+    return owner.pid if owner is not None and _here(owner) else None
+
+
+def owner_gone(token_: str) -> bool:
+    """Whether the process that took lock ``token_`` is provably dead.
+
+    True only for a token of this machine (same boot id and pid namespace)
+    whose pid is no longer in the process table, is a zombie, or is another
+    process now (its start time differs: the pid was reused). Another
+    machine's, an unreadable or a malformed token gives False: its lock
+    expires unless renewed.
+    """
+    owner = owner_of(token_)
+    if owner is None or not _here(owner):
+        return False
+    fields = _stat(owner.pid)
+    if fields is None:
+        return not os.path.exists(f"{_PROC}/{owner.pid}")
+    if fields[0] in ("Z", "X"):
+        return True
+    started = start_time(owner.pid)
+    return started is not None and started != owner.start
 
 
 def gone(pid: int) -> bool:
     """Whether process ``pid`` of this host has exited (a zombie has: it runs nothing)."""
-    if not os.path.isdir("/proc"):  # no process table to read: only "exists" can be asked
+    if not os.path.isdir(_PROC):  # no process table to read: only "exists" can be asked
         try:
             os.kill(pid, 0)
         except ProcessLookupError:
@@ -39,14 +157,10 @@ def gone(pid: int) -> bool:
         except PermissionError:
             return False
         return False
-    try:
-        with open(f"/proc/{pid}/stat", encoding="ascii", errors="replace") as stat:
-            fields = stat.read().rpartition(")")[2].split()
-    except FileNotFoundError:
-        return True
-    except OSError:
-        return False
-    return fields[0] in ("Z", "X")
+    fields = _stat(pid)
+    if fields is None:
+        return not os.path.exists(f"{_PROC}/{pid}")
+    return bool(fields) and fields[0] in ("Z", "X")
 
 
 @dataclass

@@ -1,9 +1,10 @@
 """Worker bootsteps: the background services a worker runs for celery-dedup.
 
 Both run in the worker's main process only. The reaper cleans up after
-crashes on the worker's timer; the dispatcher pushes debounced runs when they
-are due, on a thread of its own because how long it sleeps depends on when
-the next run is due.
+crashes on the worker's timer, and puts back the messages of runs whose
+worker died on this machine (at start-up too, see ``recovery``); the
+dispatcher pushes debounced runs when they are due, on a thread of its own
+because how long it sleeps depends on when the next run is due.
 """
 
 from __future__ import annotations
@@ -14,8 +15,9 @@ from typing import Any
 
 import redis
 from celery import bootsteps
+from kombu.exceptions import OperationalError
 
-from . import runtime
+from . import recovery, runtime
 from .exceptions import DedupConfigError, store_failure
 from .task import DedupTask
 
@@ -23,23 +25,33 @@ logger = logging.getLogger("celery_dedup")
 
 
 class ReaperStep(bootsteps.StartStopStep):
-    """Runs the reaper on the worker's timer every ``dedup_reap_interval`` seconds (0: never)."""
+    """Runs the reaper on the worker's timer every ``dedup_reap_interval`` seconds (0: never).
+
+    At start-up it registers the worker's main process for crash recovery;
+    then, and after every reaper pass, it puts back the messages of started
+    runs whose worker died on this machine (killed whole): see
+    :mod:`celery_dedup.recovery`. The start-up pass runs even with the
+    reaper off.
+    """
 
     requires = ("celery.worker.components:Timer",)
 
     def __init__(self, worker: Any, **kwargs: Any) -> None:
         super().__init__(worker, **kwargs)
         self.tref: Any = None
+        self.recovery: Any = None
 
     def start(self, worker: Any) -> None:
+        self.recovery = worker.timer.call_after(0.0, self.start_up, (worker.app, worker.hostname), priority=10)
         interval = runtime.config_for(worker.app).reap_interval
         if interval > 0:
             self.tref = worker.timer.call_repeatedly(interval, self.reap, (worker.app,), priority=10)
 
     def stop(self, worker: Any) -> None:
-        if self.tref is not None:
-            self.tref.cancel()
-            self.tref = None
+        for entry in (self.tref, self.recovery):
+            if entry is not None:
+                entry.cancel()
+        self.tref = self.recovery = None
 
     def terminate(self, worker: Any) -> None:
         # A terminating worker calls this, not stop; the base class's version
@@ -53,6 +65,7 @@ class ReaperStep(bootsteps.StartStopStep):
         except redis.RedisError as exc:
             logger.warning("reaper pass failed: %s", store_failure(exc))
             return
+        self.recover(app)
         if any((report.released, report.lost, report.stale, report.vanished)):
             logger.info(
                 "reaper: %d expired holds released, %d dead runs and %d lost messages marked lost, "
@@ -62,6 +75,24 @@ class ReaperStep(bootsteps.StartStopStep):
                 report.vanished,
                 report.stale,
             )
+
+    def start_up(self, app: Any, nodename: str) -> None:
+        """Register this worker's main process, then recover what its previous incarnation left."""
+        try:
+            replaced = recovery.register(runtime.store_for(app), nodename)
+        except redis.RedisError as exc:
+            logger.warning("could not register this worker for crash recovery: %s", store_failure(exc))
+            return
+        self.recover(app, replaced)
+
+    def recover(self, app: Any, replaced: dict[str, str] | None = None) -> None:
+        try:
+            restored = recovery.recover(app, runtime.store_for(app), replaced=replaced)
+        except (redis.RedisError, OperationalError, OSError) as exc:
+            logger.warning("recovery pass failed: %s", exc)
+            return
+        if restored:
+            logger.info("recovery: %d messages of runs whose process died put back in their queues", restored)
 
 
 class DispatchStep(bootsteps.StartStopStep):

@@ -26,7 +26,9 @@ from .status import Status
 logger = logging.getLogger("celery_dedup")
 
 #: Scripts that change status records get the shared helpers of ``lib.lua`` first.
-_WITH_LIB = frozenset({"gate", "confirm", "start", "finish", "reap", "dispatch", "peek", "release", "purge", "settle"})
+_WITH_LIB = frozenset(
+    {"gate", "confirm", "start", "takeover", "finish", "reap", "dispatch", "peek", "release", "purge", "settle"}
+)
 
 #: Every state a record can be in, and those in which its run has ended (as in ``lib.lua``).
 STATES = (
@@ -64,6 +66,7 @@ class Scripts:
         self.gate: Script = client.register_script(load_script("gate"))
         self.confirm: Script = client.register_script(load_script("confirm"))
         self.start: Script = client.register_script(load_script("start"))
+        self.takeover: Script = client.register_script(load_script("takeover"))
         self.finish: Script = client.register_script(load_script("finish"))
         self.renew: Script = client.register_script(load_script("renew"))
         self.reap: Script = client.register_script(load_script("reap"))
@@ -109,6 +112,8 @@ class StartDecision:
     #: RUN: the payload a debounced run executes with (asked for, and
     #: present); FOLLOW: the followed run's outcome (JSON); else "".
     payload: str = ""
+    #: LOCKED*: the token of the lock that refused this delivery; else "".
+    holder: str = ""
 
     @property
     def run(self) -> bool:
@@ -535,8 +540,21 @@ class DedupStore:
         reply = self.scripts.start(keys, args)
         if int(reply[0]) == StartDecision.RUN:  # a refusal takes nothing a lost write could give back
             self._replicated(keys[1])
-        payload = _text(reply[2]) if len(reply) > 2 else ""
-        return StartDecision(int(reply[0]), _text(reply[1]), payload)
+        code = int(reply[0])
+        third = _text(reply[2]) if len(reply) > 2 else ""
+        if code in (StartDecision.LOCKED, StartDecision.LOCKED_BY_OTHER_RUN):
+            return StartDecision(code, _text(reply[1]), holder=third)
+        return StartDecision(code, _text(reply[1]), third)
+
+    def take_over(self, member: str, dead: str, *, refused: str) -> bool:
+        """Free ``member``'s lock if it still holds ``dead``, a token whose process is provably gone.
+
+        ``refused``: the decision the refused start counted ("deferred" or
+        "skipped"), uncounted here. See ``takeover.lua``.
+        """
+        at = self._at(member)
+        keys = [at.record(member), at.lock(member)]
+        return bool(self.scripts.takeover(keys, [member, dead, at.prefix, self.history_length, refused]))
 
     def finish(
         self,
@@ -615,6 +633,18 @@ class DedupStore:
         keys = [k for ref in locks for k in (ref.lock_key, ref.record_key)]
         lost = self.scripts.renew(keys, [lock_ms, record_ms, *(ref.token for ref in locks)])
         return [locks[int(i) - 1] for i in lost]
+
+    def register_worker(self, nodename: str, token: str) -> str | None:
+        """Record ``token`` as worker ``nodename``'s main process; returns the token it replaced, if any."""
+        with self.client.pipeline(transaction=True) as pipe:
+            pipe.hget(self.schema.workers, nodename)
+            pipe.hset(self.schema.workers, nodename, token)
+            old, _ = pipe.execute()
+        return None if old is None else _text(old)
+
+    def worker_tokens(self) -> dict[str, str]:
+        """Worker node name -> the token of its main process, as each worker last registered it."""
+        return {_text(k): _text(v) for k, v in self.client.hgetall(self.schema.workers).items()}
 
     def lock_holder(self, member: str) -> str | None:
         """The token of ``member``'s live execution lock, or None."""

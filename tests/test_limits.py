@@ -23,7 +23,7 @@ from typing import Any
 import pytest
 import redis
 
-from celery_dedup import DedupTask, limits
+from celery_dedup import DedupTask, limits, processes
 from celery_dedup.exceptions import DedupConfigError
 from celery_dedup.keys import KeySchema
 from celery_dedup.limits import Denial, Grant, LimitPolicy, Rate
@@ -179,17 +179,23 @@ def test_a_lease_nobody_renews_expires_and_renewal_keeps_one(make_app: AppFactor
     assert limits.renew_leases([kept], lease_ms=60_000) == [kept]
 
 
+def token_of(pid: int) -> str:
+    """A lock token naming process ``pid`` of this machine."""
+    host, _, _, machine, rand = processes.token().split(":")
+    return f"{host}:{pid}:{processes.start_time(pid) or 1}:{machine}:{rand}"
+
+
 def test_holders_named_as_gone_are_evicted(make_app: AppFactory, r: redis.Redis) -> None:
     store = store_for(make_app())
     one = LimitPolicy(None, concurrency=1)
     dead = subprocess.Popen([sys.executable, "-c", "pass"])
     dead.wait()
-    token = f"{os.uname().nodename}:{dead.pid}:dead"
+    token = token_of(dead.pid)
     assert isinstance(_ask(store, token, "run-1", one), Grant)
     refused = _ask(store, "h:1:b", "run-2", one)
     assert isinstance(refused, Denial) and refused.holders == (token,)
     assert limits.owner_gone(token)
-    assert not limits.owner_gone(f"{os.uname().nodename}:{os.getppid()}:alive")
+    assert not limits.owner_gone(token_of(os.getppid()))
     assert isinstance(_ask(store, "h:1:b", "run-2", one, evict=[token]), Grant)
     assert store.stats()["shop.limited"]["limit_evicted"] == 1
 

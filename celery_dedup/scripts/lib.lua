@@ -23,7 +23,7 @@ local function split_member(member)
 end
 
 -- Count one decision about M for its task: accepted, deduplicated, collapsed, followed,
--- skipped, deferred, lock_lost, released, reaped (fail_open comes from Python).
+-- skipped, deferred, taken_over, lock_lost, released, reaped (fail_open comes from Python).
 local function count(prefix, member, decision, amount)
   local ns = split_member(member)
   redis.call('HINCRBY', prefix .. ':stats', ns .. ':' .. decision, amount or 1)

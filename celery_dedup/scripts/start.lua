@@ -30,12 +30,14 @@
 -- Returns {code, detail[, payload]}:
 --   {1, attempts, payload}  run: lock taken, record says started (attempts
 --                   counts starts); payload "" unless asked for and present
---   {0, pttl}       locked by another delivery of this same run (a redelivered
---                   copy); detail: the lock's remaining ms
+--   {0, pttl, holder} locked by another delivery of this same run (a
+--                   redelivered copy); detail: the lock's remaining ms; holder:
+--                   the lock's token (its owner may be provably dead: see
+--                   takeover.lua)
 --   {2, state}      done: this run already ended (a state in lib's ENDED; "ended"
 --                   when the record has passed to another run since)
 --   {3, owner}      superseded: the key belongs to another run now
---   {4, pttl}       locked by another run (while_executing, until_executing)
+--   {4, pttl, holder} locked by another run (while_executing, until_executing)
 --   {5, run, outcome} a follower's delivery (gate.lua parked it, lib's
 --                   release_followers pushed it): it resolves as run `run`
 --                   ended; outcome is the JSON lib's record_outcome wrote, ""
@@ -89,7 +91,7 @@ if holder then
   end
   local same = owner == task_id and redis.call('HGET', record, 'lock') == holder
   count(prefix, member, (same or on_locked == 'reschedule') and 'deferred' or 'skipped')
-  return {same and 0 or 4, redis.call('PTTL', lock)}
+  return {same and 0 or 4, redis.call('PTTL', lock), holder}
 end
 
 redis.call('SET', lock, token, 'PX', lock_ms)

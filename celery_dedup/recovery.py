@@ -1,0 +1,180 @@
+"""Putting back the message of a run whose worker died on this machine.
+
+With ``task_acks_late`` a run's message waits in kombu's unacknowledged hash
+while the run executes. When the whole worker is killed, nobody acknowledges
+or rejects it, and kombu hands it out again only once ``visibility_timeout``
+has passed (an hour by default). A process of the same machine can prove
+that both the run's owner (its lock token, see
+:func:`celery_dedup.processes.owner_gone`) and the main process of its worker
+(which alone acknowledges, rejects or requeues the message: every worker
+registers its token under its node name) are dead: then the message goes
+back to the head of its queue at once (on the atomic gate's path, where the
+store is the broker), and its copy takes the dead owner's
+lock over (``guard.take_over``). A pool child that died under a live main
+process is left to that process, which settles its message as Celery's
+settings say. Workers do this when they start and after every reaper pass;
+another machine's runs are left to their lock TTL and the visibility timeout.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Mapping
+from dataclasses import dataclass
+from typing import Any
+
+import redis
+from kombu.utils.json import dumps, loads
+
+from . import runtime
+from .processes import owner_gone, token
+from .store import DedupStore
+
+logger = logging.getLogger("celery_dedup")
+
+#: Started runs looked at per pass, and per page read.
+LIMIT, PAGE = 1000, 200
+
+
+@dataclass(frozen=True)
+class Orphan:
+    """A started run whose lock owner is provably dead, and where its message waits."""
+
+    member: str
+    task: str
+    task_id: str
+    token: str
+    #: The node name of the worker that ran it.
+    worker: str
+    tag: str
+    unacked: str
+    #: The list its message was pushed to (priority and global key prefix included).
+    queue: str
+
+
+def orphans(store: DedupStore, *, limit: int = LIMIT) -> list[Orphan]:
+    """Started runs (at most ``limit`` read) whose execution lock was taken by a process now dead.
+
+    Whether their worker's main process is dead too is :func:`recover`'s to ask.
+    """
+    found: list[Orphan] = []
+    cursor: str | None = None
+    seen = 0
+    while seen < limit:
+        page = store.records(state="started", cursor=cursor, limit=min(PAGE, limit - seen))
+        for status in page.records:
+            tag, unacked = status.fields.get("tag", ""), status.fields.get("unacked", "")
+            if status.lock and tag and unacked and owner_gone(status.lock):
+                found.append(
+                    Orphan(
+                        member=status.member,
+                        task=status.task,
+                        task_id=status.task_id,
+                        token=status.lock,
+                        worker=status.worker,
+                        tag=tag,
+                        unacked=unacked,
+                        queue=status.queue,
+                    )
+                )
+        seen += len(page.records)
+        if page.cursor is None or not page.records:
+            break
+        cursor = page.cursor
+    return found
+
+
+def restore(app: Any, store: DedupStore, found: list[Orphan]) -> int:
+    """Put each orphan's unacknowledged message back at the head of its queue; returns how many.
+
+    As kombu's ``QoS.restore_by_tag`` does (one transaction: out of the
+    unacknowledged hash and its index, marked redelivered, pushed where the
+    next fetch takes it), on the store's own connection: only where the store
+    is the broker (the atomic gate), and only for the unacknowledged hash of
+    ``app``'s transport options. A message is left alone when its lock now
+    belongs to another delivery (a copy runs), when it is no longer
+    unacknowledged (restored or acknowledged already), or when it is not that
+    run's.
+    """
+    if not found or not runtime.is_atomic(app):
+        return 0
+    options = app.conf.broker_transport_options or {}
+    prefix = str(options.get("global_keyprefix") or "")
+    unacked = prefix + str(options.get("unacked_key") or "unacked")
+    index = prefix + str(options.get("unacked_index_key") or "unacked_index")
+    restored = 0
+    for orphan in found:
+        if orphan.unacked != unacked or not orphan.queue:
+            continue
+        holder = store.lock_holder(orphan.member)
+        if holder is not None and holder != orphan.token:
+            continue
+        if _restore(store.client, unacked, index, orphan):
+            restored += 1
+            logger.warning(
+                "recovered: %s[%s] key %r: its process is gone (lock %s); its message is back in its queue",
+                orphan.task,
+                orphan.task_id,
+                orphan.member.partition(":")[2],
+                orphan.token,
+            )
+    return restored
+
+
+def _restore(client: redis.Redis, unacked: str, index: str, orphan: Orphan) -> bool:
+    moved = False
+
+    def move(pipe: Any) -> None:
+        nonlocal moved
+        moved = False
+        message = _message(pipe.hget(unacked, orphan.tag))
+        if message is None or str(message["headers"].get("id")) != orphan.task_id:
+            return
+        message["headers"]["redelivered"] = True
+        delivery = message.get("properties", {}).get("delivery_info")
+        if isinstance(delivery, dict):
+            delivery["redelivered"] = True
+        pipe.multi()
+        pipe.zrem(index, orphan.tag)
+        pipe.hdel(unacked, orphan.tag)
+        pipe.rpush(orphan.queue, dumps(message))
+        moved = True
+
+    client.transaction(move, unacked)
+    return moved
+
+
+def _message(raw: bytes | str | None) -> dict[str, Any] | None:
+    """The message kombu keeps in its unacknowledged hash (``[message, exchange, routing key]``)."""
+    if raw is None:
+        return None
+    try:
+        message = loads(raw)[0]
+    except (ValueError, TypeError, KeyError, IndexError):
+        return None
+    return message if isinstance(message, dict) and isinstance(message.get("headers"), dict) else None
+
+
+def register(store: DedupStore, nodename: str) -> dict[str, str]:
+    """Register this process as the main process of worker ``nodename``.
+
+    Returns ``{nodename: token}`` of the process registered before under
+    that name (a restarted worker's previous incarnation), else ``{}``: pass
+    it to :func:`recover`, which no longer finds it in the registry.
+    """
+    replaced = store.register_worker(nodename, token())
+    return {} if replaced is None else {nodename: replaced}
+
+
+def recover(app: Any, store: DedupStore, *, replaced: Mapping[str, str] | None = None, limit: int = LIMIT) -> int:
+    """Restore the messages of ``app``'s started runs whose owner and worker died on this machine.
+
+    ``replaced``: worker tokens :func:`register` replaced. Returns how many
+    messages were put back.
+    """
+    found = orphans(store, limit=limit)
+    if not found:
+        return 0
+    mains = {**store.worker_tokens(), **(replaced or {})}
+    dead = [orphan for orphan in found if orphan.worker in mains and owner_gone(mains[orphan.worker])]
+    return restore(app, store, dead)

@@ -1,0 +1,281 @@
+"""Crash recovery: a lock whose owner is provably dead is taken over at once, and its message comes back.
+
+Unit tests prove :func:`celery_dedup.processes.owner_gone` on real processes
+(a live one, a dead one, a zombie, a reused pid, another pid namespace).
+Integration tests run ``celery -A tests.crash_app worker`` subprocesses
+(prefork), SIGKILL a pool child or a whole worker mid-task, restart the
+worker, and read what the tasks and the library left in Redis. The execution
+lock TTL is long (``LOCK_TTL``) and kombu's visibility timeout is its default
+hour, so a re-run inside a test's wait proves a takeover and a prompt
+redelivery, never an expiry.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+import redis
+
+from celery_dedup import processes
+from celery_dedup.keys import KeySchema
+from celery_dedup.lock import new_token
+
+from . import crash_app
+from .conftest import ROOT, AppFactory, Server, WorkerProcess, wait_for
+from .test_crash import Fleet, executions, history_states, member, record, run_ids, started_pid
+
+SCHEMA = KeySchema("dedup")
+#: Execution lock TTL of every worker here (seconds): far beyond any wait of a test.
+LOCK_TTL = 300
+#: How long a test waits for a re-run: far below the lock TTL, generous for a loaded machine.
+RERUN_WAIT = 45.0
+HANG = member("hang", "hang:1")
+TASK = HANG.partition(":")[0]
+
+
+@pytest.fixture
+def fleet(server: Server, r: redis.Redis, monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> Iterator[Fleet]:
+    workers = Fleet(server.url, monkeypatch, tmp_path)
+    yield workers
+    workers.stop_all()
+
+
+@pytest.fixture
+def tasks(make_app: AppFactory) -> crash_app.Tasks:
+    return crash_app.register(make_app("recovery_publisher"))
+
+
+# --- owner_gone ------------------------------------------------------------------------------------
+
+
+def child_token() -> subprocess.Popen[str]:
+    """A Python process that prints a lock token of its own and then waits for its stdin to close."""
+    code = "import sys; from celery_dedup.lock import new_token; print(new_token(), flush=True); sys.stdin.read()"
+    return subprocess.Popen(
+        [sys.executable, "-c", code], stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True, cwd=ROOT
+    )
+
+
+def with_part(token: str, index: int, value: str) -> str:
+    parts = token.split(":")
+    parts[index] = value
+    return ":".join(parts)
+
+
+def test_a_token_of_this_process_is_not_gone() -> None:
+    token = new_token()
+    assert processes.token_pid(token) == os.getpid()
+    assert not processes.owner_gone(token)
+
+
+def test_a_dead_process_is_gone_a_live_one_is_not_and_a_zombie_is() -> None:
+    child = child_token()
+    assert child.stdout is not None
+    token = child.stdout.readline().strip()
+    assert processes.token_pid(token) == child.pid
+    assert not processes.owner_gone(token), "a live process"
+    child.kill()
+    wait_for(lambda: processes.gone(child.pid), 10, "the child is a zombie")
+    assert os.path.exists(f"/proc/{child.pid}"), "premise: not waited for yet, so still in the process table"
+    assert processes.owner_gone(token), "a zombie runs nothing"
+    child.wait()
+    child.stdout.close()
+    assert child.stdin is not None
+    child.stdin.close()
+    assert processes.owner_gone(token), "no such process"
+
+
+def test_a_reused_pid_is_recognised_by_its_start_time() -> None:
+    token = new_token()
+    owner = processes.owner_of(token)
+    assert owner is not None and owner.start > 0
+    reused = with_part(token, 2, str(owner.start - 1))  # this pid, but an earlier process's
+    assert processes.owner_gone(reused)
+
+
+def test_another_machine_or_pid_namespace_is_never_proved_dead() -> None:
+    token = new_token()
+    owner = processes.owner_of(token)
+    assert owner is not None
+    other = "00000000" if owner.machine != "00000000" else "11111111"
+    assert not processes.owner_gone(with_part(token, 3, other))
+    assert not processes.owner_gone(with_part(with_part(token, 3, other), 1, "4194304"))  # no such pid here
+    assert processes.token_pid(with_part(token, 3, other)) is None
+
+
+def test_a_token_from_another_pid_namespace_on_this_host_is_not_gone() -> None:
+    """Same kernel, same host name, another process table: its pid 1 is not ours."""
+    code = "from celery_dedup.lock import new_token; print(new_token())"
+    try:
+        made = subprocess.run(
+            ["unshare", "--pid", "--fork", "--mount-proc", sys.executable, "-c", code],
+            check=False,
+            capture_output=True,
+            text=True,
+            timeout=60,
+            cwd=ROOT,
+        )
+    except (FileNotFoundError, subprocess.TimeoutExpired) as exc:
+        pytest.skip(f"cannot make a pid namespace here: {exc}")
+    if made.returncode != 0:
+        pytest.skip(f"cannot make a pid namespace here: {made.stderr.strip()}")
+    token = made.stdout.strip()
+    owner = processes.owner_of(token)
+    assert owner is not None and owner.pid == 1
+    ours = processes.owner_of(new_token())
+    assert ours is not None and owner.machine != ours.machine
+    assert not processes.owner_gone(token), "our pid 1 is another process, but not provably the token's"
+    assert processes.token_pid(token) is None
+
+
+@pytest.mark.parametrize(
+    "token",
+    ["", "garbage", "host:123:abcd1234", "host:x:1:abcd1234:abcd1234", "host:1:y:abcd1234:r", "a:1:2:3", "a:1:2:3:4:5"],
+)
+def test_a_malformed_or_old_token_is_never_gone(token: str) -> None:
+    assert not processes.owner_gone(token)
+    assert processes.token_pid(token) is None
+
+
+def test_a_token_stays_short_with_a_long_host_name(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr("socket.gethostname", lambda: "h" * 63)
+    token = new_token()
+    assert len(token) <= 64, token
+    assert not processes.owner_gone(token)
+    assert processes.token_pid(token) == os.getpid()
+
+
+# --- takeover and redelivery with real workers -----------------------------------------------------
+
+
+def recovery_conf(*, reject_on_worker_lost: bool) -> dict[str, Any]:
+    return {
+        "task_acks_late": True,
+        "task_reject_on_worker_lost": reject_on_worker_lost,
+        "dedup_lock_ttl": LOCK_TTL,
+    }
+
+
+def counter(r: redis.Redis, decision: str) -> int:
+    return int(r.hget(SCHEMA.stats, f"{TASK}:{decision}") or 0)
+
+
+def assert_rerun_once_and_succeeded(r: redis.Redis, run_id: str) -> None:
+    wait_for(lambda: record(r, HANG).get("state") == "succeeded", RERUN_WAIT, "the killed run re-ran and succeeded")
+    assert executions(r, "hang:1") == 2, "the work re-ran exactly once"
+    assert run_ids(r, "hang:1") == [run_id, run_id], "the re-run is the same run"
+    final = record(r, HANG)
+    assert final["task_id"] == run_id
+    assert final["attempts"] == "2"
+    assert "lost" in history_states(r, HANG)
+    notes = [entry.decode() for entry in r.lrange(SCHEMA.history(HANG), 0, -1)]
+    assert any("taken over from" in entry for entry in notes), notes
+    assert counter(r, "taken_over") == 1
+    assert r.get(SCHEMA.lock(HANG)) is None
+    assert not r.sismember(SCHEMA.held, HANG)
+
+
+@pytest.mark.slow
+def test_a_killed_pool_child_reruns_at_once_after_a_restart(
+    fleet: Fleet, tasks: crash_app.Tasks, r: redis.Redis
+) -> None:
+    """SIGKILL the pool child running a keyed acks_late task; restart the worker 2 s later.
+
+    With ``task_reject_on_worker_lost`` the main process requeues the message
+    (else Celery acknowledges it as failed and nothing re-runs). Proves: the
+    copy takes over the dead child's lock at once instead of waiting out the
+    lock TTL, runs once more, and the run ends succeeded.
+    """
+    conf = recovery_conf(reject_on_worker_lost=True)
+    (worker,) = fleet.start(conf=conf, transport={})
+    r.set(crash_app.hang_key("hang:1"), 1)
+    run = tasks.hang.apply_async((1,))
+    pid = started_pid(r, "hang:1")
+    assert pid != worker.process.pid
+    os.kill(pid, signal.SIGKILL)
+    time.sleep(2)
+    worker.stop()
+    fleet.start(conf=conf, transport={})
+    try:
+        assert_rerun_once_and_succeeded(r, run.id)
+    except AssertionError:
+        print(fleet.logs())
+        raise
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("name", ["same", "another"])
+def test_a_killed_worker_reruns_at_once_after_a_restart_on_the_same_host(
+    name: str, fleet: Fleet, tasks: crash_app.Tasks, r: redis.Redis, server: Server
+) -> None:
+    """SIGKILL a whole worker (its process group) mid-task; start a new one on the same host.
+
+    Nobody acknowledged the message: kombu would hand it out again only after
+    its visibility timeout (an hour here). Proves: the new worker, under the
+    same node name (a restart) or another one, sees that the run's owner and
+    its worker's main process are dead, restores the message at once, and the
+    copy takes the lock over and runs once more.
+    """
+    conf = recovery_conf(reject_on_worker_lost=False)
+    (worker,) = fleet.start(conf=conf, transport={})
+    r.set(crash_app.hang_key("hang:1"), 1)
+    run = tasks.hang.apply_async((1,))
+    started_pid(r, "hang:1")
+    worker.stop(signal.SIGKILL)
+    assert r.hlen("unacked") == 1, "premise: the message waits, unacknowledged"
+    if name == "same":
+        again = WorkerProcess(
+            server.url, app="tests.crash_app", transport_options={}, extra=("--hostname", "crash0@%h")
+        )
+        fleet.workers.append(again)
+        again.wait_ready(timeout=60)
+    else:
+        fleet.start(conf=conf, transport={})
+    try:
+        assert_rerun_once_and_succeeded(r, run.id)
+        assert r.hlen("unacked") == 0
+    except AssertionError:
+        print(fleet.logs())
+        raise
+
+
+@pytest.mark.slow
+def test_a_live_owner_is_never_taken_over(fleet: Fleet, tasks: crash_app.Tasks, r: redis.Redis) -> None:
+    """A run executes on worker A; worker B starts, and a copy of the run's message is pushed again.
+
+    Proves: B's start-up leaves the live run's message alone, and the copy,
+    refused by a lock whose owner is alive, is deferred rather than run: the
+    body ran once, the lock is still the first delivery's, nothing was taken over.
+    """
+    conf = recovery_conf(reject_on_worker_lost=True)
+    fleet.start(conf=conf, transport={})
+    r.set(crash_app.hang_key("hang:1"), 1)
+    tasks.hang.apply_async((1,))
+    pid = started_pid(r, "hang:1")
+    holder = r.get(SCHEMA.lock(HANG))
+    assert holder is not None and holder.decode().split(":")[1] == str(pid)
+    fleet.start(conf=conf, transport={})
+    try:
+        assert r.hlen("unacked") == 1, "the second worker's start-up restored a live run's message"
+        (raw,) = r.hvals("unacked")
+        payload = json.loads(raw)[0]
+        r.lpush("celery", json.dumps(payload))  # a manual re-push: a copy of the running run
+        wait_for(lambda: counter(r, "deferred") >= 1, RERUN_WAIT, "the copy was refused and deferred")
+        assert executions(r, "hang:1") == 1, "a copy ran beside its live owner"
+        assert r.get(SCHEMA.lock(HANG)) == holder
+        assert record(r, HANG)["state"] == "started"
+        assert counter(r, "taken_over") == 0
+        assert processes.owner_of(holder.decode()) is not None
+        assert not processes.owner_gone(holder.decode())
+    except AssertionError:
+        print(fleet.logs())
+        raise
