@@ -99,21 +99,9 @@ def seed(app: Celery, count: int, *, batch: int = 1000) -> None:
         member = member_for(TASKS[n % len(TASKS)], f"order:{n:06d}")
         record = store.record(member) or {}
         token = new_token()
-        decision = store.start(
-            member,
-            record["task_id"],
-            token,
-            lock_ms=60_000,
-            gated=True,
-            key_mode="lock",
-            hostname="bench-worker",
-            pid=1,
-            retries=0,
-            task_name=record["task"],
-            record_ms=86_400_000,
+        harness.start_run(
+            store, member, record["task_id"], token, task_name=record["task"], hostname="bench-worker", pid=1
         )
-        if not decision.run:
-            raise RuntimeError(f"start refused {member}: {decision}")
         store.finish(
             member, record["task_id"], "failed", drop=True, record_ms=86_400_000, token=token, role="run", error="bench"
         )

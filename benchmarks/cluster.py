@@ -62,7 +62,7 @@ def timed(store: DedupStore, case: str, calls: int, threads: int, tag: str) -> t
             for member in row:
                 new_key(store, member)
     step = new_key if case == "new key" else duplicate
-    return harness.threaded(lambda t, i: step(store, members[t][i]), calls, threads)
+    return harness.threaded(lambda t, i: step(store, members[t][i]), per_thread * threads, threads)
 
 
 def main(argv: Sequence[str] | None = None) -> int:

@@ -39,9 +39,8 @@ import gc
 import itertools
 import statistics
 import sys
-import threading
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -73,11 +72,10 @@ class Case:
 
 @dataclass
 class Sample:
-    """One run of ``calls`` calls of a case: its wall time and every call's latency."""
+    """One run of a case: its calls per second and every call's latency in µs."""
 
-    calls: int
-    wall_s: float
-    latencies_ns: list[int]
+    calls_per_s: float
+    latencies_us: list[float]
 
 
 def build_app(broker: str, store: str, *, confirms: bool, queue_type: str) -> Celery:
@@ -172,46 +170,22 @@ class Bench:
         self.unconfirmed.close()
 
 
-def run_calls(app: Celery, call: Call, calls: int, threads: int) -> tuple[float, list[int]]:
-    """``calls`` calls split over ``threads`` threads started together; the wall time and every call's latency."""
-    shares = [calls // threads + (1 if i < calls % threads else 0) for i in range(threads)]
-    latencies: list[list[int]] = [[] for _ in range(threads)]
-    errors: list[BaseException] = []
-    start = threading.Barrier(threads + 1)
-    clock = time.perf_counter_ns
-
-    def work(share: int, sink: list[int]) -> None:
-        try:
-            with app.producer_or_acquire() as producer:
-                producer.connection.ensure_connection()
-                start.wait()
-                for _ in range(share):
-                    began = clock()
-                    call(producer)
-                    sink.append(clock() - began)
-        except BaseException as exc:  # re-raised in the main thread
-            errors.append(exc)
-            start.abort()
-
-    workers = [threading.Thread(target=work, args=(share, sink)) for share, sink in zip(shares, latencies, strict=True)]
-    for worker in workers:
-        worker.start()
-    with contextlib.suppress(threading.BrokenBarrierError):
-        start.wait()
-    began = time.perf_counter()
-    for worker in workers:
-        worker.join()
-    wall = time.perf_counter() - began
-    if errors:
-        raise errors[0]
-    return wall, [t for sink in latencies for t in sink]
+@contextlib.contextmanager
+def connected_producer(app: Celery) -> Iterator[Any]:
+    """A producer of ``app`` with its connection open, for one thread."""
+    with app.producer_or_acquire() as producer:
+        producer.connection.ensure_connection()
+        yield producer
 
 
 def run_case(bench: Bench, case: Case, calls: int, threads: int) -> Sample:
     gc.collect()
-    wall, latencies = run_calls(bench.app_of(case), case.call, calls, threads)
+    app = bench.app_of(case)
+    rate, latencies = harness.threaded(
+        lambda producer, _: case.call(producer), calls, threads, around=lambda _: connected_producer(app)
+    )
     bench.purge(calls if case.publishes else 0)
-    return Sample(calls, wall, latencies)
+    return Sample(rate, latencies)
 
 
 def count_round_trips(bench: Bench, case: Case, calls: int, url: str) -> dict[str, Any]:
@@ -234,14 +208,14 @@ def summarize(
     for threads in thread_counts:
         for case in cases:
             samples = case.samples[threads]
-            rates = [s.calls / s.wall_s for s in samples]
-            pooled = [t / 1000 for s in samples for t in s.latencies_ns]
+            rates = [s.calls_per_s for s in samples]
+            pooled = [t for s in samples for t in s.latencies_us]
             rows.append(
                 {
                     "case": case.name,
                     "publisher_confirms": case.confirms,
                     "threads": threads,
-                    "calls_per_repeat": samples[0].calls,
+                    "calls_per_repeat": len(samples[0].latencies_us),
                     "repeats": len(samples),
                     "calls_per_s": statistics.median(rates),
                     "repeat_calls_per_s": rates,

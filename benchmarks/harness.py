@@ -19,6 +19,7 @@ from there, as worker subprocesses need too. Nothing here asserts on time.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import datetime
 import gc
 import json
@@ -32,6 +33,7 @@ import threading
 import time
 from collections import Counter
 from collections.abc import Callable, Iterable, Mapping, Sequence
+from contextlib import AbstractContextManager
 from dataclasses import dataclass
 from importlib import metadata
 from pathlib import Path
@@ -202,31 +204,42 @@ def timed(call: Callable[[], object], calls: int) -> list[float]:
     return took
 
 
-def threaded(call: Callable[[int, int], object], calls: int, threads: int) -> tuple[float, list[float]]:
-    """``call(thread, i)`` ``calls`` times over ``threads`` threads: (calls per second, latencies in µs).
+def threaded(
+    call: Callable[[Any, int], object],
+    calls: int,
+    threads: int,
+    *,
+    around: Callable[[int], AbstractContextManager[Any]] | None = None,
+) -> tuple[float, list[float]]:
+    """``call(state, i)`` ``calls`` times over ``threads`` threads: (calls per second, latencies in µs).
 
-    The threads start together; the first error any of them raises is raised here.
+    ``state`` is the thread's index, or what ``around(thread)`` yields: a
+    thread's own connection, say, opened before the clock starts. The threads
+    start together; the first error any of them raises is raised here.
     """
-    per_thread = calls // threads
+    shares = [calls // threads + (1 if t < calls % threads else 0) for t in range(threads)]
     latencies: list[list[float]] = [[] for _ in range(threads)]
     errors: list[BaseException] = []
     barrier = threading.Barrier(threads + 1)
 
     def work(thread: int) -> None:
         clock, sink = time.perf_counter_ns, latencies[thread]
-        barrier.wait()
         try:
-            for i in range(per_thread):
-                began = clock()
-                call(thread, i)
-                sink.append((clock() - began) / 1000)
+            with around(thread) if around is not None else contextlib.nullcontext(thread) as state:
+                barrier.wait()
+                for i in range(shares[thread]):
+                    began = clock()
+                    call(state, i)
+                    sink.append((clock() - began) / 1000)
         except BaseException as exc:
             errors.append(exc)
+            barrier.abort()
 
     workers = [threading.Thread(target=work, args=(t,), daemon=True) for t in range(threads)]
     for worker in workers:
         worker.start()
-    barrier.wait()
+    with contextlib.suppress(threading.BrokenBarrierError):
+        barrier.wait()
     began = time.perf_counter()
     for worker in workers:
         worker.join()
@@ -384,6 +397,36 @@ def count_commands(url: str, call: Callable[[], object], calls: int) -> dict[str
 def per_call(counts: Mapping[str, float]) -> str:
     """``{"evalsha": 1.0, "lpush": 1.0}`` as ``EVALSHA 1, LPUSH 1``."""
     return ", ".join(f"{name.upper()} {value:g}" for name, value in counts.items()) or "none"
+
+
+def start_run(
+    store: Any,
+    member: str,
+    task_id: str,
+    token: str,
+    *,
+    task_name: str,
+    record_ms: int = 86_400_000,
+    lock_ms: int = 60_000,
+    hostname: str = "bench@host",
+    pid: int | None = None,
+) -> None:
+    """What the guard sends when a delivery of a gated key starts; raises if the store refuses it."""
+    decision = store.start(
+        member,
+        task_id,
+        token,
+        lock_ms=lock_ms,
+        gated=True,
+        key_mode="lock",
+        hostname=hostname,
+        pid=os.getpid() if pid is None else pid,
+        retries=0,
+        task_name=task_name,
+        record_ms=record_ms,
+    )
+    if not decision.run:
+        raise RuntimeError(f"start refused {member!r}: {decision}")
 
 
 # --- workers --------------------------------------------------------------------------------------

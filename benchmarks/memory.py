@@ -142,21 +142,16 @@ def start_all(store: DedupStore, keys: Keys, hostname: str) -> None:
     """What the guard sends when each delivery starts (one ``start`` per key)."""
     for member, task_id in zip(keys.members, keys.task_ids, strict=True):
         token = token_for(hostname)
-        decision = store.start(
+        harness.start_run(
+            store,
             member,
             task_id,
             token,
+            task_name=TASK,
             lock_ms=LOCK_MS,
-            gated=True,
-            key_mode="lock",
             hostname=f"celery@{hostname}",
             pid=DEFAULT_PID,
-            retries=0,
-            task_name=TASK,
-            record_ms=86_400_000,
         )
-        if not decision.run:
-            raise RuntimeError(f"{member}: start refused ({decision})")
         keys.tokens.append(token)
 
 

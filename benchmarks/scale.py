@@ -31,7 +31,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import statistics
 import sys
 import time
@@ -143,21 +142,7 @@ class Scale:
             token = new_token()
 
             def pair(member: str = member, task_id: str = task_id, token: str = token) -> None:
-                decision = self.store.start(
-                    member,
-                    task_id,
-                    token,
-                    lock_ms=60_000,
-                    gated=True,
-                    key_mode="lock",
-                    hostname="bench@host",
-                    pid=os.getpid(),
-                    retries=0,
-                    task_name=self.task.name,
-                    record_ms=RECORD_MS,
-                )
-                if not decision.run:
-                    raise RuntimeError(f"start refused a queued key: {decision}")
+                harness.start_run(self.store, member, task_id, token, task_name=self.task.name, record_ms=RECORD_MS)
                 self.store.finish(member, task_id, "succeeded", drop=True, record_ms=RECORD_MS, token=token, role="run")
 
             pairs.append(pair)

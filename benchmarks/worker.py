@@ -37,7 +37,6 @@ from __future__ import annotations
 import argparse
 import contextlib
 import hashlib
-import os
 import statistics
 import sys
 import time
@@ -361,24 +360,10 @@ def time_guard_calls(bench: Bench, pairs: int) -> dict[str, float]:
         store.gate(member, task_id, new_nonce(), hold_ms=3_600_000, grace_ms=record_ms, task_name=task.name)
         token = new_token()
         t0 = time.perf_counter_ns()
-        decision = store.start(
-            member,
-            task_id,
-            token,
-            lock_ms=60_000,
-            gated=True,
-            key_mode="lock",
-            hostname="bench@host",
-            pid=os.getpid(),
-            retries=0,
-            task_name=task.name,
-            record_ms=record_ms,
-        )
+        harness.start_run(store, member, task_id, token, task_name=task.name, record_ms=record_ms)
         t1 = time.perf_counter_ns()
         store.finish(member, task_id, "succeeded", drop=True, record_ms=record_ms, token=token, role="run")
         t2 = time.perf_counter_ns()
-        if not decision.run:
-            raise RuntimeError(f"start refused a fresh gated key: {decision}")
         if i >= 100:  # the first calls warm the connection
             start_us.append((t1 - t0) / 1000)
             finish_us.append((t2 - t1) / 1000)
