@@ -12,7 +12,7 @@ import threading
 from typing import Any
 
 import redis
-from celery import Celery
+from celery import Celery, signals
 from kombu.utils.json import dumps
 
 from celery_dedup import DedupTask
@@ -95,6 +95,40 @@ def test_ending_is_recorded_where_no_result_is_written(make_app: AppFactory, r: 
     with in_process_worker(app):
         unstored = quiet.delay(3)
         wait_for(lambda: state(r, 2) == "succeeded", 10, "the run whose result was stored already ended")
-        quiet_record = SCHEMA.record(member_for("results.quiet", "order:3"))
-        wait_for(lambda: r.hget(quiet_record, "state") == b"succeeded", 10, "the run without a result ended")
-    assert not held(r, 2) and unstored.id
+        quiet_member = member_for("results.quiet", "order:3")
+        wait_for(
+            lambda: r.hget(SCHEMA.record(quiet_member), "state") == b"succeeded", 10, "the run without a result ended"
+        )
+    assert r.hget(SCHEMA.record(quiet_member), "task_id") == unstored.id.encode()
+    assert not held(r, 2) and not r.sismember(SCHEMA.held, quiet_member)
+
+
+def test_a_callback_of_the_run_is_published_with_its_key_released(make_app: AppFactory, r: redis.Redis) -> None:
+    """With a callback, nothing waits for the result write: the ending is recorded before the callback is sent.
+
+    Celery publishes callbacks before it stores the result. Were the ending left
+    to the result write, a callback that calls the task again (a follow-up of
+    the same order) would be answered with the run that just ended.
+    """
+    app = make_app()
+    charge = register(app)
+    member = member_for("results.charge", "order:4")
+    seen: list[bool] = []
+
+    @app.task(name="results.follow_up", shared=False)
+    def follow_up(value: str) -> None:
+        return None
+
+    def on_publish(sender: str | None = None, **_: Any) -> None:
+        if sender == follow_up.name:
+            seen.append(bool(r.sismember(SCHEMA.held, member)))
+
+    signals.before_task_publish.connect(on_publish, weak=False)
+    try:
+        with in_process_worker(app):
+            assert charge.apply_async((4,), link=follow_up.s()).get(timeout=10) == "charged 4"
+            wait_for(lambda: seen, 10, "the callback's publish")
+    finally:
+        signals.before_task_publish.disconnect(on_publish)
+    assert seen == [False], "the key was still held when the callback went out"
+    assert state(r, 4) == "succeeded"
