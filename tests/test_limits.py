@@ -327,9 +327,13 @@ def test_a_worker_killed_holding_slots_gives_them_back_and_loses_nothing(
     """Two runs hold both of tenant K's slots when their pool children are SIGKILLed.
 
     Their messages come back (acks_late, reject_on_worker_lost); the slots
-    return, the waiting runs of K get them, and every run ends once.
+    return, the waiting runs of K get them, and every run ends once. The
+    lock TTL (the slots' lease) is 300 s and everything must end well within
+    it: the slots come back because their holders are known dead (the main
+    process saw its children die; a refused delivery proves it), not because
+    their leases ran out.
     """
-    conf = {"task_acks_late": True, "task_reject_on_worker_lost": True, "dedup_lock_ttl": 3}
+    conf = {"task_acks_late": True, "task_reject_on_worker_lost": True, "dedup_lock_ttl": 300}
     r.sadd(limits_app.HANG, "hang:0", "hang:1")
     with worker(server, concurrency=4, **conf) as process:
         for n in range(6):
