@@ -27,7 +27,7 @@ import redis
 from celery.exceptions import Ignore, Reject, Retry
 from kombu.utils.json import loads
 
-from . import decisions, limits, results, runtime
+from . import decisions, limits, processes, results, runtime
 from .exceptions import UNREACHABLE, DedupError, DedupFollowerError, DedupStoreError, DedupUnavailableError
 from .gate import GateHeader, call_payload, decode_payload, decode_result, result_payload
 from .keyed import KeyedTask
@@ -622,6 +622,4 @@ def delivery_gone(token: str) -> bool:
     which runs no delivery under it. Another machine's delivery is assumed
     alive: its lock expires unless renewed.
     """
-    if any(lock.token == token for lock in list(_running.values())):
-        return False
-    return token_pid(token) == os.getpid() or owner_gone(token)
+    return processes.ended(token, {lock.token for lock in list(_running.values())})

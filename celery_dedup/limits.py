@@ -24,7 +24,6 @@ annotated with why it waits).
 from __future__ import annotations
 
 import logging
-import os
 import random
 import re
 import threading
@@ -40,7 +39,6 @@ from . import decisions, processes, runtime
 from .exceptions import DedupConfigError, DedupError
 from .gate import GateHeader
 from .keys import KeyOption, KeySchema, KeySpec, member_for, split_member, task_namespace
-from .processes import token_pid
 from .store import DedupStore, _text
 
 if TYPE_CHECKING:
@@ -223,7 +221,6 @@ class SlotLease:
         self.member = group
         self.token = token
         self.ttl_ms = ttl_ms
-        self.record_ms = 0
         self.grant = grant
         self.lost = threading.Event()
         self.valid_until = now + ttl_ms / 1000
@@ -269,13 +266,10 @@ def current(task_id: str | None) -> Grant | None:
 def owner_gone(token: str) -> bool:
     """Whether the delivery that took slot ``token`` provably runs no more.
 
-    A lease this process holds is alive; a token of this process that it no
-    longer holds has ended; otherwise the process table decides
-    (:func:`~celery_dedup.processes.owner_gone`: only on the same machine).
+    See :func:`~celery_dedup.processes.ended`: a lease this process holds is
+    alive; another machine's holder is never judged dead.
     """
-    if any(lease.token == token for lease in list(_held.values())):
-        return False
-    return token_pid(token) == os.getpid() or processes.owner_gone(token)
+    return processes.ended(token, {lease.token for lease in list(_held.values())})
 
 
 def group_of(task: KeyedTask, args: Any, kwargs: Any, member: str | None = None) -> str | None:

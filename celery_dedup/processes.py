@@ -25,7 +25,7 @@ import secrets
 import socket
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 from typing import NamedTuple
 
@@ -145,6 +145,18 @@ def owner_gone(token_: str) -> bool:
         return True
     started = start_time(owner.pid)
     return started is not None and started != owner.start
+
+
+def ended(token_: str, held: Iterable[str]) -> bool:
+    """Whether the delivery that took ``token_`` runs no more, where this process holds ``held``.
+
+    A token this process holds is alive; one of this process that it no
+    longer holds has ended (this process runs nothing under it); any other is
+    judged by :func:`owner_gone`.
+    """
+    if token_ in held:
+        return False
+    return token_pid(token_) == os.getpid() or owner_gone(token_)
 
 
 def gone(pid: int) -> bool:
