@@ -466,3 +466,22 @@ def test_a_limits_only_run_revoked_while_it_waits_leaves_the_line(make_app: AppF
     assert not settle_elsewhere(task, "revoked", run.id, None, [1, "g"], {}, stopping=False)
     assert r.zscore(SCHEMA.limit_waiting(group), run.id) is None
     assert r.keys("dedup:rec:*") == [], "a limits-only task has no record"
+
+
+def test_eager_calls_take_no_place_in_their_group(make_app: AppFactory, r: redis.Redis) -> None:
+    """Eager mode applies no limits: a limited task called inside its own body still runs, and no group is made."""
+    app = make_app(task_always_eager=True)
+    ran: list[int] = []
+
+    @app.task(
+        base=DedupTask, name="shop.eager_limited", dedup_key="job:{n}", limit_key="all", limit_concurrency=1,
+        shared=False,
+    )  # fmt: skip
+    def nested(n: int) -> None:
+        ran.append(n)
+        if n < 2:
+            nested.delay(n + 1)  # a second body of the group while the first still runs
+
+    nested.delay(0)
+    assert ran == [0, 1, 2]
+    assert list(r.scan_iter(match="dedup:lim:*")) == []
