@@ -281,6 +281,127 @@ def test_a_delivery_before_its_confirm_runs_and_the_late_confirm_changes_nothing
     assert status is not None and status.state == "succeeded", "the late confirm did not move the record back"
 
 
+class _LateConfirm:
+    """One call, made on its own thread, whose message goes out at once but whose confirm waits for :meth:`confirm`.
+
+    Only that call's publish waits (after the broker has its message, before
+    the store hears of it); every other publish (a newer call, a worker's
+    retry) goes through. ``results`` and ``raised`` say what the call got.
+    """
+
+    def __init__(self, monkeypatch: pytest.MonkeyPatch, call: Any) -> None:
+        self.results: list[Any] = []
+        self.raised: list[BaseException] = []
+        self._go = threading.Event()
+        original = kombu_redis.Channel._put
+        late = threading.local()
+
+        def put(channel: Any, queue: str, message: Any, **kwargs: Any) -> None:
+            original(channel, queue, message, **kwargs)
+            if getattr(late, "on", False):
+                late.on = False
+                self._go.wait(20)
+
+        def run() -> None:
+            late.on = True
+            try:
+                self.results.append(call())
+            except Exception as exc:  # what the caller is told is what the test reads
+                self.raised.append(exc)
+
+        monkeypatch.setattr(kombu_redis.Channel, "_put", put)
+        self._thread = threading.Thread(target=run, daemon=True)
+        self._thread.start()
+
+    def confirm(self) -> None:
+        """Let the confirm go to the store now, and wait for the call to return."""
+        self._go.set()
+        self._thread.join(10)
+        assert not self._thread.is_alive(), "the call never returned"
+
+
+def answers(late: _LateConfirm) -> list[tuple[str, bool]]:
+    """What the late-confirmed call was told: its result's id and whether it was a duplicate, or the error."""
+    return [(res.id, res.deduplicated) for res in late.results] + [(repr(exc), True) for exc in late.raised]
+
+
+@pytest.mark.parametrize("policy", ["return_existing", "raise"])
+@pytest.mark.parametrize("retried", [False, True], ids=["ran", "retried"])
+def test_a_confirm_after_its_run_ended_and_a_newer_call_answers_its_own_run(
+    make_app: AppFactory, server: Server, r: redis.Redis, monkeypatch: pytest.MonkeyPatch, policy: str, retried: bool
+) -> None:
+    """The run executes (retried once, or not) and succeeds before its confirm; a newer call takes the key.
+
+    The late confirm changes nothing: the first caller's message was
+    published and ran, so it gets its own run, neither the newer one nor
+    DuplicateTaskError. Only a message that reached the broker after its
+    lease ended stands for the newer run.
+    """
+    url = another_database(server)
+    store_client(url).flushdb()
+    app = separate_app(make_app, url, dedup_on_duplicate=policy)
+
+    @app.task(base=DedupTask, dedup_key="order:{order_id}", bind=True, shared=False, name=TASK)
+    def charge(self: Any, order_id: int) -> int:
+        r.rpush(f"runs:{order_id}", f"{self.request.id} {time.time()}")
+        if retried and not self.request.retries:
+            raise self.retry(countdown=0)
+        return order_id
+
+    with in_process_worker(app):
+        first = _LateConfirm(monkeypatch, lambda: charge.delay(11))
+        wait_for(lambda: getattr(charge.dedup_status(11), "state", None) == "succeeded", 10, "the first run ended")
+        first_id = charge.dedup_status(11).task_id
+        newer = charge.delay(11)
+        assert not newer.deduplicated and newer.id != first_id, "the key was free: a newer run"
+        first.confirm()
+        assert newer.get(timeout=10) == 11
+        assert answers(first) == [(first_id, False)], "the first caller is told its own run"
+        assert first.results[0].get(timeout=10) == 11
+    monkeypatch.undo()
+    assert runs(r, 11) == [first_id] * (2 if retried else 1) + [newer.id] * (2 if retried else 1)
+    status = charge.dedup_status(11)
+    assert status is not None and (status.task_id, status.state) == (newer.id, "succeeded")
+
+
+def test_a_confirm_after_its_run_started_and_a_newer_call_answers_its_own_run(
+    make_app: AppFactory, server: Server, r: redis.Redis, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """until_executing: the run starts before its confirm, releasing the key, and a newer call takes it.
+
+    The run is executing, not ended, when its confirm comes: the first
+    caller still gets its own run.
+    """
+    url = another_database(server)
+    store_client(url).flushdb()
+    app = separate_app(make_app, url, dedup_on_duplicate="raise")
+    running, finish = threading.Event(), threading.Event()
+
+    @app.task(
+        base=DedupTask, dedup_key="order:{order_id}", bind=True, shared=False, name=TASK, dedup_mode="until_executing"
+    )
+    def charge(self: Any, order_id: int) -> int:
+        r.rpush(f"runs:{order_id}", f"{self.request.id} {time.time()}")
+        running.set()
+        finish.wait(20)
+        return order_id
+
+    with in_process_worker(app):
+        try:
+            first = _LateConfirm(monkeypatch, lambda: charge.delay(12))
+            assert running.wait(10), "the first run never started"
+            first_id = charge.dedup_status(12).task_id
+            newer = charge.delay(12)
+            assert not newer.deduplicated and newer.id != first_id, "the key was released at start: a newer run"
+            first.confirm()
+        finally:
+            finish.set()
+        assert answers(first) == [(first_id, False)], "the first caller is told its own run"
+        assert first.results[0].get(timeout=10) == 12
+    monkeypatch.undo()
+    assert runs(r, 12)[0] == first_id
+
+
 def test_a_message_published_past_its_lease_and_a_newer_call_run_one_at_a_time(
     make_app: AppFactory, server: Server, r: redis.Redis, monkeypatch: pytest.MonkeyPatch
 ) -> None:
