@@ -402,6 +402,54 @@ def test_a_confirm_after_its_run_started_and_a_newer_call_answers_its_own_run(
     assert runs(r, 12)[0] == first_id
 
 
+def test_a_late_message_skipped_before_its_confirm_still_stands_for_the_newer_run(
+    make_app: AppFactory, server: Server, r: redis.Redis, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Lease 1 s: a newer call takes the key, the first message goes out late and is skipped, then it confirms.
+
+    Its delivery was refused (superseded), not run: the first caller is
+    told the newer run, which did the work.
+    """
+    url = another_database(server)
+    store_client(url).flushdb()
+    app = separate_app(make_app, url, dedup_publish_lease=1)
+    charge = build(app)
+    original = kombu_redis.Channel._put
+    late = threading.local()
+    taken, skipped = threading.Event(), threading.Event()
+
+    def slow(self: Any, queue: str, message: Any, **kwargs: Any) -> None:
+        if getattr(late, "on", False):
+            taken.wait(20)
+        original(self, queue, message, **kwargs)
+        if getattr(late, "on", False):
+            skipped.wait(20)
+
+    results: list[Any] = []
+
+    def first_call() -> None:
+        late.on = True
+        results.append(charge.delay(13))
+
+    monkeypatch.setattr(kombu_redis.Channel, "_put", slow)
+    caller = threading.Thread(target=first_call, daemon=True)
+    caller.start()
+    wait_for(lambda: getattr(charge.dedup_status(13), "state", None) == "publishing", 5, "the first hold")
+    first_id = charge.dedup_status(13).task_id
+    newer = wait_for(lambda: (c := charge.delay(13)) and not c.deduplicated and c, 5, "the lease to pass")
+    with in_process_worker(app):
+        assert newer.get(timeout=10) == 13
+        taken.set()
+        wait_for(lambda: getattr(charge.dedup_status(13), "skipped", 0) == 1, 10, "the late message skipped")
+        skipped.set()
+        caller.join(10)
+    monkeypatch.undo()
+
+    assert [(res.id, res.deduplicated) for res in results] == [(newer.id, True)], "told the newer run"
+    assert runs(r, 13) == [newer.id], "the late message of the first hold was skipped"
+    assert first_id in history_text(charge.dedup_status(13))
+
+
 def test_a_message_published_past_its_lease_and_a_newer_call_run_one_at_a_time(
     make_app: AppFactory, server: Server, r: redis.Redis, monkeypatch: pytest.MonkeyPatch
 ) -> None:
@@ -488,6 +536,55 @@ def test_the_reaper_declares_an_unconfirmed_run_lost_and_a_late_confirm_revives_
     with in_process_worker(app):
         assert results[0].get(timeout=10) == 8
     assert runs(r, 8) == [run_id]
+
+
+def test_a_run_reaped_unconfirmed_then_taken_over_is_answered_with_the_newer_run(
+    make_app: AppFactory, server: Server, r: redis.Redis, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Lease 1 s, publish stuck: the reaper marks the run lost, a newer call takes the key, then the confirm comes.
+
+    Lost before it began, the run is not revived by its confirm once the key
+    is another run's: the first caller is told the newer run, and its late
+    message is skipped.
+    """
+    url = another_database(server)
+    store_client(url).flushdb()
+    app = separate_app(make_app, url, dedup_publish_lease=1)
+    charge = build(app)
+    original = kombu_redis.Channel._put
+    late = threading.local()
+    taken = threading.Event()
+
+    def stuck(self: Any, queue: str, message: Any, **kwargs: Any) -> None:
+        if getattr(late, "on", False):
+            taken.wait(10)
+        original(self, queue, message, **kwargs)
+
+    results: list[Any] = []
+
+    def first_call() -> None:
+        late.on = True
+        results.append(charge.delay(14))
+
+    monkeypatch.setattr(kombu_redis.Channel, "_put", stuck)
+    caller = threading.Thread(target=first_call, daemon=True)
+    caller.start()
+    wait_for(lambda: getattr(charge.dedup_status(14), "state", None) == "publishing", 5, "the hold")
+    first_id = charge.dedup_status(14).task_id
+    wait_for(lambda: runtime.reap(app).lost, 5, "the lease to end")
+    newer = charge.delay(14)
+    assert not newer.deduplicated
+    taken.set()
+    caller.join(10)
+    monkeypatch.undo()
+
+    assert [(res.id, res.deduplicated) for res in results] == [(newer.id, True)], "told the newer run"
+    with in_process_worker(app):
+        assert newer.get(timeout=10) == 14
+        wait_for(lambda: len(queued_messages(r, app.conf.task_default_queue)) == 0, 10, "both delivered")
+        wait_for(lambda: getattr(charge.dedup_status(14), "skipped", 0) == 1, 10, "the late message skipped")
+    assert runs(r, 14) == [newer.id]
+    assert first_id in history_text(charge.dedup_status(14))
 
 
 def test_a_run_that_starts_before_its_confirm_keeps_its_window(
