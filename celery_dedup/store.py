@@ -428,7 +428,8 @@ class DedupStore:
 
         The key gets its full hold. ``Outcome.accepted`` is False only when
         the lease ended and the key passed to another run (``task_id`` names
-        it, "" if none), which then stands for this call: see ``confirm.lua``.
+        it, "" if none) before this run began, which then stands for this
+        call: see ``confirm.lua``.
         """
         at = self._at(member)
         code, owner = self.scripts.confirm(

@@ -604,8 +604,10 @@ class DedupTask(_TaskBase):
     def _confirm(self, store: DedupStore, gate: GateHeader, run_id: str) -> Outcome:
         """Third step of the two-phase gate: the broker has the message, so the key gets its full hold.
 
-        If the lease ended first and another call took the key, that call's
-        run stands for this one (the guard skips this run's message).
+        A run a worker began (or ended) before its confirm keeps its caller,
+        even if a newer run has its key since. Only if the lease ended and
+        another call took the key before this run began does that call's run
+        stand for this one (the guard skips this run's message).
         """
         try:
             confirmed = store.confirm(gate.member, run_id, gate.nonce, hold_ms=gate.hold_ms, grace_ms=gate.grace_ms)

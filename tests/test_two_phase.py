@@ -281,6 +281,175 @@ def test_a_delivery_before_its_confirm_runs_and_the_late_confirm_changes_nothing
     assert status is not None and status.state == "succeeded", "the late confirm did not move the record back"
 
 
+class _LateConfirm:
+    """One call, made on its own thread, whose message goes out at once but whose confirm waits for :meth:`confirm`.
+
+    Only that call's publish waits (after the broker has its message, before
+    the store hears of it); every other publish (a newer call, a worker's
+    retry) goes through. ``results`` and ``raised`` say what the call got.
+    """
+
+    def __init__(self, monkeypatch: pytest.MonkeyPatch, call: Any) -> None:
+        self.results: list[Any] = []
+        self.raised: list[BaseException] = []
+        self._go = threading.Event()
+        original = kombu_redis.Channel._put
+        late = threading.local()
+
+        def put(channel: Any, queue: str, message: Any, **kwargs: Any) -> None:
+            original(channel, queue, message, **kwargs)
+            if getattr(late, "on", False):
+                late.on = False
+                self._go.wait(20)
+
+        def run() -> None:
+            late.on = True
+            try:
+                self.results.append(call())
+            except Exception as exc:  # what the caller is told is what the test reads
+                self.raised.append(exc)
+
+        monkeypatch.setattr(kombu_redis.Channel, "_put", put)
+        self._thread = threading.Thread(target=run, daemon=True)
+        self._thread.start()
+
+    def confirm(self) -> None:
+        """Let the confirm go to the store now, and wait for the call to return."""
+        self._go.set()
+        self._thread.join(10)
+        assert not self._thread.is_alive(), "the call never returned"
+
+
+def answers(late: _LateConfirm) -> list[tuple[str, bool]]:
+    """What the late-confirmed call was told: its result's id and whether it was a duplicate, or the error."""
+    return [(res.id, res.deduplicated) for res in late.results] + [(repr(exc), True) for exc in late.raised]
+
+
+@pytest.mark.parametrize("policy", ["return_existing", "raise"])
+@pytest.mark.parametrize("retried", [False, True], ids=["ran", "retried"])
+def test_a_confirm_after_its_run_ended_and_a_newer_call_answers_its_own_run(
+    make_app: AppFactory, server: Server, r: redis.Redis, monkeypatch: pytest.MonkeyPatch, policy: str, retried: bool
+) -> None:
+    """The run executes (retried once, or not) and succeeds before its confirm; a newer call takes the key.
+
+    The late confirm changes nothing: the first caller's message was
+    published and ran, so it gets its own run, neither the newer one nor
+    DuplicateTaskError. Only a message that reached the broker after its
+    lease ended stands for the newer run.
+    """
+    url = another_database(server)
+    store_client(url).flushdb()
+    app = separate_app(make_app, url, dedup_on_duplicate=policy)
+
+    @app.task(base=DedupTask, dedup_key="order:{order_id}", bind=True, shared=False, name=TASK)
+    def charge(self: Any, order_id: int) -> int:
+        r.rpush(f"runs:{order_id}", f"{self.request.id} {time.time()}")
+        if retried and not self.request.retries:
+            raise self.retry(countdown=0)
+        return order_id
+
+    with in_process_worker(app):
+        first = _LateConfirm(monkeypatch, lambda: charge.delay(11))
+        wait_for(lambda: getattr(charge.dedup_status(11), "state", None) == "succeeded", 10, "the first run ended")
+        first_id = charge.dedup_status(11).task_id
+        newer = charge.delay(11)
+        assert not newer.deduplicated and newer.id != first_id, "the key was free: a newer run"
+        first.confirm()
+        assert newer.get(timeout=10) == 11
+        assert answers(first) == [(first_id, False)], "the first caller is told its own run"
+        assert first.results[0].get(timeout=10) == 11
+    monkeypatch.undo()
+    assert runs(r, 11) == [first_id] * (2 if retried else 1) + [newer.id] * (2 if retried else 1)
+    status = charge.dedup_status(11)
+    assert status is not None and (status.task_id, status.state) == (newer.id, "succeeded")
+
+
+def test_a_confirm_after_its_run_started_and_a_newer_call_answers_its_own_run(
+    make_app: AppFactory, server: Server, r: redis.Redis, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """until_executing: the run starts before its confirm, releasing the key, and a newer call takes it.
+
+    The run is executing, not ended, when its confirm comes: the first
+    caller still gets its own run.
+    """
+    url = another_database(server)
+    store_client(url).flushdb()
+    app = separate_app(make_app, url, dedup_on_duplicate="raise")
+    running, finish = threading.Event(), threading.Event()
+
+    @app.task(
+        base=DedupTask, dedup_key="order:{order_id}", bind=True, shared=False, name=TASK, dedup_mode="until_executing"
+    )
+    def charge(self: Any, order_id: int) -> int:
+        r.rpush(f"runs:{order_id}", f"{self.request.id} {time.time()}")
+        running.set()
+        finish.wait(20)
+        return order_id
+
+    with in_process_worker(app):
+        try:
+            first = _LateConfirm(monkeypatch, lambda: charge.delay(12))
+            assert running.wait(10), "the first run never started"
+            first_id = charge.dedup_status(12).task_id
+            newer = charge.delay(12)
+            assert not newer.deduplicated and newer.id != first_id, "the key was released at start: a newer run"
+            first.confirm()
+        finally:
+            finish.set()
+        assert answers(first) == [(first_id, False)], "the first caller is told its own run"
+        assert first.results[0].get(timeout=10) == 12
+    monkeypatch.undo()
+    assert runs(r, 12)[0] == first_id
+
+
+def test_a_late_message_skipped_before_its_confirm_still_stands_for_the_newer_run(
+    make_app: AppFactory, server: Server, r: redis.Redis, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Lease 1 s: a newer call takes the key, the first message goes out late and is skipped, then it confirms.
+
+    Its delivery was refused (superseded), not run: the first caller is
+    told the newer run, which did the work.
+    """
+    url = another_database(server)
+    store_client(url).flushdb()
+    app = separate_app(make_app, url, dedup_publish_lease=1)
+    charge = build(app)
+    original = kombu_redis.Channel._put
+    late = threading.local()
+    taken, skipped = threading.Event(), threading.Event()
+
+    def slow(self: Any, queue: str, message: Any, **kwargs: Any) -> None:
+        if getattr(late, "on", False):
+            taken.wait(20)
+        original(self, queue, message, **kwargs)
+        if getattr(late, "on", False):
+            skipped.wait(20)
+
+    results: list[Any] = []
+
+    def first_call() -> None:
+        late.on = True
+        results.append(charge.delay(13))
+
+    monkeypatch.setattr(kombu_redis.Channel, "_put", slow)
+    caller = threading.Thread(target=first_call, daemon=True)
+    caller.start()
+    wait_for(lambda: getattr(charge.dedup_status(13), "state", None) == "publishing", 5, "the first hold")
+    first_id = charge.dedup_status(13).task_id
+    newer = wait_for(lambda: (c := charge.delay(13)) and not c.deduplicated and c, 5, "the lease to pass")
+    with in_process_worker(app):
+        assert newer.get(timeout=10) == 13
+        taken.set()
+        wait_for(lambda: getattr(charge.dedup_status(13), "skipped", 0) == 1, 10, "the late message skipped")
+        skipped.set()
+        caller.join(10)
+    monkeypatch.undo()
+
+    assert [(res.id, res.deduplicated) for res in results] == [(newer.id, True)], "told the newer run"
+    assert runs(r, 13) == [newer.id], "the late message of the first hold was skipped"
+    assert first_id in history_text(charge.dedup_status(13))
+
+
 def test_a_message_published_past_its_lease_and_a_newer_call_run_one_at_a_time(
     make_app: AppFactory, server: Server, r: redis.Redis, monkeypatch: pytest.MonkeyPatch
 ) -> None:
@@ -367,6 +536,55 @@ def test_the_reaper_declares_an_unconfirmed_run_lost_and_a_late_confirm_revives_
     with in_process_worker(app):
         assert results[0].get(timeout=10) == 8
     assert runs(r, 8) == [run_id]
+
+
+def test_a_run_reaped_unconfirmed_then_taken_over_is_answered_with_the_newer_run(
+    make_app: AppFactory, server: Server, r: redis.Redis, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Lease 1 s, publish stuck: the reaper marks the run lost, a newer call takes the key, then the confirm comes.
+
+    Lost before it began, the run is not revived by its confirm once the key
+    is another run's: the first caller is told the newer run, and its late
+    message is skipped.
+    """
+    url = another_database(server)
+    store_client(url).flushdb()
+    app = separate_app(make_app, url, dedup_publish_lease=1)
+    charge = build(app)
+    original = kombu_redis.Channel._put
+    late = threading.local()
+    taken = threading.Event()
+
+    def stuck(self: Any, queue: str, message: Any, **kwargs: Any) -> None:
+        if getattr(late, "on", False):
+            taken.wait(10)
+        original(self, queue, message, **kwargs)
+
+    results: list[Any] = []
+
+    def first_call() -> None:
+        late.on = True
+        results.append(charge.delay(14))
+
+    monkeypatch.setattr(kombu_redis.Channel, "_put", stuck)
+    caller = threading.Thread(target=first_call, daemon=True)
+    caller.start()
+    wait_for(lambda: getattr(charge.dedup_status(14), "state", None) == "publishing", 5, "the hold")
+    first_id = charge.dedup_status(14).task_id
+    wait_for(lambda: runtime.reap(app).lost, 5, "the lease to end")
+    newer = charge.delay(14)
+    assert not newer.deduplicated
+    taken.set()
+    caller.join(10)
+    monkeypatch.undo()
+
+    assert [(res.id, res.deduplicated) for res in results] == [(newer.id, True)], "told the newer run"
+    with in_process_worker(app):
+        assert newer.get(timeout=10) == 14
+        wait_for(lambda: len(queued_messages(r, app.conf.task_default_queue)) == 0, 10, "both delivered")
+        wait_for(lambda: getattr(charge.dedup_status(14), "skipped", 0) == 1, 10, "the late message skipped")
+    assert runs(r, 14) == [newer.id]
+    assert first_id in history_text(charge.dedup_status(14))
 
 
 def test_a_run_that_starts_before_its_confirm_keeps_its_window(

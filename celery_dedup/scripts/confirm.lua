@@ -12,24 +12,31 @@
 -- ARGV[7]  history length
 --
 -- A confirm can come late: after a worker started (or ended) the run, which
--- then owns its record; after the reaper declared the run lost when its lease
--- ended (the run is queued after all, and gets its hold back); or after the
--- lease ended and another call took the key over, whose run then stands for
--- this call (the guard skips this run's delivery: start.lua's "superseded").
+-- then owns its record, or whose record has passed to a newer run since (the
+-- record remembers it: lib's `ended` and `began`); after the reaper declared
+-- the run lost when its lease ended (the run is queued after all, and gets its
+-- hold back); or after the lease ended and another call took the key over
+-- before this run's message was seen, whose run then stands for this call (the
+-- guard skips this run's delivery: start.lua's "superseded").
 --
 -- Returns {code, task id}:
 --   {1, ARGV[2]}  confirmed: the record says `queued`, the key is held for ARGV[4]
---   {2, ARGV[2]}  nothing to do: the run began or ended before its confirm (or
+--   {2, ARGV[2]}  nothing to do: the run began or ended before its confirm,
+--                 whether or not the key has passed to a newer run since (or
 --                 this is not the publish that holds it)
---   {0, owner}    the key passed to run `owner` (or to no run: owner ""); this
---                 run's message will not run
+--   {0, owner}    the key passed to run `owner` (or to no run: owner "") while
+--                 this run had not begun; this run's message will not run
 
 local held, record = KEYS[1], KEYS[2]
 local member, task_id, nonce = ARGV[1], ARGV[2], ARGV[3]
 local hold_ms, grace_ms, prefix, history_len = tonumber(ARGV[4]), tonumber(ARGV[5]), ARGV[6], tonumber(ARGV[7])
 
-local current = redis.call('HMGET', record, 'task_id', 'state', 'nonce', 'started_at')
+local current = redis.call('HMGET', record, 'task_id', 'state', 'nonce', 'started_at', 'ended', 'began')
 if current[1] ~= task_id then
+  local ended, began = current[5], current[6]
+  if (ended and has_ended(prefix, member, ended, task_id)) or (began and has_begun(began, task_id)) then
+    return {2, task_id}
+  end
   return {0, current[1] or ''}
 end
 -- The reaper may have declared the run lost when its lease ended: it is not.

@@ -137,9 +137,11 @@ end
 
 -- A record remembers a few words across runs of its key (space-separated, newest
 -- first, in fields short enough to keep the record a listpack): `nonces`, the
--- nonces of the key's last accepted publishes before `nonce` (gate.lua), and
--- `ended`, fingerprints of its last ended runs (start.lua, gate.lua), so a
--- replay of a run is recognised after the record has passed to another run.
+-- nonces of the key's last accepted publishes before `nonce` (gate.lua),
+-- `ended`, fingerprints of its last ended runs (start.lua, gate.lua), and
+-- `began`, fingerprints of its last runs that had begun but not ended when the
+-- record passed on (confirm.lua: their message was out), so a replay of a run
+-- (or its late confirm) is recognised after the record has passed to another run.
 local REMEMBERED = 3
 
 local function remembers(text, word)
@@ -195,6 +197,12 @@ local function has_ended(prefix, member, ended, task_id)
   return remembers(ended, word) or redis.call('ZSCORE', prefix .. ':ended:' .. member, word) ~= false
 end
 
+-- Whether run `task_id` of M had begun (a worker started it) but not ended
+-- when its record passed on (`began` is the record's field).
+local function has_begun(began, task_id)
+  return remembers(began, fingerprint(task_id))
+end
+
 -- Replace M's record (in `old_state`, of run `old_task_id`; both false if there
 -- is none) by run `new_task_id`'s: the old one leaves the indexes, and a run
 -- that had not ended is noted in the history: still running (its key was
@@ -202,18 +210,23 @@ end
 -- Returns the fields the new record keeps of the old (see REMEMBERED); an
 -- ended run pushed out of them is kept `keep_ms` (see remember_ended).
 local function retire(prefix, record, member, now, history_len, old_state, old_task_id, new_task_id, keep_ms)
-  local kept = redis.call('HMGET', record, 'nonce', 'nonces', 'ended')
+  local kept = redis.call('HMGET', record, 'nonce', 'nonces', 'ended', 'began', 'started_at')
   local carry = {}
   local nonces = remember(kept[1], kept[2])
-  local ended = kept[3] or ''
+  local ended, began = kept[3] or '', kept[4] or ''
   if old_state and ENDED[old_state] and old_task_id then
     ended = remember_ended(prefix, member, old_task_id, ended, now, keep_ms)
+  elseif old_task_id and kept[5] then
+    began = remember(fingerprint(old_task_id), began)
   end
   if nonces ~= '' then
     carry[#carry + 1], carry[#carry + 2] = 'nonces', nonces
   end
   if ended ~= '' then
     carry[#carry + 1], carry[#carry + 2] = 'ended', ended
+  end
+  if began ~= '' then
+    carry[#carry + 1], carry[#carry + 2] = 'began', began
   end
   local running = old_state == 'started' and redis.call('EXISTS', prefix .. ':lock:' .. member) == 1
   if old_state and not ENDED[old_state] and old_task_id and not running then
@@ -250,7 +263,7 @@ end
 -- (see REMEMBERED). Everything else goes: the
 -- other fields, the history and the index entries.
 local function tombstone(prefix, record, member)
-  local kept = redis.call('HMGET', record, 'task_id', 'state', 'nonce', 'nonces', 'ended')
+  local kept = redis.call('HMGET', record, 'task_id', 'state', 'nonce', 'nonces', 'ended', 'began')
   local ttl = redis.call('PTTL', record)
   unindex(prefix, member, kept[2] or nil)
   redis.call('DEL', record, prefix .. ':hist:' .. member)
@@ -266,6 +279,9 @@ local function tombstone(prefix, record, member)
   end
   if kept[5] then
     fields[#fields + 1], fields[#fields + 2] = 'ended', kept[5]
+  end
+  if kept[6] then
+    fields[#fields + 1], fields[#fields + 2] = 'began', kept[6]
   end
   redis.call('HSET', record, unpack(fields))
   redis.call('PEXPIRE', record, ttl)
