@@ -27,7 +27,7 @@ import redis
 from celery.exceptions import Ignore, Reject, Retry
 from kombu.utils.json import loads
 
-from . import decisions, limits, processes, results, runtime
+from . import decisions, limits, processes, recovery, results, runtime
 from .exceptions import UNREACHABLE, DedupError, DedupFollowerError, DedupStoreError, DedupUnavailableError
 from .gate import GateHeader, call_payload, decode_payload, decode_result, result_payload
 from .keyed import KeyedTask
@@ -284,6 +284,7 @@ def start(
         want_payload=policy.mode.parks and policy.debounce == "latest",
         on_locked=policy.on_locked,
         keep_payload=records_args(task),
+        main=recovery.main_token(),
     )
 
 

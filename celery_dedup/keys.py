@@ -34,7 +34,6 @@ task name, ``:``, and the business key)::
     P:out:M     HASH, how runs of the member that had followers ended:
                 run task id -> JSON {state, error, result}
     P:following SET of members with followers (the reaper's list to look at)
-    P:workers   HASH, worker node name -> its main process's token (recovery.py)
 """
 
 from __future__ import annotations
@@ -369,11 +368,6 @@ class KeySchema:
     def stats(self) -> str:
         """HASH of decision counters, fields ``<escaped task name>:<decision>``."""
         return f"{self.prefix}:stats"
-
-    @property
-    def workers(self) -> str:
-        """HASH of worker node name -> the token of its main process (see ``recovery.py``)."""
-        return f"{self.prefix}:workers"
 
     @property
     def due(self) -> str:

@@ -5,21 +5,27 @@ while the run executes. When the whole worker is killed, nobody acknowledges
 or rejects it, and kombu hands it out again only once ``visibility_timeout``
 has passed (an hour by default). A process of the same machine can prove
 that both the run's owner (its lock token, see
-:func:`celery_dedup.processes.owner_gone`) and the main process of its worker
-(which alone acknowledges, rejects or requeues the message: every worker
-registers its token under its node name) are dead: then the message goes
-back to the head of its queue at once (on the atomic gate's path, where the
-store is the broker), and its copy takes the dead owner's
-lock over (``guard.take_over``). A pool child that died under a live main
-process is left to that process, which settles its message as Celery's
-settings say. Workers do this when they start and after every reaper pass;
-another machine's runs are left to their lock TTL and the visibility timeout.
+:func:`celery_dedup.processes.owner_gone`) and the main process of the worker
+that delivered it (which alone acknowledges, rejects or requeues the message)
+are dead: then the message goes back to the head of its queue at once (on
+the atomic gate's path, where the store is the broker), and its copy takes
+the dead owner's lock over (``guard.take_over``).
+
+The run's record names that main process: each delivery writes the token
+its worker's main process took when the worker was built (:func:`incarnate`,
+:func:`main_token`), so a run is judged by the incarnation that delivered
+it, never by whichever worker goes by the same node name now (a restart
+whose new worker starts while the old one drains). A pool child that died
+under a live main process is left to that process, which settles its
+message as Celery's settings say. Workers do this when they start and after
+every reaper pass; another machine's runs are left to their lock TTL and the
+visibility timeout.
 """
 
 from __future__ import annotations
 
 import logging
-from collections.abc import Mapping
+import os
 from dataclasses import dataclass
 from typing import Any
 
@@ -27,7 +33,7 @@ import redis
 from kombu.utils.json import dumps, loads
 
 from . import runtime
-from .processes import owner_gone, token
+from .processes import owner_gone, owner_of, token
 from .store import DedupStore
 
 logger = logging.getLogger("celery_dedup")
@@ -44,8 +50,8 @@ class Orphan:
     task: str
     task_id: str
     token: str
-    #: The node name of the worker that ran it.
-    worker: str
+    #: The token of the main process of the worker that delivered it.
+    main: str
     tag: str
     unacked: str
     #: The list its message was pushed to (priority and global key prefix included).
@@ -71,7 +77,7 @@ def orphans(store: DedupStore, *, limit: int = LIMIT) -> list[Orphan]:
                         task=status.task,
                         task_id=status.task_id,
                         token=status.lock,
-                        worker=status.worker,
+                        main=status.fields.get("main", ""),
                         tag=tag,
                         unacked=unacked,
                         queue=status.queue,
@@ -155,26 +161,35 @@ def _message(raw: bytes | str | None) -> dict[str, Any] | None:
     return message if isinstance(message, dict) and isinstance(message.get("headers"), dict) else None
 
 
-def register(store: DedupStore, nodename: str) -> dict[str, str]:
-    """Register this process as the main process of worker ``nodename``.
+#: The token of this worker's main process (see :func:`incarnate`); "" outside a worker.
+_main = ""
 
-    Returns ``{nodename: token}`` of the process registered before under
-    that name (a restarted worker's previous incarnation), else ``{}``: pass
-    it to :func:`recover`, which no longer finds it in the registry.
+
+def incarnate() -> str:
+    """Take a token for this process as a worker's main process, before its pool forks children.
+
+    Pool children inherit it; every delivery records it (:func:`main_token`).
     """
-    replaced = store.register_worker(nodename, token())
-    return {} if replaced is None else {nodename: replaced}
+    global _main  # noqa: PLW0603 - one incarnation per worker process, inherited by its pool
+    _main = token()
+    return _main
 
 
-def recover(app: Any, store: DedupStore, *, replaced: Mapping[str, str] | None = None, limit: int = LIMIT) -> int:
-    """Restore the messages of ``app``'s started runs whose owner and worker died on this machine.
+def main_token() -> str:
+    """The token of the main process of the worker this process delivers for: itself or its parent.
 
-    ``replaced``: worker tokens :func:`register` replaced. Returns how many
-    messages were put back.
+    "" outside a worker (or in a process that did not inherit it from its
+    worker): its runs then wait for ``visibility_timeout`` if killed whole.
+    """
+    owner = owner_of(_main)
+    return _main if owner is not None and owner.pid in (os.getpid(), os.getppid()) else ""
+
+
+def recover(app: Any, store: DedupStore, *, limit: int = LIMIT) -> int:
+    """Restore the messages of ``app``'s started runs whose owner and delivering worker died on this machine.
+
+    Returns how many messages were put back.
     """
     found = orphans(store, limit=limit)
-    if not found:
-        return 0
-    mains = {**store.worker_tokens(), **(replaced or {})}
-    dead = [orphan for orphan in found if orphan.worker in mains and owner_gone(mains[orphan.worker])]
+    dead = [orphan for orphan in found if orphan.main and owner_gone(orphan.main)]
     return restore(app, store, dead)

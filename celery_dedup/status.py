@@ -283,6 +283,13 @@ FIELD_DOCS = (
     FieldDoc("worker", "worker", "Worker", "The host name of the worker that last started the body."),
     FieldDoc("pid", "worker", "Process id", "The process on that host that ran it."),
     FieldDoc(
+        "main",
+        "worker",
+        "Worker process",
+        "The token of the worker's main process that delivered the run: crash "
+        "recovery puts the run's message back only once this very process is provably dead.",
+    ),
+    FieldDoc(
         "lock",
         "worker",
         "Lock owner",

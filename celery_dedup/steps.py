@@ -27,9 +27,10 @@ logger = logging.getLogger("celery_dedup")
 class ReaperStep(bootsteps.StartStopStep):
     """Runs the reaper on the worker's timer every ``dedup_reap_interval`` seconds (0: never).
 
-    At start-up it registers the worker's main process for crash recovery;
-    then, and after every reaper pass, it puts back the messages of started
-    runs whose worker died on this machine (killed whole): see
+    Built in the worker's main process before its pool forks, it takes the
+    token of this incarnation of the worker, which every delivery records.
+    At start-up, and after every reaper pass, it puts back the messages of
+    started runs whose worker died on this machine (killed whole): see
     :mod:`celery_dedup.recovery`. The start-up pass runs even with the
     reaper off.
     """
@@ -40,9 +41,10 @@ class ReaperStep(bootsteps.StartStopStep):
         super().__init__(worker, **kwargs)
         self.tref: Any = None
         self.recovery: Any = None
+        recovery.incarnate()
 
     def start(self, worker: Any) -> None:
-        self.recovery = worker.timer.call_after(0.0, self.start_up, (worker.app, worker.hostname), priority=10)
+        self.recovery = worker.timer.call_after(0.0, self.recover, (worker.app,), priority=10)
         interval = runtime.config_for(worker.app).reap_interval
         if interval > 0:
             self.tref = worker.timer.call_repeatedly(interval, self.reap, (worker.app,), priority=10)
@@ -76,18 +78,9 @@ class ReaperStep(bootsteps.StartStopStep):
                 report.stale,
             )
 
-    def start_up(self, app: Any, nodename: str) -> None:
-        """Register this worker's main process, then recover what its previous incarnation left."""
+    def recover(self, app: Any) -> None:
         try:
-            replaced = recovery.register(runtime.store_for(app), nodename)
-        except redis.RedisError as exc:
-            logger.warning("could not register this worker for crash recovery: %s", store_failure(exc))
-            return
-        self.recover(app, replaced)
-
-    def recover(self, app: Any, replaced: dict[str, str] | None = None) -> None:
-        try:
-            restored = recovery.recover(app, runtime.store_for(app), replaced=replaced)
+            restored = recovery.recover(app, runtime.store_for(app))
         except (redis.RedisError, OperationalError, OSError) as exc:
             logger.warning("recovery pass failed: %s", exc)
             return

@@ -513,10 +513,13 @@ class DedupStore:
         want_payload: bool = False,
         on_locked: str = "skip",
         keep_payload: bool = True,
+        main: str = "",
     ) -> StartDecision:
         """The delivery guard: may this delivery run? If so the lock is taken (one round trip).
 
         ``keep_payload=False`` deletes the record's payload once the delivery runs.
+        ``main``: the token of the main process of the worker that delivered
+        it (see ``recovery.py``), "" where unknown.
         """
         at = self._at(member)
         keys = [at.held, at.record(member), at.lock(member)]
@@ -537,6 +540,7 @@ class DedupStore:
             "1" if want_payload else "0",
             on_locked,
             "1" if keep_payload else "0",
+            main,
         ]
         reply = self.scripts.start(keys, args)
         if int(reply[0]) == StartDecision.RUN:  # a refusal takes nothing a lost write could give back
@@ -634,18 +638,6 @@ class DedupStore:
         keys = [k for ref in locks for k in (ref.lock_key, ref.record_key)]
         lost = self.scripts.renew(keys, [lock_ms, record_ms, *(ref.token for ref in locks)])
         return [locks[int(i) - 1] for i in lost]
-
-    def register_worker(self, nodename: str, token: str) -> str | None:
-        """Record ``token`` as worker ``nodename``'s main process; returns the token it replaced, if any."""
-        with self.client.pipeline(transaction=True) as pipe:
-            pipe.hget(self.schema.workers, nodename)
-            pipe.hset(self.schema.workers, nodename, token)
-            old, _ = pipe.execute()
-        return None if old is None else _text(old)
-
-    def worker_tokens(self) -> dict[str, str]:
-        """Worker node name -> the token of its main process, as each worker last registered it."""
-        return {_text(k): _text(v) for k, v in self.client.hgetall(self.schema.workers).items()}
 
     def lock_holder(self, member: str) -> str | None:
         """The token of ``member``'s live execution lock, or None."""

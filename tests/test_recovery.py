@@ -4,7 +4,8 @@ Unit tests prove :func:`celery_dedup.processes.owner_gone` on real processes
 (a live one, a dead one, a zombie, a reused pid, another pid namespace).
 Integration tests run ``celery -A tests.crash_app worker`` subprocesses
 (prefork), SIGKILL a pool child or a whole worker mid-task, restart the
-worker, and read what the tasks and the library left in Redis. The execution
+worker (or start a second one under the same node name while the first
+runs), and read what the tasks and the library left in Redis. The execution
 lock TTL is long (``LOCK_TTL``) and kombu's visibility timeout is its default
 hour, so a re-run inside a test's wait proves a takeover and a prompt
 redelivery, never an expiry.
@@ -25,12 +26,13 @@ from typing import Any
 import pytest
 import redis
 
-from celery_dedup import processes
+from celery_dedup import processes, recovery, runtime
 from celery_dedup.keys import KeySchema
 from celery_dedup.lock import new_token
+from celery_dedup.store import DedupStore
 
 from . import crash_app
-from .conftest import ROOT, AppFactory, Server, WorkerProcess, wait_for
+from .conftest import ROOT, AppFactory, Server, WorkerProcess, queued_messages, wait_for
 from .test_crash import Fleet, executions, history_states, member, record, run_ids, started_pid
 
 SCHEMA = KeySchema("dedup")
@@ -154,7 +156,89 @@ def test_a_token_stays_short_with_a_long_host_name(monkeypatch: pytest.MonkeyPat
     assert processes.token_pid(token) == os.getpid()
 
 
+# --- the incarnation that delivered a run ----------------------------------------------------------
+
+
+def test_a_worker_s_pool_children_deliver_for_its_main_process_and_no_other_process_does(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """The main process's token passes to the children it forks; a process it did not fork has none."""
+    monkeypatch.setattr(recovery, "_main", "")
+    assert recovery.main_token() == "", "outside a worker"
+    main = recovery.incarnate()
+    owner = processes.owner_of(main)
+    assert owner is not None and owner.pid == os.getpid()
+    assert recovery.main_token() == main
+    read, write = os.pipe()
+    child = os.fork()
+    if child == 0:  # a pool child, and a process it forks in turn
+        try:
+            mine = recovery.main_token()
+            grandchild = os.fork()
+            if grandchild == 0:
+                os.write(write, (recovery.main_token() or "-").encode() + b"\n")
+                os._exit(0)
+            os.waitpid(grandchild, 0)
+            os.write(write, mine.encode() + b"\n")
+        finally:
+            os._exit(0)
+    os.close(write)
+    os.waitpid(child, 0)
+    with os.fdopen(read) as lines:
+        grandchild_saw, child_saw = lines.read().split()
+    assert child_saw == main
+    assert grandchild_saw == "-"
+
+
+def test_a_delivery_of_an_unknown_worker_leaves_no_earlier_delivery_s_main_process(r: redis.Redis) -> None:
+    """A start that knows no main process must not keep the one an earlier delivery recorded.
+
+    Else a run whose lock owner died under a live, unknown worker could be
+    judged by the earlier (dead) worker's main process and put back.
+    """
+    store = DedupStore(r, "dedup")
+    at = member("hang", "hang:9")
+
+    def start(token: str, main: str) -> None:
+        decision = store.start(
+            at,
+            "hang:9~run",
+            token,
+            lock_ms=60_000,
+            gated=False,
+            key_mode="lock",
+            hostname="h",
+            pid=1,
+            retries=0,
+            task_name=TASK,
+            record_ms=86_400_000,
+            main=main,
+        )
+        assert decision.run, decision
+
+    first = new_token()
+    start(first, first)
+    assert record(r, at)["main"] == first
+    r.delete(SCHEMA.lock(at))  # that delivery's lock is gone (expired, or taken over)
+    start(new_token(), "")
+    assert "main" not in record(r, at)
+    assert record(r, at)["attempts"] == "2"
+
+
 # --- takeover and redelivery with real workers -----------------------------------------------------
+
+
+def under_the_same_name(fleet: Fleet, server: Server) -> WorkerProcess:
+    """Start a worker under the node name of the fleet's first (with the fleet's last settings), ready."""
+    worker = WorkerProcess(server.url, app="tests.crash_app", transport_options={}, extra=("--hostname", "crash0@%h"))
+    fleet.workers.append(worker)
+    return worker.wait_ready(timeout=60)
+
+
+def delivered_by(r: redis.Redis) -> int | None:
+    """The pid of the main process the running delivery's record names."""
+    owner = processes.owner_of(record(r, HANG).get("main", ""))
+    return None if owner is None else owner.pid
 
 
 def recovery_conf(*, reject_on_worker_lost: bool) -> dict[str, Any]:
@@ -233,11 +317,7 @@ def test_a_killed_worker_reruns_at_once_after_a_restart_on_the_same_host(
     worker.stop(signal.SIGKILL)
     assert r.hlen("unacked") == 1, "premise: the message waits, unacknowledged"
     if name == "same":
-        again = WorkerProcess(
-            server.url, app="tests.crash_app", transport_options={}, extra=("--hostname", "crash0@%h")
-        )
-        fleet.workers.append(again)
-        again.wait_ready(timeout=60)
+        under_the_same_name(fleet, server)
     else:
         fleet.start(conf=conf, transport={})
     try:
@@ -276,6 +356,86 @@ def test_a_live_owner_is_never_taken_over(fleet: Fleet, tasks: crash_app.Tasks, 
         assert counter(r, "taken_over") == 0
         assert processes.owner_of(holder.decode()) is not None
         assert not processes.owner_gone(holder.decode())
+    except AssertionError:
+        print(fleet.logs())
+        raise
+
+
+@pytest.mark.slow
+def test_a_worker_killed_after_a_successor_took_its_name_reruns_at_once(
+    fleet: Fleet, tasks: crash_app.Tasks, r: redis.Redis, server: Server
+) -> None:
+    """Worker A runs a run; B starts under A's node name while A still drains; then A is SIGKILLed.
+
+    A restart whose old worker is killed when its stop timeout runs out, as
+    systemd and Docker do. Proves: the run's record names the main process
+    that delivered it, so B's next recovery pass (after a reaper pass) sees
+    that process dead though B, alive, now goes by the same name; the
+    message is back at once, and its copy takes the lock over and runs once
+    more, long before the hour of ``visibility_timeout``.
+    """
+    conf = {**recovery_conf(reject_on_worker_lost=False), "dedup_reap_interval": 1}
+    (old,) = fleet.start(conf=conf, transport={})
+    r.set(crash_app.hang_key("hang:1"), 1)
+    run = tasks.hang.apply_async((1,))
+    started_pid(r, "hang:1")
+    assert delivered_by(r) == old.process.pid, "premise: the record names the old worker's main process"
+    successor = under_the_same_name(fleet, server)
+    time.sleep(2)  # the successor has made its start-up pass, and works on, when the old worker is killed
+    old.stop(signal.SIGKILL)
+    assert successor.process.poll() is None, "premise: the successor lives on"
+    assert r.hlen("unacked") == 1, "premise: the message waits, unacknowledged"
+    try:
+        assert_rerun_once_and_succeeded(r, run.id)
+        assert r.hlen("unacked") == 0
+    except AssertionError:
+        print(fleet.logs())
+        raise
+
+
+@pytest.mark.slow
+def test_a_successor_killed_under_the_same_name_leaves_the_live_worker_s_run_alone(
+    fleet: Fleet, tasks: crash_app.Tasks, r: redis.Redis, server: Server
+) -> None:
+    """Worker A runs a run; B starts under A's node name and is SIGKILLed; A lives on.
+
+    Then A's pool child dies while A's main process, stopped (SIGSTOP) so that
+    it cannot settle it yet, still lives: the run's owner is provably dead,
+    its worker's main process is not. Proves: a recovery pass on this machine
+    restores nothing, neither before nor after the child's death; A settles
+    its lost child as Celery's settings say (acknowledged as failed, as
+    ``task_reject_on_worker_lost`` is off); the body ran once and nothing
+    was taken over.
+    """
+    conf = recovery_conf(reject_on_worker_lost=False)
+    (old,) = fleet.start(conf=conf, transport={})
+    r.set(crash_app.hang_key("hang:1"), 1)
+    tasks.hang.apply_async((1,))
+    child = started_pid(r, "hang:1")
+    assert delivered_by(r) == old.process.pid, "premise: the record names the old worker's main process"
+    successor = under_the_same_name(fleet, server)
+    time.sleep(2)  # the successor runs a while, as a restarted worker does, before it dies
+    successor.stop(signal.SIGKILL)
+    app = tasks.hang.app
+    store = runtime.store_for(app)
+    holder = r.get(SCHEMA.lock(HANG))
+    assert holder is not None
+    try:
+        assert recovery.recover(app, store) == 0, "a live run's message was put back"
+        os.kill(old.process.pid, signal.SIGSTOP)
+        try:
+            os.kill(child, signal.SIGKILL)
+            wait_for(lambda: processes.gone(child), 10, "the pool child is dead")
+            assert processes.owner_gone(holder.decode()), "premise: the run's owner is provably dead"
+            assert recovery.recover(app, store) == 0, "a live worker's run was put back"
+            assert r.hlen("unacked") == 1
+        finally:
+            os.kill(old.process.pid, signal.SIGCONT)
+        wait_for(lambda: r.hlen("unacked") == 0, RERUN_WAIT, "the live worker acknowledged its lost child's message")
+        wait_for(lambda: record(r, HANG).get("state") == "lost", RERUN_WAIT, "the run is recorded lost")
+        assert executions(r, "hang:1") == 1, "the body ran twice"
+        assert not queued_messages(r)
+        assert counter(r, "taken_over") == 0
     except AssertionError:
         print(fleet.logs())
         raise

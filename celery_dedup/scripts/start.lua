@@ -26,6 +26,8 @@
 --          refusal for another run's lock is counted skipped or deferred
 -- ARGV[16] "0" to delete the record's payload once this delivery runs
 --          (dedup_record_args off: it was kept only to run with); else kept
+-- ARGV[17] the token of the main process of the worker that delivered this
+--          delivery (recovery.py judges the run by it), "" if unknown
 --
 -- Returns {code, detail[, payload]}:
 --   {1, attempts, payload}  run: lock taken, record says started (attempts
@@ -53,6 +55,7 @@ local prefix, history_len, record_ms = ARGV[11], tonumber(ARGV[12]), tonumber(AR
 local want_payload = ARGV[14] == '1'
 local on_locked = ARGV[15]
 local keep_payload = ARGV[16] ~= '0'
+local main = ARGV[17] or ''
 
 local followers = prefix .. ':fol:' .. member
 local parked = redis.call('HGET', followers, task_id)
@@ -119,6 +122,11 @@ else
   redis.call('HDEL', record, 'finished_at', 'lock_lost_at', 'window_until', 'missing_since', 'hold_ms', 'payload')
 end
 local fields = {'started_at', now, 'worker', hostname, 'pid', pid, 'retries', retries, 'lock', token}
+if main ~= '' then
+  fields[#fields + 1], fields[#fields + 2] = 'main', main
+else
+  redis.call('HDEL', record, 'main')  -- an earlier delivery's worker does not answer for this one
+end
 if hold_ms then
   -- Two-phase gate: the message is out (here it is) though its confirm has not come (or never
   -- will): the key gets the hold the confirm would have given it.
