@@ -396,7 +396,8 @@ def release(ctx: click.Context, key: str, task: str | None, force: bool, yes: bo
 
 
 def _not_held(member: str, state: str) -> str:
-    return f"nothing to release: {member!r} is not held and no execution lock is alive (its run is {state})"
+    why = f" (its run's state is {state})" if state else ""
+    return f"nothing to release: {member!r} is not held and no execution lock is alive{why}"
 
 
 @dedup.command()

@@ -324,6 +324,17 @@ def test_release_of_a_key_nothing_holds_exits_5_and_writes_nothing(apps: ModuleT
     assert "released" not in as_json(dedup("stats", "--json")).get("cli.charge", {})
 
 
+def test_nothing_to_release_says_its_run_s_state_in_a_sentence(apps: ModuleType, dedup: Invoke) -> None:
+    for state in ("succeeded", "failed"):
+        run = Records(apps.app, apps.charge).ended({"succeeded": 1, "failed": 2}[state], state)
+
+        result = dedup("release", run.member, "--yes")
+
+        assert result.exit_code == cli.NOT_HELD
+        assert f"(its run's state is {state})" in result.stderr
+        assert "its run is" not in result.stderr
+
+
 def test_release_refuses_a_live_lock_unless_forced(apps: ModuleType, dedup: Invoke, r: redis.Redis) -> None:
     run = Records(apps.app, apps.charge).started(3)
 
