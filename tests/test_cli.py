@@ -24,7 +24,7 @@ import redis
 from celery.bin.celery import celery as celery_cli
 from click.testing import CliRunner, Result
 
-from celery_dedup import checks, cli, runtime
+from celery_dedup import checks, cli, runtime, testing
 from celery_dedup.keys import KeySchema, member_for
 
 from ._records import Records
@@ -126,13 +126,21 @@ def test_unreachable_store_exits_1_with_the_reason(dedup: Invoke) -> None:
     assert "Redis: ConnectionError" in result.stderr
 
 
+def shell(url: str, *args: str) -> subprocess.CompletedProcess[str]:
+    """``python -m celery -A tests.cli_app dedup <args>`` with tests.cli_app on ``url``, stdin closed."""
+    env = dict(os.environ, CELERY_DEDUP_TEST_BROKER=url, PYTHONPATH=str(ROOT))
+    env.pop("COLUMNS", None)
+    command = [sys.executable, "-m", "celery", "-A", "tests.cli_app", "dedup", *args]
+    return subprocess.run(
+        command, cwd=ROOT, env=env, stdin=subprocess.DEVNULL, capture_output=True, text=True, timeout=60, check=False
+    )
+
+
 def test_entry_point_works_from_a_real_shell(apps: ModuleType, server: Server) -> None:
     apps.charge.delay(7)
-    env = dict(os.environ, CELERY_DEDUP_TEST_BROKER=server.url, PYTHONPATH=str(ROOT))
 
     def celery(*args: str) -> subprocess.CompletedProcess[str]:
-        command = [sys.executable, "-m", "celery", "-A", "tests.cli_app", "dedup", *args]
-        return subprocess.run(command, cwd=ROOT, env=env, capture_output=True, text=True, timeout=60, check=False)
+        return shell(server.url, *args)
 
     listed = celery("list", "--json")
     assert listed.returncode == 0, listed.stderr
@@ -430,9 +438,12 @@ def test_stats_counts_decisions_per_task(apps: ModuleType, dedup: Invoke) -> Non
 # -- check --------------------------------------------------------------------------------------
 
 
+def findings_of(stdout: str) -> dict[str, tuple[str, str]]:
+    return {f["check"]: (f["level"], f["message"]) for f in json.loads(stdout)["findings"]}
+
+
 def findings(result: Result) -> dict[str, tuple[str, str]]:
-    document = json.loads(result.stdout)
-    return {f["check"]: (f["level"], f["message"]) for f in document["findings"]}
+    return findings_of(result.stdout)
 
 
 def test_check_flags_an_evicting_policy_and_passes_noeviction(
@@ -472,6 +483,21 @@ def test_check_warns_when_persistence_is_off(dedup: Invoke, server_config: Calla
     level, why = findings(dedup("check", "--json"))["persistence"]
 
     assert level == "warning" and "restart" in why
+
+
+def test_check_warns_that_a_server_without_persistence_forgets_keys_and_records(apps: ModuleType) -> None:
+    with testing.RedisServer(extra=("--save", "", "--appendonly", "no")) as bare:
+        without = shell(bare.url, "check", "--json")
+        text = shell(bare.url, "check")
+        redis.Redis.from_url(bare.url).config_set("appendonly", "yes")
+        with_aof = shell(bare.url, "check", "--json")
+
+    assert without.returncode == 0, without.stderr  # a warning fails only with --strict
+    level, why = findings_of(without.stdout)["persistence"]
+    assert level == "warning"
+    assert "restart" in why and "status record" in why and "queued message" in why and "again" in why
+    assert any(line.split()[:2] == ["warning", "persistence"] for line in text.stdout.splitlines())
+    assert findings_of(with_aof.stdout)["persistence"][0] == "ok"
 
 
 def test_check_errors_without_install(dedup: Invoke) -> None:
