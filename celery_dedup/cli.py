@@ -11,7 +11,7 @@ scripts. Errors go to stderr.
 Exit codes::
 
     0  ok
-    1  usage, configuration or connection error
+    1  usage, configuration or connection error; a task name this app does not register
     2  nothing found: show or release of a key with no record, hold or lock
     3  refused: release of a key whose execution lock is alive, without --force
     4  check found an error (warnings too, with --strict)
@@ -21,6 +21,7 @@ Exit codes::
 from __future__ import annotations
 
 import datetime
+import difflib
 import getpass
 import json
 import socket
@@ -44,6 +45,7 @@ from .exceptions import DedupError
 from .keys import member_for, split_member, task_from_namespace
 from .status import FIELD_DOC, FIELD_DOCS, HistoryEntry, Status, from_ms
 from .store import ENDED_STATES, STATES, KeyDetail, ReleaseResult
+from .task import DedupTask
 
 OK, USAGE, NOT_FOUND, REFUSED, CHECK_FAILED, NOT_HELD = 0, 1, 2, 3, 4, 5
 
@@ -158,14 +160,44 @@ def _app(ctx: click.Context) -> Celery:
     return obj.app
 
 
-def _member(key: str, task: str | None) -> str:
-    """The member of ``key`` of ``task``; without a task, ``key`` must be a whole ``<task>:<key>`` member."""
+def _lookup(app: Celery, key: str, task: str | None) -> KeyDetail:
+    """Everything about ``key`` of ``task``; without a task, ``key`` must be a whole ``<task>:<key>`` member.
+
+    A key with nothing stored under a task name this app does not register is
+    a usage error naming close task names and the keyed tasks that do have
+    the key: ``show order:42`` would otherwise read ``order`` as the task and
+    answer "nothing found". Records of a task no longer registered are shown.
+    """
     if task:
-        return member_for(task, key)
-    namespace, business_key = split_member(key)
-    if not namespace or not business_key:
-        raise click.UsageError(f"{key!r}: give --task NAME, or the whole member '<task>:<key>'")
-    return key
+        name, business_key, member = task, key, member_for(task, key)
+    else:
+        namespace, business_key = split_member(key)
+        if not namespace or not business_key:
+            raise click.UsageError(f"{key!r}: give --task NAME, or the whole member '<task>:<key>'")
+        name, member = task_from_namespace(namespace), key
+    found = operations.detail(app, member)
+    if not _is_absent(found):
+        return found
+    app.loader.import_default_modules()
+    if name in app.tasks:
+        return found
+    keyed = sorted(task_name for task_name, each in app.tasks.items() if isinstance(each, DedupTask))
+    message = f"no task {name!r} in this app"
+    close = difflib.get_close_matches(name, keyed, n=3)
+    if close:
+        message += f" (close: {', '.join(close)})"
+    guesses = dict.fromkeys(part for part in (business_key, key if not task else "") if part)
+    holders = [
+        (guess, each)
+        for guess in guesses
+        for each in keyed
+        if not _is_absent(operations.detail(app, member_for(each, guess)))
+    ]
+    if holders:
+        message += "; " + "; ".join(f"{guess!r} is a key of {each} (--task {each})" for guess, each in holders)
+    elif not task:
+        message += "; give --task NAME, or the whole member '<task>:<key>'"
+    raise CliError(message)
 
 
 def _operator() -> str:
@@ -314,7 +346,7 @@ def _field_rows(status: Status, now: float) -> list[tuple[str, str]]:
 @click.pass_context
 def show(ctx: click.Context, key: str, task: str | None, as_json: bool) -> None:
     """Everything about one key: record, history, hold and execution lock."""
-    found = operations.detail(_app(ctx), _member(key, task))
+    found = _lookup(_app(ctx), key, task)
     if _is_absent(found):
         raise NotFound(f"{found.member!r} has no record, hold or lock")
     if as_json:
@@ -361,7 +393,7 @@ def release(ctx: click.Context, key: str, task: str | None, force: bool, yes: bo
     left alone (exit 5): there is nothing to release.
     """
     app = _app(ctx)
-    found = operations.detail(app, _member(key, task))
+    found = _lookup(app, key, task)
     member = found.member
     if _is_absent(found):
         raise NotFound(f"nothing to release: {member!r} has no record, hold or lock")

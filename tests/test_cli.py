@@ -240,6 +240,57 @@ def test_show_unknown_key_exits_2(dedup: Invoke) -> None:
     assert repr(member("order:404")) in result.stderr
 
 
+def test_show_of_a_key_without_its_task_names_the_unknown_task_and_the_key_s_task(
+    apps: ModuleType, dedup: Invoke
+) -> None:
+    apps.charge.delay(42)
+
+    result = dedup("show", "order:42")
+
+    assert result.exit_code == cli.USAGE, result.stdout
+    assert "no task 'order' in this app" in result.stderr
+    assert "'order:42' is a key of cli.charge" in result.stderr
+
+
+def test_show_with_a_misspelt_task_names_the_close_task_names(apps: ModuleType, dedup: Invoke) -> None:
+    apps.charge.delay(42)
+
+    misspelt = dedup("show", "order:42", "--task", "cli.chrage")
+    as_member = dedup("show", member("order:42", "cli.chrage"))
+
+    for result in (misspelt, as_member):
+        assert result.exit_code == cli.USAGE, result.stdout
+        assert "no task 'cli.chrage' in this app" in result.stderr
+        assert "close: cli.charge" in result.stderr
+    absent = dedup("show", "order:404", "--task", "cli.chrage")
+    assert absent.exit_code == cli.USAGE and "close: cli.charge" in absent.stderr
+    assert "is a key of" not in absent.stderr
+
+
+def test_release_without_the_task_does_not_answer_nothing_found(
+    apps: ModuleType, dedup: Invoke, r: redis.Redis
+) -> None:
+    apps.charge.delay(42)
+
+    result = dedup("release", "order:42", "--yes")
+
+    assert result.exit_code == cli.USAGE
+    assert "no task 'order' in this app" in result.stderr and "cli.charge" in result.stderr
+    assert r.sismember(SCHEMA.held, member("order:42"))
+
+
+def test_records_of_a_task_this_app_does_not_register_are_still_shown(apps: ModuleType, dedup: Invoke) -> None:
+    store = runtime.store_for(apps.app)
+    gone = member("order:1", "retired.task")
+    assert store.gate(gone, "order:1~1", "n1", hold_ms=60_000, grace_ms=1000, task_name="retired.task").accepted
+
+    shown = as_json(dedup("show", gone, "--json"))
+
+    assert (shown["task"], shown["key"], shown["held"]) == ("retired.task", "order:1", True)
+    released = as_json(dedup("release", "order:1", "--task", "retired.task", "--yes", "--json"))
+    assert released["was_held"] is True
+
+
 HOSTILE = "\x1b[2J\x1b[H\rstate  succeeded\n\x1b]0;owned\x07\u202e\x9b"
 
 
