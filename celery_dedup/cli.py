@@ -5,8 +5,10 @@ project's own app and settings. Every action goes through
 :mod:`celery_dedup.operations` and the store, as the Django admin's do.
 
 Commands: ``list``, ``show``, ``release``, ``purge``, ``reap``, ``stats``,
-``limits`` and ``check``. Tables are for people; ``--json`` prints one JSON document for
-scripts. Errors go to stderr.
+``limits`` and ``check``. Tables are for people; ``--json`` prints one JSON
+document for scripts, whatever the outcome: a failure prints
+``{"error": <message>, "code": <exit code>}``, and never asks for
+confirmation. Errors also go to stderr.
 
 Exit codes::
 
@@ -60,6 +62,8 @@ Exit codes:
   3  refused (release of a live execution lock without --force)
   4  check found an error (or a warning, with --strict)
   5  nothing held (release of a key neither held nor locked)
+
+With --json, a failure prints {"error": ..., "code": <exit code>}.
 """
 
 
@@ -120,32 +124,65 @@ class _UsageError(click.UsageError):
         super().__init__(original.message, original.ctx)
         self.original = original
 
+    def format_message(self) -> str:
+        return self.original.format_message()
+
     def show(self, file: Any = None) -> None:
         self.original.show(file)
 
 
+#: Where a command's context remembers that ``--json`` was given.
+_JSON_META = "celery_dedup.json"
+
+
+def _wants_json(args: Sequence[str]) -> bool:
+    """Whether ``--json`` is among the command's arguments (read before they are parsed, for parse errors too)."""
+    return "--json" in (args[: args.index("--")] if "--" in args else args)
+
+
 class _DedupGroup(click.Group):
-    """Gives usage errors exit code 1 and reports Redis and celery-dedup errors without a traceback."""
+    """Gives usage errors exit code 1, reports Redis and celery-dedup errors without a traceback, and
+    reports every failure of a ``--json`` command as a JSON document on stdout too."""
 
     def make_context(
         self, info_name: str | None, args: list[str], parent: click.Context | None = None, **extra: Any
     ) -> click.Context:
+        as_json = _wants_json(args)
         try:
-            return super().make_context(info_name, args, parent, **extra)
-        except click.UsageError as exc:
-            raise _UsageError(exc) from exc
+            ctx = super().make_context(info_name, args, parent, **extra)
+        except click.ClickException as exc:
+            failure = _failure(exc, as_json)
+            if failure is exc:
+                raise
+            raise failure from exc
+        ctx.meta[_JSON_META] = as_json
+        return ctx
 
     def invoke(self, ctx: click.Context) -> Any:
+        as_json = bool(ctx.meta.get(_JSON_META))
         try:
             return super().invoke(ctx)
-        except _UsageError:
-            raise
-        except click.UsageError as exc:
-            raise _UsageError(exc) from exc
+        except click.ClickException as exc:
+            failure = _failure(exc, as_json)
+            if failure is exc:
+                raise
+            raise failure from exc
         except redis.RedisError as exc:
-            raise CliError(f"Redis: {type(exc).__name__}: {exc}") from exc
+            raise _failure(CliError(f"Redis: {type(exc).__name__}: {exc}"), as_json) from exc
         except DedupError as exc:
-            raise CliError(str(exc)) from exc
+            raise _failure(CliError(str(exc)), as_json) from exc
+
+
+def _failure(exc: click.ClickException, as_json: bool) -> click.ClickException:
+    """``exc`` with click's usage exit code 2 made 1; with ``--json``, printed now as a JSON document.
+
+    Click then shows it on stderr and exits with its code, as without ``--json``.
+    """
+    if isinstance(exc, click.UsageError) and not isinstance(exc, _UsageError):
+        exc = _UsageError(exc)
+    if as_json:
+        _emit_json({"error": exc.format_message(), "code": exc.exit_code})
+    return exc
 
 
 @click.group(cls=_DedupGroup, help=_HELP)
@@ -392,6 +429,8 @@ def release(ctx: click.Context, key: str, task: str | None, force: bool, yes: bo
     still holds that token. A key that is not held and has no live lock is
     left alone (exit 5): there is nothing to release.
     """
+    if as_json and not yes:
+        raise click.UsageError("--json never asks for confirmation: add --yes to release")
     app = _app(ctx)
     found = _lookup(app, key, task)
     member = found.member
@@ -447,6 +486,8 @@ def _not_held(member: str, state: str) -> str:
 @click.pass_context
 def purge(ctx: click.Context, states: tuple[str, ...], limit: int, yes: bool, as_json: bool) -> None:
     """Delete status records of ended runs; held or locked keys keep theirs."""
+    if as_json and not yes:
+        raise click.UsageError("--json never asks for confirmation: add --yes to purge")
     if not yes:
         click.confirm(f"Delete up to {limit} records in state {', '.join(states)}?", abort=True, err=True)
     report = operations.purge(_app(ctx), states=states, limit=limit)
@@ -538,9 +579,12 @@ def check(ctx: click.Context, countdown: float, strict: bool, as_json: bool) -> 
     """
     findings = run_checks(_app(ctx), countdown=countdown)
     failing = {"error", "warning"} if strict else {"error"}
-    failed = any(f.level in failing for f in findings)
+    failed = [f.check for f in findings if f.level in failing]
     if as_json:
-        _emit_json({"findings": [asdict(f) for f in findings], "failed": failed})
+        document: dict[str, Any] = {"findings": [asdict(f) for f in findings], "failed": bool(failed)}
+        if failed:
+            document.update(error=f"check failed: {', '.join(dict.fromkeys(failed))}", code=CHECK_FAILED)
+        _emit_json(document)
     else:
         obj = ctx.find_object(CLIContext)
         colors = {"ok": "green", "unknown": "yellow", "warning": "yellow", "error": "red"}

@@ -152,6 +152,80 @@ def test_entry_point_works_from_a_real_shell(apps: ModuleType, server: Server) -
     assert missing.stdout == ""
 
 
+# -- --json: one document for every outcome -----------------------------------------------------
+
+#: (setup, args, app, exit code): every command's failures; ``{member}`` is the member ``setup`` made.
+JSON_FAILURES = {
+    "unknown command": (None, ("nosuchcommand", "--json"), "", cli.USAGE),
+    "unknown option": (None, ("list", "--bogus", "--json"), "", cli.USAGE),
+    "list: bad --limit": (None, ("list", "--limit", "0", "--json"), "", cli.USAGE),
+    "list: bad --cursor": (None, ("list", "--cursor", "-1", "--json"), "", cli.USAGE),
+    "list: unreachable": (None, ("list", "--json"), "unreachable", cli.USAGE),
+    "show: no KEY": (None, ("show", "--json"), "", cli.USAGE),
+    "show: no task": (None, ("show", "no-colon-and-no-task", "--json"), "", cli.USAGE),
+    "show: unknown task": ("queued", ("show", "order:1", "--json"), "", cli.USAGE),
+    "show: nothing found": (None, ("show", "order:404", "--task", "cli.charge", "--json"), "", cli.NOT_FOUND),
+    "show: unreachable": (None, ("show", "order:1", "--task", "cli.charge", "--json"), "unreachable", cli.USAGE),
+    "release: no --yes": ("queued", ("release", "{member}", "--json"), "", cli.USAGE),
+    "release: --force, no --yes": ("started", ("release", "{member}", "--force", "--json"), "", cli.USAGE),
+    "release: nothing found": (
+        None,
+        ("release", "order:404", "--task", "cli.charge", "-y", "--json"),
+        "",
+        cli.NOT_FOUND,
+    ),
+    "release: refused": ("started", ("release", "{member}", "--yes", "--json"), "", cli.REFUSED),
+    "release: nothing held": ("succeeded", ("release", "{member}", "--yes", "--json"), "", cli.NOT_HELD),
+    "purge: no --yes": ("succeeded", ("purge", "--state", "succeeded", "--json"), "", cli.USAGE),
+    "purge: unended state": (None, ("purge", "--state", "queued", "--yes", "--json"), "", cli.USAGE),
+    "purge: unreachable": (None, ("purge", "--state", "failed", "--yes", "--json"), "unreachable", cli.USAGE),
+    "reap: unreachable": (None, ("reap", "--json"), "unreachable", cli.USAGE),
+    "stats: unreachable": (None, ("stats", "--json"), "unreachable", cli.USAGE),
+    "limits: bad --limit": (None, ("limits", "--limit", "0", "--json"), "", cli.USAGE),
+    "limits: unreachable": (None, ("limits", "--json"), "unreachable", cli.USAGE),
+    "check: bad --countdown": (None, ("check", "--countdown", "-1", "--json"), "", cli.USAGE),
+    "check: found an error": (None, ("check", "--json"), "uninstalled", cli.CHECK_FAILED),
+}
+
+
+@pytest.mark.parametrize(("setup", "args", "app", "code"), list(JSON_FAILURES.values()), ids=list(JSON_FAILURES))
+def test_json_prints_one_document_for_every_failure_with_its_exit_code(
+    apps: ModuleType, dedup: Invoke, r: redis.Redis, setup: str | None, args: tuple[str, ...], app: str, code: int
+) -> None:
+    records = Records(apps.app, apps.charge)
+    made = {
+        "queued": lambda: records.queued(1),
+        "started": lambda: records.started(1),
+        "succeeded": lambda: records.ended(1, "succeeded"),
+    }
+    run = made[setup]() if setup else None
+    held, lock = r.smembers(SCHEMA.held), r.get(SCHEMA.lock(run.member)) if run else None
+
+    result = dedup(*(arg.replace("{member}", run.member if run else "") for arg in args), app=app)
+
+    assert result.exit_code == code, (result.stdout, result.stderr)
+    document = json.loads(result.stdout)
+    assert document["code"] == code
+    assert isinstance(document["error"], str) and document["error"]
+    assert "[y/N]" not in result.stdout + result.stderr, "--json never asks"
+    assert r.smembers(SCHEMA.held) == held
+    assert (r.get(SCHEMA.lock(run.member)) if run else None) == lock
+
+
+def test_release_json_fails_at_once_from_a_real_shell_with_stdin_closed(apps: ModuleType, server: Server) -> None:
+    queued = Records(apps.app, apps.charge).queued(6)
+
+    refused = shell(server.url, "release", queued.member, "--json")
+
+    assert refused.returncode == cli.USAGE, refused.stderr
+    document = json.loads(refused.stdout)
+    assert document["code"] == cli.USAGE and "--yes" in document["error"]
+    assert "[y/N]" not in refused.stderr
+    released = shell(server.url, "release", queued.member, "--json", "--yes")
+    assert released.returncode == 0, released.stderr
+    assert json.loads(released.stdout)["was_held"] is True
+
+
 # -- list ---------------------------------------------------------------------------------------
 
 
@@ -233,7 +307,7 @@ def test_show_prints_record_hold_lock_and_history(apps: ModuleType, dedup: Invok
 
 
 def test_show_unknown_key_exits_2(dedup: Invoke) -> None:
-    result = dedup("show", "order:404", "--task", "cli.charge", "--json")
+    result = dedup("show", "order:404", "--task", "cli.charge")
 
     assert result.exit_code == cli.NOT_FOUND
     assert result.stdout == ""
@@ -250,6 +324,8 @@ def test_show_of_a_key_without_its_task_names_the_unknown_task_and_the_key_s_tas
     assert result.exit_code == cli.USAGE, result.stdout
     assert "no task 'order' in this app" in result.stderr
     assert "'order:42' is a key of cli.charge" in result.stderr
+    document = json.loads(dedup("show", "order:42", "--json").stdout)
+    assert document["code"] == cli.USAGE and "no task 'order' in this app" in document["error"]
 
 
 def test_show_with_a_misspelt_task_names_the_close_task_names(apps: ModuleType, dedup: Invoke) -> None:
