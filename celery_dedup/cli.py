@@ -5,10 +5,10 @@ project's own app and settings. Every action goes through
 :mod:`celery_dedup.operations` and the store, as the Django admin's do.
 
 Commands: ``list``, ``show``, ``release``, ``purge``, ``reap``, ``stats``,
-``limits`` and ``check``. Tables are for people; ``--json`` prints one JSON
-document for scripts, whatever the outcome: a failure prints
-``{"error": <message>, "code": <exit code>}``, and never asks for
-confirmation. Errors also go to stderr.
+``limits`` and ``check``. Tables are for people, fitted to the terminal's width;
+``--json`` prints one JSON document for scripts, whatever the outcome: a
+failure prints ``{"error": <message>, "code": <exit code>}``, and never asks
+for confirmation. Errors also go to stderr.
 
 Exit codes::
 
@@ -26,8 +26,11 @@ import datetime
 import difflib
 import getpass
 import json
+import os
 import socket
+import sys
 import time
+import unicodedata
 from collections.abc import Callable, Sequence
 from dataclasses import asdict
 from typing import Any
@@ -250,12 +253,97 @@ def _emit_json(document: Any) -> None:
     click.echo(json.dumps(document, indent=2, sort_keys=True))
 
 
-def _table(rows: Sequence[Sequence[str]], headers: Sequence[str] = (), indent: str = "") -> str:
-    """Rows as aligned columns, two spaces apart, under ``headers`` if given; cells made :func:`printable`."""
+#: Columns a table is fitted to when stdout is no terminal and ``COLUMNS`` is unset: wide enough
+#: for a list of ordinary keys whole, narrow enough that one long key does not widen a log or a pager.
+DEFAULT_WIDTH = 120
+#: A shortened column keeps at least its header and this many columns.
+_MIN_SHORTENED = 8
+
+
+def terminal_width() -> int:
+    """``COLUMNS`` if set, else the width of the terminal stdout is, else :data:`DEFAULT_WIDTH`.
+
+    As :func:`shutil.get_terminal_size`, but of the stream output is written
+    to (``sys.stdout``), not the one the process started with.
+    """
+    columns = os.environ.get("COLUMNS", "")
+    if columns.isdigit() and int(columns) > 0:
+        return int(columns)
+    try:
+        return os.get_terminal_size(sys.stdout.fileno()).columns or DEFAULT_WIDTH
+    except (AttributeError, OSError, ValueError):  # no file descriptor, or not a terminal
+        return DEFAULT_WIDTH
+
+
+def _char_width(char: str) -> int:
+    if unicodedata.combining(char):
+        return 0
+    return 2 if unicodedata.east_asian_width(char) in ("W", "F") else 1
+
+
+def _text_width(text: str) -> int:
+    """Terminal columns ``text`` takes: wide (East Asian) characters two, combining marks none."""
+    return sum(_char_width(char) for char in text)
+
+
+def _shortened(text: str, width: int) -> str:
+    """``text`` cut to ``width`` columns, its end replaced by an ellipsis if it was longer."""
+    if _text_width(text) <= width:
+        return text
+    kept, used = [], 0
+    for char in text:
+        used += _char_width(char)
+        if used > width - 1:
+            break
+        kept.append(char)
+    return "".join(kept) + "…"
+
+
+def _fitted(natural: Sequence[int], least: Sequence[int], width: int) -> list[int]:
+    """Column widths whose sum (and the gaps) is within ``width``, taken from the widest columns first.
+
+    No column goes below its ``least``; when even those do not fit, the table is wider than ``width``.
+    """
+    budget = width - 2 * (len(natural) - 1)
+    if sum(natural) <= budget:
+        return list(natural)
+    low, high = 0, max(natural)  # the largest cap on column widths that fits
+    while low < high:
+        cap = (low + high + 1) // 2
+        if sum(min(n, max(cap, m)) for n, m in zip(natural, least, strict=True)) <= budget:
+            low = cap
+        else:
+            high = cap - 1
+    widths = [min(n, max(low, m)) for n, m in zip(natural, least, strict=True)]
+    spare = budget - sum(widths)
+    for i in sorted(range(len(natural)), key=lambda i: -natural[i]):  # what the cap leaves: to the widest cut
+        if spare > 0 and widths[i] < natural[i]:
+            widths[i] += 1
+            spare -= 1
+    return widths
+
+
+def _table(
+    rows: Sequence[Sequence[str]], headers: Sequence[str] = (), indent: str = "", shorten: Sequence[int] = ()
+) -> str:
+    """Rows as aligned columns, two spaces apart, under ``headers`` if given; cells made :func:`printable`.
+
+    ``shorten``: the columns whose values may be cut (with an ellipsis) so that
+    the table fits :func:`terminal_width`; the others are always whole.
+    """
     lines = [[printable(cell) for cell in line] for line in ([headers, *rows] if headers else rows)]
-    widths = [max(len(cell) for cell in column) for column in zip(*lines, strict=True)]
+    widths = [max(_text_width(cell) for cell in column) for column in zip(*lines, strict=True)]
+    if shorten:
+        heads = [_text_width(cell) for cell in lines[0]] if headers else [0] * len(widths)
+        least = [
+            w if i not in shorten else min(w, max(h, _MIN_SHORTENED))
+            for i, (w, h) in enumerate(zip(widths, heads, strict=True))
+        ]
+        widths = _fitted(widths, least, terminal_width() - len(indent))
+        lines = [[_shortened(cell, w) for cell, w in zip(line, widths, strict=True)] for line in lines]
     return "\n".join(
-        indent + "  ".join(c.ljust(w) for c, w in zip(line, widths, strict=True)).rstrip() for line in lines
+        indent + "  ".join(c + " " * (w - _text_width(c)) for c, w in zip(line, widths, strict=True)).rstrip()
+        for line in lines
     )
 
 
@@ -339,7 +427,7 @@ def list_(
             )
             for status in page.records
         ]
-        click.echo(_table(rows, headers))
+        click.echo(_table(rows, headers, shorten=(0, 1, 3, 5)))
     click.echo(f"{len(page.records)} shown, index holds {page.total}")
     if page.cursor:
         click.echo(f"next page: --cursor {page.cursor}")
@@ -557,7 +645,7 @@ def limits_(ctx: click.Context, limit: int, as_json: bool) -> None:
         )
         for g in groups
     ]
-    click.echo(_table(rows, ("TASK", "GROUP", "SLOTS", "WAITING", "RATE", "MEAN BODY", "LAST USED")))
+    click.echo(_table(rows, ("TASK", "GROUP", "SLOTS", "WAITING", "RATE", "MEAN BODY", "LAST USED"), shorten=(0, 1)))
 
 
 @dedup.command()

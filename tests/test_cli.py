@@ -15,6 +15,7 @@ import re
 import signal
 import subprocess
 import sys
+import unicodedata
 from collections.abc import Callable, Iterator
 from types import ModuleType
 from typing import Any
@@ -48,9 +49,11 @@ def dedup(apps: ModuleType) -> Invoke:
     """Run ``celery -A tests.cli_app[:<app>] dedup <args>`` in-process; returns click's result."""
     runner = CliRunner()
 
-    def invoke(*args: str, app: str = "", input: str | None = None) -> Result:
+    def invoke(*args: str, app: str = "", input: str | None = None, columns: int | None = None) -> Result:
+        """``columns``: the COLUMNS the command sees (unset by default: its output is no terminal)."""
         target = f"tests.cli_app:{app}" if app else "tests.cli_app"
-        return runner.invoke(celery_cli, ["-A", target, "dedup", *args], input=input, catch_exceptions=False)
+        env = {"COLUMNS": None if columns is None else str(columns)}
+        return runner.invoke(celery_cli, ["-A", target, "dedup", *args], input=input, env=env, catch_exceptions=False)
 
     return invoke
 
@@ -279,6 +282,62 @@ def test_list_filters_and_pages_with_the_printed_cursor(apps: ModuleType, dedup:
     assert as_json(dedup("list", "--task", "cli.other", "--json"))["records"] == []
     assert dedup("list", "--state", "succeeded").stdout.startswith("no records\n")
     assert dedup("list", "--cursor", "not-a-cursor").exit_code == cli.USAGE
+
+
+def display_width(line: str) -> int:
+    """Terminal columns ``line`` takes: wide (East Asian) characters two, combining marks none."""
+    return sum(0 if unicodedata.combining(c) else 2 if unicodedata.east_asian_width(c) in "WF" else 1 for c in line)
+
+
+def test_one_long_key_does_not_widen_every_row_of_the_list(apps: ModuleType, dedup: Invoke) -> None:
+    apps.charge.delay(1)
+    long_result = apps.charge.delay("x" * 300)
+    wide_result = apps.charge.delay("注文" * 60)
+    long_key = long_result.id.rsplit("~", 1)[0]
+
+    for columns in (120, 160):
+        table = dedup("list", columns=columns)
+        assert table.exit_code == 0
+        lines = table.stdout.splitlines()
+        assert max(display_width(line) for line in lines) <= columns, table.stdout
+        rows = {line.split()[0]: line for line in lines[1:4]}
+        assert "order:1" in rows, "a short key is shown whole"
+        shortened = [key for key in rows if key.endswith("…")]
+        assert len(shortened) == 2, rows
+        assert any(long_key.startswith(key[:-1]) for key in shortened)
+        assert rows["order:1"].split()[1:3] == ["cli.charge", "queued"], "short columns stay whole"
+        assert lines[0].split()[:2] == ["KEY", "TASK"]
+
+    shown = dedup("show", long_key, "--task", "cli.charge", columns=100)
+    assert f"key     {long_key}\n" in shown.stdout, "show keeps values whole"
+    listed = as_json(dedup("list", "--json", columns=100))
+    assert {long_key, wide_result.id.rsplit("~", 1)[0]} <= {rec["key"] for rec in listed["records"]}
+
+
+def test_list_fits_a_default_width_when_its_output_is_no_terminal(apps: ModuleType, dedup: Invoke) -> None:
+    apps.charge.delay("x" * 300)
+
+    lines = dedup("list").stdout.splitlines()
+
+    assert max(len(line) for line in lines) <= cli.DEFAULT_WIDTH < 300
+
+
+def test_limits_fits_long_group_keys_to_the_terminal(apps: ModuleType, dedup: Invoke) -> None:
+    from celery_dedup import limits  # noqa: PLC0415 - only this test reads groups
+
+    store = runtime.store_for(apps.app)
+    policy = limits.LimitPolicy(None, concurrency=2)
+    for group in ("tenant:acme", "tenant:" + "y" * 300):
+        limits.acquire(store, f"cli.report:{group}", "h:1:1", "r1", policy, lease_ms=60_000, task_name="x")
+
+    lines = dedup("limits", columns=90).stdout.splitlines()
+
+    assert max(len(line) for line in lines) <= 90
+    groups = sorted(line.split()[1] for line in lines[1:])
+    assert groups[0] == "tenant:acme"
+    assert groups[1].startswith("tenant:yyy") and groups[1].endswith("…")
+    whole = {group["key"] for group in as_json(dedup("limits", "--json", columns=90))}
+    assert whole == {"tenant:acme", "tenant:" + "y" * 300}
 
 
 # -- show ---------------------------------------------------------------------------------------
@@ -730,3 +789,18 @@ def test_limits_lists_each_groups_usage(apps: ModuleType, dedup: Invoke) -> None
     lines = dedup("limits").stdout.splitlines()
     assert lines[0].split()[:5] == ["TASK", "GROUP", "SLOTS", "WAITING", "RATE"]
     assert lines[1].split()[:5] == ["cli.report", "tenant:acme", "2/2", "1", "2/30/m"]
+
+
+def test_values_are_shortened_to_terminal_columns_not_characters() -> None:
+    assert cli._shortened("order:42", 8) == "order:42"
+    assert cli._shortened("order:420", 8) == "order:4…"
+    assert cli._shortened("注文注文", 5) == "注文…"  # two columns each: a third would end in column 6
+    assert cli._shortened("注文注文", 6) == "注文…"
+    assert display_width(cli._shortened("e\u0301" * 20, 6)) == 6  # combining accents take no column
+
+
+def test_the_widest_columns_are_cut_first_and_never_below_their_least() -> None:
+    assert cli._fitted([10, 300, 5], [10, 8, 5], 100) == [10, 81, 5]  # 100 less two gaps of 2, 10 and 5
+    assert cli._fitted([50, 60, 5], [8, 8, 5], 64) == [27, 28, 5]
+    assert cli._fitted([50, 60, 5], [20, 20, 5], 30) == [20, 20, 5], "wider than asked rather than below least"
+    assert cli._fitted([3, 4], [3, 4], 80) == [3, 4]
