@@ -50,14 +50,23 @@ def eviction_finding(policy: str, maxmemory: int) -> Finding:
     )
 
 
-def persistence_finding(save: str, appendonly: str) -> Finding:
-    if not save.strip() and appendonly == "no":
-        return Finding(
-            "persistence",
-            "warning",
-            "off (save '' and appendonly no): a restart forgets every held key and lock, so duplicates run",
+def persistence_finding(save: str, appendonly: str, *, on_broker: bool = True) -> Finding:
+    """Whether a restart of the store's server keeps its keys; ``on_broker``: the queues live there too."""
+    if save.strip() or appendonly != "no":
+        return Finding("persistence", "ok", f"save {save!r}, appendonly {appendonly}")
+    if on_broker:
+        what = (
+            "a restart empties the server: its queued messages are lost, and every held key, execution lock "
+            "and status record is forgotten, so a new call of a key runs again beside a run still executing "
+            "or within its until_expired or throttle window"
         )
-    return Finding("persistence", "ok", f"save {save!r}, appendonly {appendonly}")
+    else:
+        what = (
+            "a restart forgets every held key, execution lock and status record while the broker keeps the "
+            "queued messages: a new call of a key runs again beside its queued or executing run, and a "
+            "message delivered again after its run ended runs again"
+        )
+    return Finding("persistence", "warning", f"off (save '' and appendonly no): {what}; turn on appendonly")
 
 
 def clock_finding(offset: float) -> Finding:
@@ -119,13 +128,14 @@ def _config_get(client: redis.Redis, name: str) -> str:
     raise redis.ResponseError(f"CONFIG GET {name} returned nothing")
 
 
-def _server_findings(client: redis.Redis) -> list[Finding]:
+def _server_findings(client: redis.Redis, on_broker: bool) -> list[Finding]:
     findings = []
     try:
         findings.append(
             eviction_finding(_config_get(client, "maxmemory-policy"), int(_config_get(client, "maxmemory")))
         )
-        findings.append(persistence_finding(_config_get(client, "save"), _config_get(client, "appendonly")))
+        save, appendonly = _config_get(client, "save"), _config_get(client, "appendonly")
+        findings.append(persistence_finding(save, appendonly, on_broker=on_broker))
     except redis.ResponseError as exc:  # CONFIG renamed or forbidden, as on managed services
         for name in ("maxmemory-policy", "persistence"):
             findings.append(
@@ -142,13 +152,13 @@ def _server_findings(client: redis.Redis) -> list[Finding]:
     return findings
 
 
-def _store_findings(client: redis.Redis) -> list[Finding]:
-    """The server's findings; a cluster's per master, each named."""
+def _store_findings(client: redis.Redis, on_broker: bool) -> list[Finding]:
+    """The server's findings; a cluster's per master, each named. ``on_broker``: the store is the broker."""
     if not isinstance(client, RedisCluster):
-        return _server_findings(client)
+        return _server_findings(client, on_broker)
     findings = []
     for node in client.get_primaries():
-        for found in _server_findings(node.redis_connection):
+        for found in _server_findings(node.redis_connection, on_broker=False):
             findings.append(Finding(found.check, found.level, f"{node.name}: {found.message}"))
     return findings
 
@@ -189,13 +199,14 @@ def run_checks(app: Celery, *, countdown: float = 0) -> list[Finding]:
     scheme = runtime._scheme(broker)
     redis_broker = scheme in runtime.TRANSPORTS
     config = state.config
+    on_broker = redis_broker and runtime.separate_store(app, config) is None
     if not redis_broker:
         findings.append(
             Finding(
                 "broker", "warning", f"{scheme}:// is not Redis: the gate has two phases (hold with a lease, publish)"
             )
         )
-    elif runtime.separate_store(app, config) is not None:
+    elif not on_broker:
         findings.append(
             Finding(
                 "broker",
@@ -217,7 +228,7 @@ def run_checks(app: Celery, *, countdown: float = 0) -> list[Finding]:
         )
     store_url = masked_url(config.redis_url or broker)
     try:
-        findings += _store_findings(state.store.client)
+        findings += _store_findings(state.store.client, on_broker)
     except (redis.RedisError, DedupError) as exc:
         findings.append(Finding("server", "error", f"cannot inspect the dedup store at {store_url}: {exc}"))
     return findings

@@ -5,13 +5,15 @@ project's own app and settings. Every action goes through
 :mod:`celery_dedup.operations` and the store, as the Django admin's do.
 
 Commands: ``list``, ``show``, ``release``, ``purge``, ``reap``, ``stats``,
-``limits`` and ``check``. Tables are for people; ``--json`` prints one JSON document for
-scripts. Errors go to stderr.
+``limits`` and ``check``. Tables are for people, fitted to the terminal's width;
+``--json`` prints one JSON document for scripts, whatever the outcome: a
+failure prints ``{"error": <message>, "code": <exit code>}``, and never asks
+for confirmation. Errors also go to stderr.
 
 Exit codes::
 
     0  ok
-    1  usage, configuration or connection error
+    1  usage, configuration or connection error; a task name this app does not register
     2  nothing found: show or release of a key with no record, hold or lock
     3  refused: release of a key whose execution lock is alive, without --force
     4  check found an error (warnings too, with --strict)
@@ -21,10 +23,14 @@ Exit codes::
 from __future__ import annotations
 
 import datetime
+import difflib
 import getpass
 import json
+import os
 import socket
+import sys
 import time
+import unicodedata
 from collections.abc import Callable, Sequence
 from dataclasses import asdict
 from typing import Any
@@ -44,6 +50,7 @@ from .exceptions import DedupError
 from .keys import member_for, split_member, task_from_namespace
 from .status import FIELD_DOC, FIELD_DOCS, HistoryEntry, Status, from_ms
 from .store import ENDED_STATES, STATES, KeyDetail, ReleaseResult
+from .task import DedupTask
 
 OK, USAGE, NOT_FOUND, REFUSED, CHECK_FAILED, NOT_HELD = 0, 1, 2, 3, 4, 5
 
@@ -58,6 +65,8 @@ Exit codes:
   3  refused (release of a live execution lock without --force)
   4  check found an error (or a warning, with --strict)
   5  nothing held (release of a key neither held nor locked)
+
+With --json, a failure prints {"error": ..., "code": <exit code>}.
 """
 
 
@@ -118,32 +127,65 @@ class _UsageError(click.UsageError):
         super().__init__(original.message, original.ctx)
         self.original = original
 
+    def format_message(self) -> str:
+        return self.original.format_message()
+
     def show(self, file: Any = None) -> None:
         self.original.show(file)
 
 
+#: Where a command's context remembers that ``--json`` was given.
+_JSON_META = "celery_dedup.json"
+
+
+def _wants_json(args: Sequence[str]) -> bool:
+    """Whether ``--json`` is among the command's arguments (read before they are parsed, for parse errors too)."""
+    return "--json" in (args[: args.index("--")] if "--" in args else args)
+
+
 class _DedupGroup(click.Group):
-    """Gives usage errors exit code 1 and reports Redis and celery-dedup errors without a traceback."""
+    """Gives usage errors exit code 1, reports Redis and celery-dedup errors without a traceback, and
+    reports every failure of a ``--json`` command as a JSON document on stdout too."""
 
     def make_context(
         self, info_name: str | None, args: list[str], parent: click.Context | None = None, **extra: Any
     ) -> click.Context:
+        as_json = _wants_json(args)
         try:
-            return super().make_context(info_name, args, parent, **extra)
-        except click.UsageError as exc:
-            raise _UsageError(exc) from exc
+            ctx = super().make_context(info_name, args, parent, **extra)
+        except click.ClickException as exc:
+            failure = _failure(exc, as_json)
+            if failure is exc:
+                raise
+            raise failure from exc
+        ctx.meta[_JSON_META] = as_json
+        return ctx
 
     def invoke(self, ctx: click.Context) -> Any:
+        as_json = bool(ctx.meta.get(_JSON_META))
         try:
             return super().invoke(ctx)
-        except _UsageError:
-            raise
-        except click.UsageError as exc:
-            raise _UsageError(exc) from exc
+        except click.ClickException as exc:
+            failure = _failure(exc, as_json)
+            if failure is exc:
+                raise
+            raise failure from exc
         except redis.RedisError as exc:
-            raise CliError(f"Redis: {type(exc).__name__}: {exc}") from exc
+            raise _failure(CliError(f"Redis: {type(exc).__name__}: {exc}"), as_json) from exc
         except DedupError as exc:
-            raise CliError(str(exc)) from exc
+            raise _failure(CliError(str(exc)), as_json) from exc
+
+
+def _failure(exc: click.ClickException, as_json: bool) -> click.ClickException:
+    """``exc`` with click's usage exit code 2 made 1; with ``--json``, printed now as a JSON document.
+
+    Click then shows it on stderr and exits with its code, as without ``--json``.
+    """
+    if isinstance(exc, click.UsageError) and not isinstance(exc, _UsageError):
+        exc = _UsageError(exc)
+    if as_json:
+        _emit_json({"error": exc.format_message(), "code": exc.exit_code})
+    return exc
 
 
 @click.group(cls=_DedupGroup, help=_HELP)
@@ -158,14 +200,44 @@ def _app(ctx: click.Context) -> Celery:
     return obj.app
 
 
-def _member(key: str, task: str | None) -> str:
-    """The member of ``key`` of ``task``; without a task, ``key`` must be a whole ``<task>:<key>`` member."""
+def _lookup(app: Celery, key: str, task: str | None) -> KeyDetail:
+    """Everything about ``key`` of ``task``; without a task, ``key`` must be a whole ``<task>:<key>`` member.
+
+    A key with nothing stored under a task name this app does not register is
+    a usage error naming close task names and the keyed tasks that do have
+    the key: ``show order:42`` would otherwise read ``order`` as the task and
+    answer "nothing found". Records of a task no longer registered are shown.
+    """
     if task:
-        return member_for(task, key)
-    namespace, business_key = split_member(key)
-    if not namespace or not business_key:
-        raise click.UsageError(f"{key!r}: give --task NAME, or the whole member '<task>:<key>'")
-    return key
+        name, business_key, member = task, key, member_for(task, key)
+    else:
+        namespace, business_key = split_member(key)
+        if not namespace or not business_key:
+            raise click.UsageError(f"{key!r}: give --task NAME, or the whole member '<task>:<key>'")
+        name, member = task_from_namespace(namespace), key
+    found = operations.detail(app, member)
+    if not _is_absent(found):
+        return found
+    app.loader.import_default_modules()
+    if name in app.tasks:
+        return found
+    keyed = sorted(task_name for task_name, each in app.tasks.items() if isinstance(each, DedupTask))
+    message = f"no task {name!r} in this app"
+    close = difflib.get_close_matches(name, keyed, n=3)
+    if close:
+        message += f" (close: {', '.join(close)})"
+    guesses = dict.fromkeys(part for part in (business_key, key if not task else "") if part)
+    holders = [
+        (guess, each)
+        for guess in guesses
+        for each in keyed
+        if not _is_absent(operations.detail(app, member_for(each, guess)))
+    ]
+    if holders:
+        message += "; " + "; ".join(f"{guess!r} is a key of {each} (--task {each})" for guess, each in holders)
+    elif not task:
+        message += "; give --task NAME, or the whole member '<task>:<key>'"
+    raise CliError(message)
 
 
 def _operator() -> str:
@@ -181,12 +253,97 @@ def _emit_json(document: Any) -> None:
     click.echo(json.dumps(document, indent=2, sort_keys=True))
 
 
-def _table(rows: Sequence[Sequence[str]], headers: Sequence[str] = (), indent: str = "") -> str:
-    """Rows as aligned columns, two spaces apart, under ``headers`` if given; cells made :func:`printable`."""
+#: Columns a table is fitted to when stdout is no terminal and ``COLUMNS`` is unset: wide enough
+#: for a list of ordinary keys whole, narrow enough that one long key does not widen a log or a pager.
+DEFAULT_WIDTH = 120
+#: A shortened column keeps at least its header and this many columns.
+_MIN_SHORTENED = 8
+
+
+def terminal_width() -> int:
+    """``COLUMNS`` if set, else the width of the terminal stdout is, else :data:`DEFAULT_WIDTH`.
+
+    As :func:`shutil.get_terminal_size`, but of the stream output is written
+    to (``sys.stdout``), not the one the process started with.
+    """
+    columns = os.environ.get("COLUMNS", "")
+    if columns.isdigit() and int(columns) > 0:
+        return int(columns)
+    try:
+        return os.get_terminal_size(sys.stdout.fileno()).columns or DEFAULT_WIDTH
+    except (AttributeError, OSError, ValueError):  # no file descriptor, or not a terminal
+        return DEFAULT_WIDTH
+
+
+def _char_width(char: str) -> int:
+    if unicodedata.combining(char):
+        return 0
+    return 2 if unicodedata.east_asian_width(char) in ("W", "F") else 1
+
+
+def _text_width(text: str) -> int:
+    """Terminal columns ``text`` takes: wide (East Asian) characters two, combining marks none."""
+    return sum(_char_width(char) for char in text)
+
+
+def _shortened(text: str, width: int) -> str:
+    """``text`` cut to ``width`` columns, its end replaced by an ellipsis if it was longer."""
+    if _text_width(text) <= width:
+        return text
+    kept, used = [], 0
+    for char in text:
+        used += _char_width(char)
+        if used > width - 1:
+            break
+        kept.append(char)
+    return "".join(kept) + "…"
+
+
+def _fitted(natural: Sequence[int], least: Sequence[int], width: int) -> list[int]:
+    """Column widths whose sum (and the gaps) is within ``width``, taken from the widest columns first.
+
+    No column goes below its ``least``; when even those do not fit, the table is wider than ``width``.
+    """
+    budget = width - 2 * (len(natural) - 1)
+    if sum(natural) <= budget:
+        return list(natural)
+    low, high = 0, max(natural)  # the largest cap on column widths that fits
+    while low < high:
+        cap = (low + high + 1) // 2
+        if sum(min(n, max(cap, m)) for n, m in zip(natural, least, strict=True)) <= budget:
+            low = cap
+        else:
+            high = cap - 1
+    widths = [min(n, max(low, m)) for n, m in zip(natural, least, strict=True)]
+    spare = budget - sum(widths)
+    for i in sorted(range(len(natural)), key=lambda i: -natural[i]):  # what the cap leaves: to the widest cut
+        if spare > 0 and widths[i] < natural[i]:
+            widths[i] += 1
+            spare -= 1
+    return widths
+
+
+def _table(
+    rows: Sequence[Sequence[str]], headers: Sequence[str] = (), indent: str = "", shorten: Sequence[int] = ()
+) -> str:
+    """Rows as aligned columns, two spaces apart, under ``headers`` if given; cells made :func:`printable`.
+
+    ``shorten``: the columns whose values may be cut (with an ellipsis) so that
+    the table fits :func:`terminal_width`; the others are always whole.
+    """
     lines = [[printable(cell) for cell in line] for line in ([headers, *rows] if headers else rows)]
-    widths = [max(len(cell) for cell in column) for column in zip(*lines, strict=True)]
+    widths = [max(_text_width(cell) for cell in column) for column in zip(*lines, strict=True)]
+    if shorten:
+        heads = [_text_width(cell) for cell in lines[0]] if headers else [0] * len(widths)
+        least = [
+            w if i not in shorten else min(w, max(h, _MIN_SHORTENED))
+            for i, (w, h) in enumerate(zip(widths, heads, strict=True))
+        ]
+        widths = _fitted(widths, least, terminal_width() - len(indent))
+        lines = [[_shortened(cell, w) for cell, w in zip(line, widths, strict=True)] for line in lines]
     return "\n".join(
-        indent + "  ".join(c.ljust(w) for c, w in zip(line, widths, strict=True)).rstrip() for line in lines
+        indent + "  ".join(c + " " * (w - _text_width(c)) for c, w in zip(line, widths, strict=True)).rstrip()
+        for line in lines
     )
 
 
@@ -270,7 +427,7 @@ def list_(
             )
             for status in page.records
         ]
-        click.echo(_table(rows, headers))
+        click.echo(_table(rows, headers, shorten=(0, 1, 3, 5)))
     click.echo(f"{len(page.records)} shown, index holds {page.total}")
     if page.cursor:
         click.echo(f"next page: --cursor {page.cursor}")
@@ -314,7 +471,7 @@ def _field_rows(status: Status, now: float) -> list[tuple[str, str]]:
 @click.pass_context
 def show(ctx: click.Context, key: str, task: str | None, as_json: bool) -> None:
     """Everything about one key: record, history, hold and execution lock."""
-    found = operations.detail(_app(ctx), _member(key, task))
+    found = _lookup(_app(ctx), key, task)
     if _is_absent(found):
         raise NotFound(f"{found.member!r} has no record, hold or lock")
     if as_json:
@@ -360,8 +517,10 @@ def release(ctx: click.Context, key: str, task: str | None, force: bool, yes: bo
     still holds that token. A key that is not held and has no live lock is
     left alone (exit 5): there is nothing to release.
     """
+    if as_json and not yes:
+        raise click.UsageError("--json never asks for confirmation: add --yes to release")
     app = _app(ctx)
-    found = operations.detail(app, _member(key, task))
+    found = _lookup(app, key, task)
     member = found.member
     if _is_absent(found):
         raise NotFound(f"nothing to release: {member!r} has no record, hold or lock")
@@ -396,7 +555,8 @@ def release(ctx: click.Context, key: str, task: str | None, force: bool, yes: bo
 
 
 def _not_held(member: str, state: str) -> str:
-    return f"nothing to release: {member!r} is not held and no execution lock is alive (its run is {state})"
+    why = f" (its run's state is {state})" if state else ""
+    return f"nothing to release: {member!r} is not held and no execution lock is alive{why}"
 
 
 @dedup.command()
@@ -414,6 +574,8 @@ def _not_held(member: str, state: str) -> str:
 @click.pass_context
 def purge(ctx: click.Context, states: tuple[str, ...], limit: int, yes: bool, as_json: bool) -> None:
     """Delete status records of ended runs; held or locked keys keep theirs."""
+    if as_json and not yes:
+        raise click.UsageError("--json never asks for confirmation: add --yes to purge")
     if not yes:
         click.confirm(f"Delete up to {limit} records in state {', '.join(states)}?", abort=True, err=True)
     report = operations.purge(_app(ctx), states=states, limit=limit)
@@ -483,7 +645,7 @@ def limits_(ctx: click.Context, limit: int, as_json: bool) -> None:
         )
         for g in groups
     ]
-    click.echo(_table(rows, ("TASK", "GROUP", "SLOTS", "WAITING", "RATE", "MEAN BODY", "LAST USED")))
+    click.echo(_table(rows, ("TASK", "GROUP", "SLOTS", "WAITING", "RATE", "MEAN BODY", "LAST USED"), shorten=(0, 1)))
 
 
 @dedup.command()
@@ -505,9 +667,12 @@ def check(ctx: click.Context, countdown: float, strict: bool, as_json: bool) -> 
     """
     findings = run_checks(_app(ctx), countdown=countdown)
     failing = {"error", "warning"} if strict else {"error"}
-    failed = any(f.level in failing for f in findings)
+    failed = [f.check for f in findings if f.level in failing]
     if as_json:
-        _emit_json({"findings": [asdict(f) for f in findings], "failed": failed})
+        document: dict[str, Any] = {"findings": [asdict(f) for f in findings], "failed": bool(failed)}
+        if failed:
+            document.update(error=f"check failed: {', '.join(dict.fromkeys(failed))}", code=CHECK_FAILED)
+        _emit_json(document)
     else:
         obj = ctx.find_object(CLIContext)
         colors = {"ok": "green", "unknown": "yellow", "warning": "yellow", "error": "red"}

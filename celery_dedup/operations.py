@@ -105,7 +105,8 @@ def requeue(app: Any, member: str, *, by: str = "") -> RequeueResult:
         raise DedupOperationError("requeue", member, "there is no status record")
     state = record.get("state", "")
     if state not in REQUEUE_STATES:
-        raise DedupOperationError("requeue", member, f"the run is {state}; only {', '.join(REQUEUE_STATES)} runs")
+        only = f"{', '.join(REQUEUE_STATES[:-1])} or {REQUEUE_STATES[-1]}"
+        raise DedupOperationError("requeue", member, f"the run's state is {state}; only {only} runs can be re-enqueued")
     payload = record.get("payload")
     if not payload:
         raise DedupOperationError(

@@ -15,6 +15,7 @@ import re
 import signal
 import subprocess
 import sys
+import unicodedata
 from collections.abc import Callable, Iterator
 from types import ModuleType
 from typing import Any
@@ -24,7 +25,7 @@ import redis
 from celery.bin.celery import celery as celery_cli
 from click.testing import CliRunner, Result
 
-from celery_dedup import checks, cli, runtime
+from celery_dedup import checks, cli, runtime, testing
 from celery_dedup.keys import KeySchema, member_for
 
 from ._records import Records
@@ -48,9 +49,11 @@ def dedup(apps: ModuleType) -> Invoke:
     """Run ``celery -A tests.cli_app[:<app>] dedup <args>`` in-process; returns click's result."""
     runner = CliRunner()
 
-    def invoke(*args: str, app: str = "", input: str | None = None) -> Result:
+    def invoke(*args: str, app: str = "", input: str | None = None, columns: int | None = None) -> Result:
+        """``columns``: the COLUMNS the command sees (unset by default: its output is no terminal)."""
         target = f"tests.cli_app:{app}" if app else "tests.cli_app"
-        return runner.invoke(celery_cli, ["-A", target, "dedup", *args], input=input, catch_exceptions=False)
+        env = {"COLUMNS": None if columns is None else str(columns)}
+        return runner.invoke(celery_cli, ["-A", target, "dedup", *args], input=input, env=env, catch_exceptions=False)
 
     return invoke
 
@@ -126,13 +129,21 @@ def test_unreachable_store_exits_1_with_the_reason(dedup: Invoke) -> None:
     assert "Redis: ConnectionError" in result.stderr
 
 
+def shell(url: str, *args: str) -> subprocess.CompletedProcess[str]:
+    """``python -m celery -A tests.cli_app dedup <args>`` with tests.cli_app on ``url``, stdin closed."""
+    env = dict(os.environ, CELERY_DEDUP_TEST_BROKER=url, PYTHONPATH=str(ROOT))
+    env.pop("COLUMNS", None)
+    command = [sys.executable, "-m", "celery", "-A", "tests.cli_app", "dedup", *args]
+    return subprocess.run(
+        command, cwd=ROOT, env=env, stdin=subprocess.DEVNULL, capture_output=True, text=True, timeout=60, check=False
+    )
+
+
 def test_entry_point_works_from_a_real_shell(apps: ModuleType, server: Server) -> None:
     apps.charge.delay(7)
-    env = dict(os.environ, CELERY_DEDUP_TEST_BROKER=server.url, PYTHONPATH=str(ROOT))
 
     def celery(*args: str) -> subprocess.CompletedProcess[str]:
-        command = [sys.executable, "-m", "celery", "-A", "tests.cli_app", "dedup", *args]
-        return subprocess.run(command, cwd=ROOT, env=env, capture_output=True, text=True, timeout=60, check=False)
+        return shell(server.url, *args)
 
     listed = celery("list", "--json")
     assert listed.returncode == 0, listed.stderr
@@ -142,6 +153,80 @@ def test_entry_point_works_from_a_real_shell(apps: ModuleType, server: Server) -
     assert missing.returncode == cli.NOT_FOUND
     assert "has no record, hold or lock" in missing.stderr
     assert missing.stdout == ""
+
+
+# -- --json: one document for every outcome -----------------------------------------------------
+
+#: (setup, args, app, exit code): every command's failures; ``{member}`` is the member ``setup`` made.
+JSON_FAILURES = {
+    "unknown command": (None, ("nosuchcommand", "--json"), "", cli.USAGE),
+    "unknown option": (None, ("list", "--bogus", "--json"), "", cli.USAGE),
+    "list: bad --limit": (None, ("list", "--limit", "0", "--json"), "", cli.USAGE),
+    "list: bad --cursor": (None, ("list", "--cursor", "-1", "--json"), "", cli.USAGE),
+    "list: unreachable": (None, ("list", "--json"), "unreachable", cli.USAGE),
+    "show: no KEY": (None, ("show", "--json"), "", cli.USAGE),
+    "show: no task": (None, ("show", "no-colon-and-no-task", "--json"), "", cli.USAGE),
+    "show: unknown task": ("queued", ("show", "order:1", "--json"), "", cli.USAGE),
+    "show: nothing found": (None, ("show", "order:404", "--task", "cli.charge", "--json"), "", cli.NOT_FOUND),
+    "show: unreachable": (None, ("show", "order:1", "--task", "cli.charge", "--json"), "unreachable", cli.USAGE),
+    "release: no --yes": ("queued", ("release", "{member}", "--json"), "", cli.USAGE),
+    "release: --force, no --yes": ("started", ("release", "{member}", "--force", "--json"), "", cli.USAGE),
+    "release: nothing found": (
+        None,
+        ("release", "order:404", "--task", "cli.charge", "-y", "--json"),
+        "",
+        cli.NOT_FOUND,
+    ),
+    "release: refused": ("started", ("release", "{member}", "--yes", "--json"), "", cli.REFUSED),
+    "release: nothing held": ("succeeded", ("release", "{member}", "--yes", "--json"), "", cli.NOT_HELD),
+    "purge: no --yes": ("succeeded", ("purge", "--state", "succeeded", "--json"), "", cli.USAGE),
+    "purge: unended state": (None, ("purge", "--state", "queued", "--yes", "--json"), "", cli.USAGE),
+    "purge: unreachable": (None, ("purge", "--state", "failed", "--yes", "--json"), "unreachable", cli.USAGE),
+    "reap: unreachable": (None, ("reap", "--json"), "unreachable", cli.USAGE),
+    "stats: unreachable": (None, ("stats", "--json"), "unreachable", cli.USAGE),
+    "limits: bad --limit": (None, ("limits", "--limit", "0", "--json"), "", cli.USAGE),
+    "limits: unreachable": (None, ("limits", "--json"), "unreachable", cli.USAGE),
+    "check: bad --countdown": (None, ("check", "--countdown", "-1", "--json"), "", cli.USAGE),
+    "check: found an error": (None, ("check", "--json"), "uninstalled", cli.CHECK_FAILED),
+}
+
+
+@pytest.mark.parametrize(("setup", "args", "app", "code"), list(JSON_FAILURES.values()), ids=list(JSON_FAILURES))
+def test_json_prints_one_document_for_every_failure_with_its_exit_code(
+    apps: ModuleType, dedup: Invoke, r: redis.Redis, setup: str | None, args: tuple[str, ...], app: str, code: int
+) -> None:
+    records = Records(apps.app, apps.charge)
+    made = {
+        "queued": lambda: records.queued(1),
+        "started": lambda: records.started(1),
+        "succeeded": lambda: records.ended(1, "succeeded"),
+    }
+    run = made[setup]() if setup else None
+    held, lock = r.smembers(SCHEMA.held), r.get(SCHEMA.lock(run.member)) if run else None
+
+    result = dedup(*(arg.replace("{member}", run.member if run else "") for arg in args), app=app)
+
+    assert result.exit_code == code, (result.stdout, result.stderr)
+    document = json.loads(result.stdout)
+    assert document["code"] == code
+    assert isinstance(document["error"], str) and document["error"]
+    assert "[y/N]" not in result.stdout + result.stderr, "--json never asks"
+    assert r.smembers(SCHEMA.held) == held
+    assert (r.get(SCHEMA.lock(run.member)) if run else None) == lock
+
+
+def test_release_json_fails_at_once_from_a_real_shell_with_stdin_closed(apps: ModuleType, server: Server) -> None:
+    queued = Records(apps.app, apps.charge).queued(6)
+
+    refused = shell(server.url, "release", queued.member, "--json")
+
+    assert refused.returncode == cli.USAGE, refused.stderr
+    document = json.loads(refused.stdout)
+    assert document["code"] == cli.USAGE and "--yes" in document["error"]
+    assert "[y/N]" not in refused.stderr
+    released = shell(server.url, "release", queued.member, "--json", "--yes")
+    assert released.returncode == 0, released.stderr
+    assert json.loads(released.stdout)["was_held"] is True
 
 
 # -- list ---------------------------------------------------------------------------------------
@@ -199,6 +284,62 @@ def test_list_filters_and_pages_with_the_printed_cursor(apps: ModuleType, dedup:
     assert dedup("list", "--cursor", "not-a-cursor").exit_code == cli.USAGE
 
 
+def display_width(line: str) -> int:
+    """Terminal columns ``line`` takes: wide (East Asian) characters two, combining marks none."""
+    return sum(0 if unicodedata.combining(c) else 2 if unicodedata.east_asian_width(c) in "WF" else 1 for c in line)
+
+
+def test_one_long_key_does_not_widen_every_row_of_the_list(apps: ModuleType, dedup: Invoke) -> None:
+    apps.charge.delay(1)
+    long_result = apps.charge.delay("x" * 300)
+    wide_result = apps.charge.delay("注文" * 60)
+    long_key = long_result.id.rsplit("~", 1)[0]
+
+    for columns in (120, 160):
+        table = dedup("list", columns=columns)
+        assert table.exit_code == 0
+        lines = table.stdout.splitlines()
+        assert max(display_width(line) for line in lines) <= columns, table.stdout
+        rows = {line.split()[0]: line for line in lines[1:4]}
+        assert "order:1" in rows, "a short key is shown whole"
+        shortened = [key for key in rows if key.endswith("…")]
+        assert len(shortened) == 2, rows
+        assert any(long_key.startswith(key[:-1]) for key in shortened)
+        assert rows["order:1"].split()[1:3] == ["cli.charge", "queued"], "short columns stay whole"
+        assert lines[0].split()[:2] == ["KEY", "TASK"]
+
+    shown = dedup("show", long_key, "--task", "cli.charge", columns=100)
+    assert f"key     {long_key}\n" in shown.stdout, "show keeps values whole"
+    listed = as_json(dedup("list", "--json", columns=100))
+    assert {long_key, wide_result.id.rsplit("~", 1)[0]} <= {rec["key"] for rec in listed["records"]}
+
+
+def test_list_fits_a_default_width_when_its_output_is_no_terminal(apps: ModuleType, dedup: Invoke) -> None:
+    apps.charge.delay("x" * 300)
+
+    lines = dedup("list").stdout.splitlines()
+
+    assert max(len(line) for line in lines) <= cli.DEFAULT_WIDTH < 300
+
+
+def test_limits_fits_long_group_keys_to_the_terminal(apps: ModuleType, dedup: Invoke) -> None:
+    from celery_dedup import limits  # noqa: PLC0415 - only this test reads groups
+
+    store = runtime.store_for(apps.app)
+    policy = limits.LimitPolicy(None, concurrency=2)
+    for group in ("tenant:acme", "tenant:" + "y" * 300):
+        limits.acquire(store, f"cli.report:{group}", "h:1:1", "r1", policy, lease_ms=60_000, task_name="x")
+
+    lines = dedup("limits", columns=90).stdout.splitlines()
+
+    assert max(len(line) for line in lines) <= 90
+    groups = sorted(line.split()[1] for line in lines[1:])
+    assert groups[0] == "tenant:acme"
+    assert groups[1].startswith("tenant:yyy") and groups[1].endswith("…")
+    whole = {group["key"] for group in as_json(dedup("limits", "--json", columns=90))}
+    assert whole == {"tenant:acme", "tenant:" + "y" * 300}
+
+
 # -- show ---------------------------------------------------------------------------------------
 
 
@@ -225,11 +366,64 @@ def test_show_prints_record_hold_lock_and_history(apps: ModuleType, dedup: Invok
 
 
 def test_show_unknown_key_exits_2(dedup: Invoke) -> None:
-    result = dedup("show", "order:404", "--task", "cli.charge", "--json")
+    result = dedup("show", "order:404", "--task", "cli.charge")
 
     assert result.exit_code == cli.NOT_FOUND
     assert result.stdout == ""
     assert repr(member("order:404")) in result.stderr
+
+
+def test_show_of_a_key_without_its_task_names_the_unknown_task_and_the_key_s_task(
+    apps: ModuleType, dedup: Invoke
+) -> None:
+    apps.charge.delay(42)
+
+    result = dedup("show", "order:42")
+
+    assert result.exit_code == cli.USAGE, result.stdout
+    assert "no task 'order' in this app" in result.stderr
+    assert "'order:42' is a key of cli.charge" in result.stderr
+    document = json.loads(dedup("show", "order:42", "--json").stdout)
+    assert document["code"] == cli.USAGE and "no task 'order' in this app" in document["error"]
+
+
+def test_show_with_a_misspelt_task_names_the_close_task_names(apps: ModuleType, dedup: Invoke) -> None:
+    apps.charge.delay(42)
+
+    misspelt = dedup("show", "order:42", "--task", "cli.chrage")
+    as_member = dedup("show", member("order:42", "cli.chrage"))
+
+    for result in (misspelt, as_member):
+        assert result.exit_code == cli.USAGE, result.stdout
+        assert "no task 'cli.chrage' in this app" in result.stderr
+        assert "close: cli.charge" in result.stderr
+    absent = dedup("show", "order:404", "--task", "cli.chrage")
+    assert absent.exit_code == cli.USAGE and "close: cli.charge" in absent.stderr
+    assert "is a key of" not in absent.stderr
+
+
+def test_release_without_the_task_does_not_answer_nothing_found(
+    apps: ModuleType, dedup: Invoke, r: redis.Redis
+) -> None:
+    apps.charge.delay(42)
+
+    result = dedup("release", "order:42", "--yes")
+
+    assert result.exit_code == cli.USAGE
+    assert "no task 'order' in this app" in result.stderr and "cli.charge" in result.stderr
+    assert r.sismember(SCHEMA.held, member("order:42"))
+
+
+def test_records_of_a_task_this_app_does_not_register_are_still_shown(apps: ModuleType, dedup: Invoke) -> None:
+    store = runtime.store_for(apps.app)
+    gone = member("order:1", "retired.task")
+    assert store.gate(gone, "order:1~1", "n1", hold_ms=60_000, grace_ms=1000, task_name="retired.task").accepted
+
+    shown = as_json(dedup("show", gone, "--json"))
+
+    assert (shown["task"], shown["key"], shown["held"]) == ("retired.task", "order:1", True)
+    released = as_json(dedup("release", "order:1", "--task", "retired.task", "--yes", "--json"))
+    assert released["was_held"] is True
 
 
 HOSTILE = "\x1b[2J\x1b[H\rstate  succeeded\n\x1b]0;owned\x07\u202e\x9b"
@@ -322,6 +516,17 @@ def test_release_of_a_key_nothing_holds_exits_5_and_writes_nothing(apps: ModuleT
     assert "nothing to release" in result.stderr and "not held" in result.stderr and "succeeded" in result.stderr
     assert as_json(dedup("show", run.member, "--json"))["history"] == history
     assert "released" not in as_json(dedup("stats", "--json")).get("cli.charge", {})
+
+
+def test_nothing_to_release_says_its_run_s_state_in_a_sentence(apps: ModuleType, dedup: Invoke) -> None:
+    for state in ("succeeded", "failed"):
+        run = Records(apps.app, apps.charge).ended({"succeeded": 1, "failed": 2}[state], state)
+
+        result = dedup("release", run.member, "--yes")
+
+        assert result.exit_code == cli.NOT_HELD
+        assert f"(its run's state is {state})" in result.stderr
+        assert "its run is" not in result.stderr
 
 
 def test_release_refuses_a_live_lock_unless_forced(apps: ModuleType, dedup: Invoke, r: redis.Redis) -> None:
@@ -419,9 +624,12 @@ def test_stats_counts_decisions_per_task(apps: ModuleType, dedup: Invoke) -> Non
 # -- check --------------------------------------------------------------------------------------
 
 
+def findings_of(stdout: str) -> dict[str, tuple[str, str]]:
+    return {f["check"]: (f["level"], f["message"]) for f in json.loads(stdout)["findings"]}
+
+
 def findings(result: Result) -> dict[str, tuple[str, str]]:
-    document = json.loads(result.stdout)
-    return {f["check"]: (f["level"], f["message"]) for f in document["findings"]}
+    return findings_of(result.stdout)
 
 
 def test_check_flags_an_evicting_policy_and_passes_noeviction(
@@ -461,6 +669,21 @@ def test_check_warns_when_persistence_is_off(dedup: Invoke, server_config: Calla
     level, why = findings(dedup("check", "--json"))["persistence"]
 
     assert level == "warning" and "restart" in why
+
+
+def test_check_warns_that_a_server_without_persistence_forgets_keys_and_records(apps: ModuleType) -> None:
+    with testing.RedisServer(extra=("--save", "", "--appendonly", "no")) as bare:
+        without = shell(bare.url, "check", "--json")
+        text = shell(bare.url, "check")
+        redis.Redis.from_url(bare.url).config_set("appendonly", "yes")
+        with_aof = shell(bare.url, "check", "--json")
+
+    assert without.returncode == 0, without.stderr  # a warning fails only with --strict
+    level, why = findings_of(without.stdout)["persistence"]
+    assert level == "warning"
+    assert "restart" in why and "status record" in why and "queued message" in why and "again" in why
+    assert any(line.split()[:2] == ["warning", "persistence"] for line in text.stdout.splitlines())
+    assert findings_of(with_aof.stdout)["persistence"][0] == "ok"
 
 
 def test_check_errors_without_install(dedup: Invoke) -> None:
@@ -566,3 +789,18 @@ def test_limits_lists_each_groups_usage(apps: ModuleType, dedup: Invoke) -> None
     lines = dedup("limits").stdout.splitlines()
     assert lines[0].split()[:5] == ["TASK", "GROUP", "SLOTS", "WAITING", "RATE"]
     assert lines[1].split()[:5] == ["cli.report", "tenant:acme", "2/2", "1", "2/30/m"]
+
+
+def test_values_are_shortened_to_terminal_columns_not_characters() -> None:
+    assert cli._shortened("order:42", 8) == "order:42"
+    assert cli._shortened("order:420", 8) == "order:4…"
+    assert cli._shortened("注文注文", 5) == "注文…"  # two columns each: a third would end in column 6
+    assert cli._shortened("注文注文", 6) == "注文…"
+    assert display_width(cli._shortened("e\u0301" * 20, 6)) == 6  # combining accents take no column
+
+
+def test_the_widest_columns_are_cut_first_and_never_below_their_least() -> None:
+    assert cli._fitted([10, 300, 5], [10, 8, 5], 100) == [10, 81, 5]  # 100 less two gaps of 2, 10 and 5
+    assert cli._fitted([50, 60, 5], [8, 8, 5], 64) == [27, 28, 5]
+    assert cli._fitted([50, 60, 5], [20, 20, 5], 30) == [20, 20, 5], "wider than asked rather than below least"
+    assert cli._fitted([3, 4], [3, 4], 80) == [3, 4]

@@ -441,11 +441,13 @@ def test_release_is_offered_only_where_something_is_held(app: Celery, charges: R
     assert confirm.status_code == 200
     page = confirm.content.decode()
     assert "Nothing to release" in page and "Yes, release it" not in page
+    assert "(its run's state is succeeded)" in page and "its run is" not in page
 
     refused = root.post(release_url(done.member), {"token": ""}, follow=True)
 
     assert refused.redirect_chain == [(detail_url(done.member), 302)]
     assert "Nothing to release" in refused.content.decode()
+    assert "(the run&#x27;s state is succeeded)" in refused.content.decode()
     assert store.history(done.member) == history
     assert store.stats().get("shop.charge", {}).get("released", 0) == 0
 
@@ -584,7 +586,7 @@ def test_actions_leave_admin_log_entries_and_the_requeued_run_names_who_asked(
         (users["root"], CHANGE, None),
     ]
     released, requeued, purged = (e.get_change_message() for e in entries)
-    assert released == "Released the key; its run is now released."
+    assert released == "Released the key; its run's state is now released."
     assert requeued == f"Re-enqueued as task id {new_id} (was {failed.task_id})."
     assert purged == "Purged 2 records in states succeeded."
     assert entries[0].get_admin_url() == detail_url(held.member)

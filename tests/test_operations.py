@@ -254,7 +254,8 @@ def test_requeue_of_a_key_still_held_is_deduplicated(app: Celery, records: Recor
 
 def test_requeue_refuses_what_it_cannot_do(app: Celery, records: Records, make_app: AppFactory) -> None:
     queued = records.queued(42)
-    with pytest.raises(DedupOperationError, match="the run is queued"):
+    only = "only failed, revoked, rejected, lost or released runs can be re-enqueued"
+    with pytest.raises(DedupOperationError, match=f"the run's state is queued; {only}"):
         operations.requeue(app, queued.member)
     with pytest.raises(DedupOperationError, match="no status record"):
         operations.requeue(app, "shop.charge:order:none")

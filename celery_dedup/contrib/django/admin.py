@@ -343,7 +343,7 @@ def _released_log(result: ReleaseResult) -> str:
     text = "Released the key"
     if result.forced:
         text += ", deleting its live execution lock"
-    return text + (f"; its run is now {result.detail}." if result.detail else "; it had no record.")
+    return text + (f"; its run's state is now {result.detail}." if result.detail else "; it had no record.")
 
 
 def _released_message(member: str, result: ReleaseResult) -> str:
@@ -365,7 +365,7 @@ def _refused_message(result: ReleaseResult) -> str:
         return f"Not released: the lock now belongs to {result.detail}, not the owner you confirmed. Review again."
     if result.detail:
         return (
-            f"Nothing to release: the key is not held and no execution lock is alive (the run is {result.detail}). "
-            "Nothing was changed."
+            "Nothing to release: the key is not held and no execution lock is alive "
+            f"(the run's state is {result.detail}). Nothing was changed."
         )
     return "Nothing to release: the key has no record, hold or lock any more."
