@@ -258,6 +258,17 @@ def install(app: Any) -> Runtime:
     return runtime
 
 
+def not_atomic_reason(app: Any) -> str | None:
+    """Why the installed app's keys and messages cannot be written in one script; None if they can."""
+    runtime = runtime_for(app)
+    if runtime.atomic:
+        return None
+    scheme = _scheme(_broker_url(app))
+    if scheme not in TRANSPORTS:
+        return f"the broker {scheme}:// is not Redis"
+    return "dedup_redis_url names another server or database than the broker's"
+
+
 #: Schemes of kombu's py-amqp transport, which takes ``confirm_publish``.
 AMQP_SCHEMES = frozenset({"amqp", "amqps", "pyamqp"})
 

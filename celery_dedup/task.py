@@ -71,6 +71,14 @@ def carries_continuation(link: Any, link_error: Any, options: Mapping[str, Any])
     return bool(link or link_error or any(options.get(name) for name in _CONTINUATIONS))
 
 
+def check_bound_tasks(app: Any) -> None:
+    """The checks that need an installed app, for the tasks bound before ``install`` (binding does them after)."""
+    for task in list(app._tasks.values()):  # the registry as it is: app.tasks would finalize the app
+        policy = type(task)._dedup_policy if isinstance(task, DedupTask) else None
+        if policy is not None:
+            type(task)._refuse_unparkable(app, policy.mode)
+
+
 def _run_signature(cls: type) -> inspect.Signature:
     """The signature callers must match: ``run`` without ``self`` for methods."""
     for klass in cls.__mro__:
@@ -146,6 +154,7 @@ class DedupTask(_TaskBase):
         if cls.__dict__.get("abstract") or not getattr(cls, "name", None):
             return
         cls._dedup_policy = cls._resolve_policy(app)
+        cls._refuse_unparkable(app, cls._dedup_policy.mode)
 
     @classmethod
     def _resolve_policy(cls, app: Any) -> TaskPolicy:
@@ -157,6 +166,7 @@ class DedupTask(_TaskBase):
         ttl = cls.dedup_ttl if cls.dedup_ttl is not None else config.default_ttl
         lock_ttl = cls.dedup_lock_ttl if cls.dedup_lock_ttl is not None else config.lock_ttl
         mode = MODES[check_mode("dedup_mode", mode_name, task=name)]
+        cls._refuse_options_of_other_modes(mode)
         on_locked = cls.dedup_on_locked
         if on_locked is None:
             on_locked = mode.on_locked or config.on_locked
@@ -206,29 +216,53 @@ class DedupTask(_TaskBase):
                     )
 
     @classmethod
+    def _refuse_options_of_other_modes(cls, mode: type[Mode]) -> None:
+        """An option the task's mode does not honour (``Mode.options``) would silently do nothing: refuse it."""
+        for option in TASK_OPTIONS:
+            value = getattr(cls, option)
+            if value is None or option in mode.options:
+                continue
+            honouring = [other for other, klass in MODES.items() if option in klass.options]
+            hint = ": set dedup_window" if option == "dedup_ttl" and mode.windowed else ""
+            raise DedupConfigError(
+                option,
+                value,
+                f"does not apply to dedup_mode={mode.name!r}{hint} (it applies to {', '.join(honouring)})",
+                task=cls.name,
+            )
+
+    @classmethod
+    def _refuse_unparkable(cls, app: Any, mode: type[Mode]) -> None:
+        """A debounced task on an app whose broker cannot park its runs fails at start-up, not at its first call.
+
+        Checked once the app is installed (``install`` checks the tasks bound before it). Eager
+        apps run every call inline, so nothing is parked there.
+        """
+        if not mode.parks or app.conf.task_always_eager or not runtime.runtime_for(app).installed:
+            return
+        why = runtime.not_atomic_reason(app)
+        if why is not None:
+            raise DedupConfigError(
+                "dedup_mode",
+                mode.name,
+                f"needs its keys in the Redis broker's database, where a debounced run's message is parked "
+                f"until due, but {why}",
+                task=cls.name,
+            )
+
+    @classmethod
     def _resolve_window(cls, mode: type[Mode]) -> dict[str, Any]:
-        """``dedup_window``, ``dedup_max_wait`` and ``dedup_debounce``: each only where its mode uses it."""
+        """``dedup_window``, ``dedup_max_wait`` and ``dedup_debounce``, for the modes that honour them."""
         name = cls.name
         given = {
             option: getattr(cls, option)
             for option in ("dedup_window", "dedup_max_wait", "dedup_debounce")
             if getattr(cls, option) is not None
         }
-        allowed = ({"dedup_window"} if mode.windowed else set()) | (
-            {"dedup_max_wait", "dedup_debounce"} if mode.parks else set()
-        )
-        for option, value in given.items():
-            if option not in allowed:
-                modes = "debounce and throttle" if option == "dedup_window" else "debounce"
-                raise DedupConfigError(option, value, f"applies only to dedup_mode {modes}", task=name)
         if not mode.windowed:
             return {}
         if "dedup_window" not in given:
             raise DedupConfigError("dedup_window", None, f"is required with dedup_mode={mode.name!r}", task=name)
-        if not mode.parks and cls.dedup_ttl is not None:
-            raise DedupConfigError(
-                "dedup_ttl", cls.dedup_ttl, f"does not apply to dedup_mode={mode.name!r}: set dedup_window", task=name
-            )
         window = check_ttl("dedup_window", given["dedup_window"], task=name)
         if not mode.parks:
             return {"window": window}
@@ -468,13 +502,8 @@ class DedupTask(_TaskBase):
         mode = self.dedup_policy.mode
         if not mode.gates_enqueue or (mode.parks and self.app.conf.task_always_eager):
             return False
-        if mode.parks and not atomic:
-            raise DedupConfigError(
-                "dedup_mode",
-                mode.name,
-                "needs the Redis broker: a debounced run's message is parked in Redis until due",
-                task=self.name,
-            )
+        if mode.parks and not atomic:  # eager at binding, but no longer (refused at binding otherwise)
+            type(self)._refuse_unparkable(self.app, mode)
         return True
 
     def delay(self, *args: Any, **kwargs: Any) -> DedupResult:
