@@ -20,6 +20,7 @@ from . import decisions, limits, runtime
 from .bulk import apply_async_many
 from .config import check_debounce, check_mode, check_on_duplicate, check_on_locked, check_ttl
 from .exceptions import (
+    STORE_ERRORS,
     UNREACHABLE,
     DedupConfigError,
     DedupFollowerLimitError,
@@ -27,6 +28,7 @@ from .exceptions import (
     DedupUnavailableError,
     DuplicateTaskError,
     server_reply,
+    unreachable,
 )
 from .gate import HEADER, UNGATED, GateHeader, Outcome, open_ticket
 from .guard import guarded_call, hand_over, lock_lost, replacing
@@ -449,9 +451,9 @@ class DedupTask(_TaskBase):
         """
         app = self.app
         config = runtime.config_for(app)
-        store = runtime.store_for(app)
         eager = app.conf.task_always_eager
         try:
+            store = runtime.store_for(app)  # a cluster's client connects as it is made
             outcome = store.gate(
                 gate.member,
                 run_id,
@@ -465,9 +467,9 @@ class DedupTask(_TaskBase):
                 # Eager calls run inside their publish: nothing can be lost between.
                 lease_ms=0 if eager else int(config.publish_lease * 1000),
             )
-        except redis.RedisError as exc:
+        except STORE_ERRORS as exc:
             key = split_member(gate.member)[1]
-            if gate.continues and isinstance(exc, UNREACHABLE):
+            if gate.continues and unreachable(exc):
                 # A retry of a run accepted before (a worker that could not reach the store, say):
                 # its delivery is guarded as any, so it goes on without the hold being stretched.
                 logger.warning(
@@ -561,7 +563,7 @@ class DedupTask(_TaskBase):
             return None
         try:
             known = runtime.store_for(self.app).peek(member)
-        except redis.RedisError:
+        except STORE_ERRORS:
             return None  # the gate decides, with its own error handling
         if known is None:
             recent.forget(member)
@@ -608,7 +610,7 @@ class DedupTask(_TaskBase):
                     raise
                 try:
                     store.unclaim(member, run_id)  # only while the run has not begun (see finish.lua)
-                except redis.RedisError:
+                except STORE_ERRORS:
                     logger.exception("could not drop key %r after a failed publish; its lease frees it", member)
                 raise
 
@@ -638,7 +640,7 @@ class DedupTask(_TaskBase):
         """
         try:
             confirmed = store.confirm(gate.member, run_id, gate.nonce, hold_ms=gate.hold_ms, grace_ms=gate.grace_ms)
-        except redis.RedisError:
+        except STORE_ERRORS:
             logger.exception(
                 "%s[%s] was published, but its key %r could not be confirmed: it stays held until its publish "
                 "lease ends",
@@ -703,7 +705,7 @@ class DedupTask(_TaskBase):
         A store that answered with an error reply is not unreachable: that is a
         DedupStoreError under either policy, and nothing is published.
         """
-        if not isinstance(exc, UNREACHABLE):
+        if not unreachable(exc):
             raise DedupStoreError(self.name, key, exc) from exc
         app = self.app
         if runtime.config_for(app).on_redis_error == "fail_closed":

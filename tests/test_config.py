@@ -112,6 +112,13 @@ BAD_SETTINGS = [
     ("dedup_key_prefix", ""),
     ("dedup_key_prefix", 7),
     ("dedup_key_prefix", None),
+    # On a Redis Cluster the prefix sits inside each key's hash tag: a brace would end it.
+    ("dedup_key_prefix", "}dedup"),
+    ("dedup_key_prefix", "de{dup"),
+    ("dedup_key_prefix", "{tenant}"),
+    ("dedup_key_prefix", "dedup\x00"),
+    ("dedup_key_prefix", "dedup\x1b[0m"),
+    ("dedup_key_prefix", "dedup\x7f"),
     ("dedup_default_ttl", -1),
     ("dedup_default_ttl", 0),
     ("dedup_default_ttl", True),
