@@ -313,6 +313,35 @@ def test_sentinel_store_takes_master_name_from_its_options(bare_app: BareApp) ->
     assert (pool.connection_kwargs["db"], pool.connection_kwargs["password"]) == (2, "pw")
 
 
+@pytest.mark.parametrize(
+    ("url", "options"),
+    [
+        ("sentinel://:s3cret@127.0.0.1:26379/2", None),
+        ("sentinel://127.0.0.1:26379;sentinel://127.0.0.1:26380", {"password": "s3cret"}),
+    ],
+    ids=["no-options", "options-without-master-name"],
+)
+def test_a_sentinel_store_without_master_name_is_refused_at_install(
+    bare_app: BareApp, url: str, options: dict[str, Any] | None
+) -> None:
+    """Not at the first publish: the Sentinels cannot be asked for a master they were not told the name of."""
+    app = bare_app(dedup_redis_url=url, dedup_redis_options=options)
+    with pytest.raises(DedupConfigError) as info:
+        celery_dedup.install(app)
+    assert info.value.setting == "dedup_redis_options"
+    assert "master_name" in info.value.reason
+    assert "s3cret" not in str(info.value)
+
+
+def test_a_store_url_redis_py_cannot_read_is_refused_at_install(bare_app: BareApp) -> None:
+    """A port that is no number passes the scheme check; redis-py refuses it, at install, the password masked."""
+    app = bare_app(dedup_redis_url="redis://shop:s3cret@127.0.0.1:63x9/0")
+    with pytest.raises(DedupConfigError) as info:
+        celery_dedup.install(app)
+    assert info.value.setting == "dedup_redis_url"
+    assert "s3cret" not in str(info.value)
+
+
 class DjangoSettings:
     """What ``django.conf:settings`` looks like to Celery with ``namespace="CELERY"``."""
 
