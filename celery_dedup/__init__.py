@@ -31,7 +31,7 @@ from .keyed import DedupResult
 from .runtime import reap, stats
 from .status import HistoryEntry, Status
 from .store import Page, ReapReport, Record
-from .task import DedupTask
+from .task import DedupTask, check_bound_tasks
 
 __version__ = "0.1.0"
 
@@ -95,6 +95,7 @@ def install(app: Any) -> None:
     to the broker. Raises :class:`DedupConfigError` for a bad setting.
     """
     runtime.install(app)
+    check_bound_tasks(app)
     signals.connect(app)
     app.steps["worker"].add(steps.ReaperStep)
     app.steps["worker"].add(steps.DispatchStep)

@@ -10,7 +10,8 @@ setting                      default               effect
 ``dedup_redis_url``          the broker URL        where keys and status records live
 ``dedup_redis_options``      ``{}``                redis-py connection options of a store apart from
                                                    the broker (the broker's store connects as kombu)
-``dedup_key_prefix``         ``"dedup"``           prefix of every Redis key celery-dedup writes
+``dedup_key_prefix``         ``"dedup"``           prefix of every Redis key celery-dedup writes (no
+                                                   whitespace, control characters or braces)
 ``dedup_default_ttl``        ``3600``              seconds a key is held at most (plus countdown)
 ``dedup_default_mode``       ``"until_executed"``  mode of tasks that do not set ``dedup_mode``
 ``dedup_on_duplicate``       ``"return_existing"`` what duplicate callers get (or ``raise``/``drop``)
@@ -91,8 +92,16 @@ def _choice(choices: Mapping[str, Any] | frozenset[str]) -> Callable[..., str]:
 
 
 def _key_prefix(setting: str, value: Any, *, task: str | None = None) -> str:
-    if not isinstance(value, str) or not value or any(c.isspace() for c in value):
-        raise DedupConfigError(setting, value, "must be a non-empty string without whitespace")
+    """Printable, without whitespace or braces: on a Redis Cluster the prefix sits inside each key's hash tag."""
+    if (
+        not isinstance(value, str)
+        or not value
+        or not value.isprintable()
+        or any(c.isspace() or c in "{}" for c in value)
+    ):
+        raise DedupConfigError(
+            setting, value, "must be a non-empty string without whitespace, control characters, '{' or '}'"
+        )
     return value
 
 

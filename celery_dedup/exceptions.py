@@ -7,6 +7,7 @@ from typing import Any
 
 import redis
 from kombu.exceptions import OperationalError
+from redis.exceptions import RedisClusterException
 
 
 class DedupError(Exception):
@@ -152,6 +153,22 @@ class DedupStoreError(DedupError):
 #: Failures that mean the store could not be reached (or did not answer in
 #: time); every other RedisError is an answer (see DedupStoreError).
 UNREACHABLE: tuple[type[Exception], ...] = (redis.ConnectionError, redis.TimeoutError, OperationalError)
+
+#: What a store command raises: redis-py's errors, and the refusals of its cluster client, which are
+#: no RedisError (keys of one script in several slots, a cluster it cannot reach at all).
+STORE_ERRORS: tuple[type[Exception], ...] = (redis.RedisError, RedisClusterException)
+
+
+def unreachable(exc: BaseException) -> bool:
+    """Whether a store failure means the store could not be reached, not that it (or its client) refused.
+
+    redis-py's cluster client reports a cluster none of whose nodes answer as a
+    RedisClusterException caused by the connection error.
+    """
+    if isinstance(exc, RedisClusterException):
+        return isinstance(exc.__cause__, UNREACHABLE)
+    return isinstance(exc, UNREACHABLE)
+
 
 #: The error codes redis-py strips from the replies it raises as these classes.
 _REPLY_CODES: tuple[tuple[type[Exception], str], ...] = (

@@ -9,6 +9,14 @@ from __future__ import annotations
 from types import MappingProxyType
 from typing import ClassVar
 
+#: Task options every mode honours: which mode, and the key that names the unit of work
+#: (with ``off``: the default limit group).
+_ANY = frozenset({"dedup_mode", "dedup_key"})
+#: Options of the enqueue gate: how long a key is held, and what a duplicate caller gets.
+_GATE = frozenset({"dedup_ttl", "dedup_on_duplicate"})
+#: Options of the execution guard (the lock, and a delivery that finds it taken).
+_GUARD = frozenset({"dedup_lock_ttl", "dedup_on_locked"})
+
 
 class Mode:
     """Base mode: the key is taken at enqueue and dropped at the final ending."""
@@ -31,6 +39,9 @@ class Mode:
     on_locked: ClassVar[str | None] = None
     #: Whether deliveries pass the execution guard (lock, status record).
     guards: ClassVar[bool] = True
+    #: The task options this mode honours; a task of this mode setting any other is refused
+    #: (the one statement of which option applies to which mode: code, docs and tests follow it).
+    options: ClassVar[frozenset[str]] = _ANY | _GATE | _GUARD
 
 
 class UntilExecuted(Mode):
@@ -59,6 +70,7 @@ class WhileExecuting(Mode):
 
     name = "while_executing"
     gates_enqueue = False
+    options = _ANY | _GUARD
 
 
 class Debounce(Mode):
@@ -76,6 +88,7 @@ class Debounce(Mode):
     windowed = True
     parks = True
     on_locked = "reschedule"
+    options = _ANY | _GATE | _GUARD | {"dedup_window", "dedup_max_wait", "dedup_debounce"}
 
 
 class Throttle(Mode):
@@ -85,6 +98,8 @@ class Throttle(Mode):
     holds_after_success = True
     key_on_start = "window"
     windowed = True
+    #: The window is the hold: no ``dedup_ttl``.
+    options = _ANY | {"dedup_on_duplicate", "dedup_window"} | _GUARD
 
 
 class Off(Mode):
@@ -93,6 +108,8 @@ class Off(Mode):
     name = "off"
     gates_enqueue = False
     guards = False
+    #: With limits, the lock TTL is the lease of the run's slot in its group.
+    options = _ANY | {"dedup_lock_ttl"}
 
 
 MODES: MappingProxyType[str, type[Mode]] = MappingProxyType(

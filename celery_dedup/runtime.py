@@ -29,7 +29,7 @@ from . import decisions
 from .config import DedupConfig
 from .exceptions import DedupArgumentError, DedupConfigError
 from .keys import split_member, task_from_namespace
-from .store import DedupStore, ReapReport, broker_client, client_from_url, cluster_seeds
+from .store import DedupStore, ReapReport, broker_client, client_from_url, cluster_seeds, masked_options, masked_url
 
 logger = logging.getLogger("celery_dedup")
 
@@ -180,25 +180,31 @@ def _location(url: str) -> tuple[str, frozenset[str], int, int] | None:
     return "tcp", addresses, port, db
 
 
-def _check_redis_options(app: Any, config: DedupConfig) -> None:
-    """Refuse ``dedup_redis_options`` that would be ignored, or that redis-py does not take."""
-    if not config.redis_options:
-        return
+def _check_store(app: Any, config: DedupConfig) -> None:
+    """Refuse a separate store's URL and options its client could not be made of (a Sentinel URL
+    without ``master_name``, say), and ``dedup_redis_options`` that would be ignored."""
     url = separate_store(app, config)
     if url is None:
+        if not config.redis_options:
+            return
         raise DedupConfigError(
             "dedup_redis_options",
-            config.redis_options,
+            masked_options(config.redis_options),
             "applies only to a dedup_redis_url apart from the broker: the store on the broker connects "
             "as the broker does (broker_use_ssl, broker_transport_options)",
         )
     try:
         if cluster_seeds(url) is not None:  # a cluster client connects as it is made: check the names only
             _check_cluster_options(config.redis_options)
-        else:  # builds a connection object, which checks every keyword, without connecting
+        else:  # builds a connection object, which checks the URL and every keyword, without connecting
             client_from_url(url, config.redis_options).connection_pool.make_connection()
     except (TypeError, ValueError, redis.RedisError) as exc:
-        raise DedupConfigError("dedup_redis_options", config.redis_options, f"refused by redis-py: {exc}") from exc
+        setting, value = (
+            ("dedup_redis_options", masked_options(config.redis_options))
+            if config.redis_options
+            else ("dedup_redis_url", masked_url(url))
+        )
+        raise DedupConfigError(setting, value, f"refused by redis-py: {exc}") from exc
 
 
 def _check_cluster_options(options: dict[str, Any]) -> None:
@@ -220,7 +226,7 @@ def install(app: Any) -> Runtime:
     config = DedupConfig.from_conf(app.conf)
     if app.conf.task_protocol == 1:
         raise DedupConfigError("task_protocol", 1, "celery-dedup needs task message protocol 2 (the default)")
-    _check_redis_options(app, config)
+    _check_store(app, config)
     runtime = Runtime(app, config, installed=True)
     broker = _broker_url(app)
     scheme = _scheme(broker)
@@ -256,6 +262,17 @@ def install(app: Any) -> Runtime:
             _confirm_publishes(app)
     setattr(app, _ATTR, runtime)
     return runtime
+
+
+def not_atomic_reason(app: Any) -> str | None:
+    """Why the installed app's keys and messages cannot be written in one script; None if they can."""
+    runtime = runtime_for(app)
+    if runtime.atomic:
+        return None
+    scheme = _scheme(_broker_url(app))
+    if scheme not in TRANSPORTS:
+        return f"the broker {scheme}:// is not Redis"
+    return "dedup_redis_url names another server or database than the broker's"
 
 
 #: Schemes of kombu's py-amqp transport, which takes ``confirm_publish``.

@@ -115,9 +115,14 @@ class DispatchStep(bootsteps.StartStopStep):
         ]
         if not debounced:
             return
-        if not runtime.is_atomic(app):
+        runtime.is_atomic(app)  # refuses an app never installed
+        why = runtime.not_atomic_reason(app)
+        if why is not None:
             raise DedupConfigError(
-                "dedup_mode", "debounce", f"needs the Redis broker (debounced tasks: {', '.join(sorted(debounced))})"
+                "dedup_mode",
+                "debounce",
+                f"needs its keys in the Redis broker's database, but {why} (debounced tasks: "
+                f"{', '.join(sorted(debounced))})",
             )
         self.stopped.clear()
         self.thread = threading.Thread(target=self.run, args=(app,), name="celery-dedup-dispatch", daemon=True)

@@ -947,7 +947,12 @@ def client_from_url(url: str, options: Mapping[str, Any] | None = None) -> redis
         path = parsed.path.strip("/")
         db = int(path) if path.isdigit() else db
     if not master_name:
-        raise DedupConfigError("dedup_redis_options", options, "a sentinel:// dedup_redis_url needs 'master_name'")
+        raise DedupConfigError(
+            "dedup_redis_options",
+            masked_options(options),
+            f"a sentinel:// dedup_redis_url ({masked_url(url)}) needs 'master_name' here: the Sentinels' name "
+            "of the store's master",
+        )
     kwargs.setdefault("db", db)
     if password is not None:
         kwargs.setdefault("password", password)
@@ -1011,7 +1016,26 @@ def cluster_client(url: str, options: Mapping[str, Any]) -> redis.Redis:
 
 
 def masked_url(url: str) -> str:
-    """``url`` with its password masked, for logs and pages (a cluster URL's too)."""
+    """``url`` with its passwords masked, for logs, errors and pages (a cluster URL's, each of a ``;`` list's).
+
+    A part that is not even a URL's shape shows its scheme only, in case the rest holds a password.
+    """
+    return ";".join(_masked_one(part.strip()) for part in url.split(";"))
+
+
+def masked_options(options: Mapping[str, Any] | None) -> dict[str, Any]:
+    """redis-py options with their passwords masked, for errors and logs."""
+    return {name: "**" if "password" in name.lower() else value for name, value in (options or {}).items()}
+
+
+def _masked_one(url: str) -> str:
+    try:
+        return _masked_password(url)
+    except (ValueError, DedupConfigError):
+        return url.split("://", 1)[0] + "://..."
+
+
+def _masked_password(url: str) -> str:
     if cluster_seeds(url) is None:
         return str(maybe_sanitize_url(url))
     scheme, _, rest = url.partition("://")

@@ -20,6 +20,7 @@ from . import decisions, limits, runtime
 from .bulk import apply_async_many
 from .config import check_debounce, check_mode, check_on_duplicate, check_on_locked, check_ttl
 from .exceptions import (
+    STORE_ERRORS,
     UNREACHABLE,
     DedupConfigError,
     DedupFollowerLimitError,
@@ -27,6 +28,7 @@ from .exceptions import (
     DedupUnavailableError,
     DuplicateTaskError,
     server_reply,
+    unreachable,
 )
 from .gate import HEADER, UNGATED, GateHeader, Outcome, open_ticket
 from .guard import guarded_call, hand_over, lock_lost, replacing
@@ -69,6 +71,14 @@ def carries_continuation(link: Any, link_error: Any, options: Mapping[str, Any])
     what it carries runs once that run ends (see the concepts doc).
     """
     return bool(link or link_error or any(options.get(name) for name in _CONTINUATIONS))
+
+
+def check_bound_tasks(app: Any) -> None:
+    """The checks that need an installed app, for the tasks bound before ``install`` (binding does them after)."""
+    for task in list(app._tasks.values()):  # the registry as it is: app.tasks would finalize the app
+        policy = type(task)._dedup_policy if isinstance(task, DedupTask) else None
+        if policy is not None:
+            type(task)._refuse_unparkable(app, policy.mode)
 
 
 def _run_signature(cls: type) -> inspect.Signature:
@@ -146,6 +156,7 @@ class DedupTask(_TaskBase):
         if cls.__dict__.get("abstract") or not getattr(cls, "name", None):
             return
         cls._dedup_policy = cls._resolve_policy(app)
+        cls._refuse_unparkable(app, cls._dedup_policy.mode)
 
     @classmethod
     def _resolve_policy(cls, app: Any) -> TaskPolicy:
@@ -157,6 +168,7 @@ class DedupTask(_TaskBase):
         ttl = cls.dedup_ttl if cls.dedup_ttl is not None else config.default_ttl
         lock_ttl = cls.dedup_lock_ttl if cls.dedup_lock_ttl is not None else config.lock_ttl
         mode = MODES[check_mode("dedup_mode", mode_name, task=name)]
+        cls._refuse_options_of_other_modes(mode)
         on_locked = cls.dedup_on_locked
         if on_locked is None:
             on_locked = mode.on_locked or config.on_locked
@@ -206,29 +218,53 @@ class DedupTask(_TaskBase):
                     )
 
     @classmethod
+    def _refuse_options_of_other_modes(cls, mode: type[Mode]) -> None:
+        """An option the task's mode does not honour (``Mode.options``) would silently do nothing: refuse it."""
+        for option in TASK_OPTIONS:
+            value = getattr(cls, option)
+            if value is None or option in mode.options:
+                continue
+            honouring = [other for other, klass in MODES.items() if option in klass.options]
+            hint = ": set dedup_window" if option == "dedup_ttl" and mode.windowed else ""
+            raise DedupConfigError(
+                option,
+                value,
+                f"does not apply to dedup_mode={mode.name!r}{hint} (it applies to {', '.join(honouring)})",
+                task=cls.name,
+            )
+
+    @classmethod
+    def _refuse_unparkable(cls, app: Any, mode: type[Mode]) -> None:
+        """A debounced task on an app whose broker cannot park its runs fails at start-up, not at its first call.
+
+        Checked once the app is installed (``install`` checks the tasks bound before it). Eager
+        apps run every call inline, so nothing is parked there.
+        """
+        if not mode.parks or app.conf.task_always_eager or not runtime.runtime_for(app).installed:
+            return
+        why = runtime.not_atomic_reason(app)
+        if why is not None:
+            raise DedupConfigError(
+                "dedup_mode",
+                mode.name,
+                f"needs its keys in the Redis broker's database, where a debounced run's message is parked "
+                f"until due, but {why}",
+                task=cls.name,
+            )
+
+    @classmethod
     def _resolve_window(cls, mode: type[Mode]) -> dict[str, Any]:
-        """``dedup_window``, ``dedup_max_wait`` and ``dedup_debounce``: each only where its mode uses it."""
+        """``dedup_window``, ``dedup_max_wait`` and ``dedup_debounce``, for the modes that honour them."""
         name = cls.name
         given = {
             option: getattr(cls, option)
             for option in ("dedup_window", "dedup_max_wait", "dedup_debounce")
             if getattr(cls, option) is not None
         }
-        allowed = ({"dedup_window"} if mode.windowed else set()) | (
-            {"dedup_max_wait", "dedup_debounce"} if mode.parks else set()
-        )
-        for option, value in given.items():
-            if option not in allowed:
-                modes = "debounce and throttle" if option == "dedup_window" else "debounce"
-                raise DedupConfigError(option, value, f"applies only to dedup_mode {modes}", task=name)
         if not mode.windowed:
             return {}
         if "dedup_window" not in given:
             raise DedupConfigError("dedup_window", None, f"is required with dedup_mode={mode.name!r}", task=name)
-        if not mode.parks and cls.dedup_ttl is not None:
-            raise DedupConfigError(
-                "dedup_ttl", cls.dedup_ttl, f"does not apply to dedup_mode={mode.name!r}: set dedup_window", task=name
-            )
         window = check_ttl("dedup_window", given["dedup_window"], task=name)
         if not mode.parks:
             return {"window": window}
@@ -415,9 +451,9 @@ class DedupTask(_TaskBase):
         """
         app = self.app
         config = runtime.config_for(app)
-        store = runtime.store_for(app)
         eager = app.conf.task_always_eager
         try:
+            store = runtime.store_for(app)  # a cluster's client connects as it is made
             outcome = store.gate(
                 gate.member,
                 run_id,
@@ -431,9 +467,9 @@ class DedupTask(_TaskBase):
                 # Eager calls run inside their publish: nothing can be lost between.
                 lease_ms=0 if eager else int(config.publish_lease * 1000),
             )
-        except redis.RedisError as exc:
+        except STORE_ERRORS as exc:
             key = split_member(gate.member)[1]
-            if gate.continues and isinstance(exc, UNREACHABLE):
+            if gate.continues and unreachable(exc):
                 # A retry of a run accepted before (a worker that could not reach the store, say):
                 # its delivery is guarded as any, so it goes on without the hold being stretched.
                 logger.warning(
@@ -468,13 +504,8 @@ class DedupTask(_TaskBase):
         mode = self.dedup_policy.mode
         if not mode.gates_enqueue or (mode.parks and self.app.conf.task_always_eager):
             return False
-        if mode.parks and not atomic:
-            raise DedupConfigError(
-                "dedup_mode",
-                mode.name,
-                "needs the Redis broker: a debounced run's message is parked in Redis until due",
-                task=self.name,
-            )
+        if mode.parks and not atomic:  # eager at binding, but no longer (refused at binding otherwise)
+            type(self)._refuse_unparkable(self.app, mode)
         return True
 
     def delay(self, *args: Any, **kwargs: Any) -> DedupResult:
@@ -532,7 +563,7 @@ class DedupTask(_TaskBase):
             return None
         try:
             known = runtime.store_for(self.app).peek(member)
-        except redis.RedisError:
+        except STORE_ERRORS:
             return None  # the gate decides, with its own error handling
         if known is None:
             recent.forget(member)
@@ -579,7 +610,7 @@ class DedupTask(_TaskBase):
                     raise
                 try:
                     store.unclaim(member, run_id)  # only while the run has not begun (see finish.lua)
-                except redis.RedisError:
+                except STORE_ERRORS:
                     logger.exception("could not drop key %r after a failed publish; its lease frees it", member)
                 raise
 
@@ -611,7 +642,7 @@ class DedupTask(_TaskBase):
         """
         try:
             confirmed = store.confirm(gate.member, run_id, gate.nonce, hold_ms=gate.hold_ms, grace_ms=gate.grace_ms)
-        except redis.RedisError:
+        except STORE_ERRORS:
             logger.exception(
                 "%s[%s] was published, but its key %r could not be confirmed: it stays held until its publish "
                 "lease ends",
@@ -676,7 +707,7 @@ class DedupTask(_TaskBase):
         A store that answered with an error reply is not unreachable: that is a
         DedupStoreError under either policy, and nothing is published.
         """
-        if not isinstance(exc, UNREACHABLE):
+        if not unreachable(exc):
             raise DedupStoreError(self.name, key, exc) from exc
         app = self.app
         if runtime.config_for(app).on_redis_error == "fail_closed":

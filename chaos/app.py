@@ -101,7 +101,7 @@ MODES: tuple[ModeSpec, ...] = (
     ModeSpec("until_executed", {"dedup_ttl": TTL}),
     ModeSpec("until_executing", {"dedup_ttl": TTL}),
     ModeSpec("until_expired", {"dedup_ttl": EXPIRED_TTL}),
-    ModeSpec("while_executing", {"dedup_ttl": TTL}),
+    ModeSpec("while_executing", {}),
     ModeSpec("debounce", {"dedup_ttl": TTL, "dedup_window": DEBOUNCE_WINDOW, "dedup_max_wait": DEBOUNCE_MAX_WAIT}),
     ModeSpec("throttle", {"dedup_window": THROTTLE_WINDOW}),
 )

@@ -20,7 +20,7 @@ import pytest
 import redis
 from celery import Celery
 
-from celery_dedup import DedupTask, DedupUnavailableError, checks, runtime
+from celery_dedup import DedupStoreError, DedupTask, DedupUnavailableError, checks, runtime
 from celery_dedup.keys import CLUSTER_SHARDS, KeySchema, member_for
 from celery_dedup.store import masked_url
 from celery_dedup.testing import RedisCluster
@@ -261,3 +261,48 @@ def test_renewals_of_locks_in_every_shard_go_out_one_slot_at_a_time(app: Celery)
     assert all(60_000 - 1_000 < store.client.pttl(ref.lock_key) <= 60_000 for ref in refs)
     lost = store.renew([*refs[:3], store.lock_ref(members[3], "not-the-token")], lock_ms=60_000, record_ms=60_000)
     assert [ref.token for ref in lost] == ["not-the-token"]
+
+
+@pytest.mark.parametrize("policy", ["fail_closed", "fail_open"])
+def test_a_refusal_of_the_cluster_client_reaches_the_caller_as_a_store_error(
+    make_app: AppFactory, r: redis.Redis, cluster: RedisCluster, policy: str
+) -> None:
+    """Keys of one script in several slots (as a prefix with a brace made them; install refuses one now): redis-py's
+    cluster client refuses the script before sending it, with an error that is no RedisError. The caller gets a
+    DedupStoreError naming that refusal and the task, under either policy (the store answered), and nothing is
+    published."""
+    queue = f"cluster-{uuid.uuid4().hex[:8]}"
+    app = make_app(dedup_redis_url=cluster.url, dedup_on_redis_error=policy, task_default_queue=queue)
+    task = keyed(app, r, "cluster.refused")
+    state = runtime.runtime_for(app)
+    state._store = runtime.store_for(app).with_prefix("}dedup")  # "{}dedup:07}:held": an empty hash tag
+    with pytest.raises(DedupStoreError) as info:
+        task.delay(1)
+    assert info.value.task == task.name and info.value.key == "n:1"
+    assert "slot" in info.value.reply and info.value.reply in str(info.value)
+    assert info.value.published is False
+    assert queued_messages(r, queue) == []
+
+
+@pytest.mark.parametrize("policy", ["fail_closed", "fail_open"])
+def test_a_cluster_no_node_of_which_answers_is_unreachable_under_its_policy(
+    make_app: AppFactory, r: redis.Redis, policy: str
+) -> None:
+    """redis-py's cluster client connects as it is made, and reports that no seed answered as an error that is no
+    RedisError: still an unreachable store, which dedup_on_redis_error decides about."""
+    queue = f"cluster-{uuid.uuid4().hex[:8]}"
+    app = make_app(
+        dedup_redis_url="redis+cluster://127.0.0.1:1",
+        dedup_redis_options={"socket_connect_timeout": 0.5},
+        dedup_on_redis_error=policy,
+        task_default_queue=queue,
+    )
+    task = keyed(app, r, "cluster.unreachable")
+    if policy == "fail_closed":
+        with pytest.raises(DedupUnavailableError) as info:
+            task.delay(1)
+        assert info.value.published is False
+        assert queued_messages(r, queue) == []
+    else:
+        result = task.delay(1)
+        assert [message["headers"]["id"] for message in queued_messages(r, queue)] == [result.id]

@@ -7,8 +7,10 @@ read configuration, and nothing here opens a connection.
 from __future__ import annotations
 
 import inspect
+import itertools
 import logging
 from collections.abc import Callable, Iterator
+from pathlib import Path
 from typing import Any
 
 import pytest
@@ -21,6 +23,7 @@ from celery_dedup.config import SETTINGS, DedupConfig
 from celery_dedup.keys import KeySchema
 from celery_dedup.modes import MODES
 from celery_dedup.runtime import config_for, runtime_for
+from celery_dedup.task import TASK_OPTIONS
 from celery_dedup.transport import SentinelTransport, Transport
 
 from .conftest import AppFactory, queued_messages
@@ -109,6 +112,13 @@ BAD_SETTINGS = [
     ("dedup_key_prefix", ""),
     ("dedup_key_prefix", 7),
     ("dedup_key_prefix", None),
+    # On a Redis Cluster the prefix sits inside each key's hash tag: a brace would end it.
+    ("dedup_key_prefix", "}dedup"),
+    ("dedup_key_prefix", "de{dup"),
+    ("dedup_key_prefix", "{tenant}"),
+    ("dedup_key_prefix", "dedup\x00"),
+    ("dedup_key_prefix", "dedup\x1b[0m"),
+    ("dedup_key_prefix", "dedup\x7f"),
     ("dedup_default_ttl", -1),
     ("dedup_default_ttl", 0),
     ("dedup_default_ttl", True),
@@ -301,6 +311,35 @@ def test_sentinel_store_takes_master_name_from_its_options(bare_app: BareApp) ->
     assert pool.service_name == "store"  # type: ignore[attr-defined]
     assert pool.connection_kwargs["socket_timeout"] == 3
     assert (pool.connection_kwargs["db"], pool.connection_kwargs["password"]) == (2, "pw")
+
+
+@pytest.mark.parametrize(
+    ("url", "options"),
+    [
+        ("sentinel://:s3cret@127.0.0.1:26379/2", None),
+        ("sentinel://127.0.0.1:26379;sentinel://127.0.0.1:26380", {"password": "s3cret"}),
+    ],
+    ids=["no-options", "options-without-master-name"],
+)
+def test_a_sentinel_store_without_master_name_is_refused_at_install(
+    bare_app: BareApp, url: str, options: dict[str, Any] | None
+) -> None:
+    """Not at the first publish: the Sentinels cannot be asked for a master they were not told the name of."""
+    app = bare_app(dedup_redis_url=url, dedup_redis_options=options)
+    with pytest.raises(DedupConfigError) as info:
+        celery_dedup.install(app)
+    assert info.value.setting == "dedup_redis_options"
+    assert "master_name" in info.value.reason
+    assert "s3cret" not in str(info.value)
+
+
+def test_a_store_url_redis_py_cannot_read_is_refused_at_install(bare_app: BareApp) -> None:
+    """A port that is no number passes the scheme check; redis-py refuses it, at install, the password masked."""
+    app = bare_app(dedup_redis_url="redis://shop:s3cret@127.0.0.1:63x9/0")
+    with pytest.raises(DedupConfigError) as info:
+        celery_dedup.install(app)
+    assert info.value.setting == "dedup_redis_url"
+    assert "s3cret" not in str(info.value)
 
 
 class DjangoSettings:
@@ -699,3 +738,144 @@ def test_a_broker_that_is_not_redis_needs_a_store_at_install(bare_app: BareApp, 
         celery_dedup.install(bare_app(broker=broker))
     assert info.value.setting == "dedup_redis_url"
     assert broker.split("://", maxsplit=1)[0] in info.value.reason
+
+
+# --- options that apply to other modes --------------------------------------------------------------
+
+#: A valid value of each task option, for a task of a mode that honours it.
+OPTION_VALUES: dict[str, Any] = {
+    "dedup_key": "order:{order_id}",
+    "dedup_ttl": 5,
+    "dedup_on_duplicate": "raise",
+    "dedup_lock_ttl": 5,
+    "dedup_on_locked": "reschedule",
+    "dedup_window": 1,
+    "dedup_max_wait": 20,
+    "dedup_debounce": "first",
+}
+
+
+def documented_option_table() -> dict[tuple[str, str], bool]:
+    """``(option, mode) -> applies``, as the settings doc's table of options by mode says."""
+    lines = (Path(__file__).parent.parent / "docs" / "settings.md").read_text().splitlines()
+    start = next(n for n, line in enumerate(lines) if line.startswith("| option | until_executed"))
+    modes = [cell.strip() for cell in lines[start].strip("|").split("|")][1:]
+    table = {}
+    for line in itertools.takewhile(lambda text: text.startswith("|"), lines[start + 2 :]):
+        option, *cells = (cell.strip() for cell in line.strip("|").split("|"))
+        for mode, cell in zip(modes, cells, strict=True):
+            assert cell.split()[0] in ("yes", "no"), (option, mode, cell)
+            table[option.strip("`"), mode] = cell.startswith("yes")
+    return table
+
+
+DOCUMENTED = documented_option_table()
+
+
+def test_the_doc_table_covers_every_option_and_mode_as_the_modes_declare_them() -> None:
+    """The settings doc, ``Mode.options`` and the task's options name the same pairs."""
+    assert {option for option, _ in DOCUMENTED} == set(TASK_OPTIONS)
+    assert {mode for _, mode in DOCUMENTED} == set(MODES)
+    assert {pair for pair, applies in DOCUMENTED.items() if applies} == {
+        (option, name) for name, mode in MODES.items() for option in mode.options
+    }
+
+
+@pytest.mark.parametrize(("option", "mode"), sorted(DOCUMENTED), ids=[f"{o}-{m}" for o, m in sorted(DOCUMENTED)])
+def test_an_option_is_taken_exactly_by_the_modes_it_applies_to(bare_app: BareApp, option: str, mode: str) -> None:
+    """Every option x mode pair: taken where the doc says it applies, refused (naming task, option and mode) where
+    it would do nothing."""
+    app = bare_app()
+    celery_dedup.install(app)
+    app.finalize()
+    options: dict[str, Any] = {"dedup_mode": mode}
+    if MODES[mode].windowed:
+        options["dedup_window"] = OPTION_VALUES["dedup_window"]
+    if option != "dedup_mode":
+        options[option] = OPTION_VALUES[option]
+    if DOCUMENTED[option, mode]:
+        task = _define(app, "plain", "shop.pair", **options)
+        assert task.dedup_policy.mode is MODES[mode]
+        return
+    with pytest.raises(DedupConfigError) as info:
+        _define(app, "plain", "shop.pair", **options)
+    assert (info.value.task, info.value.setting) == ("shop.pair", option)
+    assert f"dedup_mode={mode!r}" in info.value.reason
+
+
+def test_an_option_of_another_mode_is_refused_by_the_default_mode_too(bare_app: BareApp) -> None:
+    """A task that names no mode has the app's default mode, whose table row counts."""
+    app = bare_app(dedup_default_mode="while_executing")
+    celery_dedup.install(app)
+    app.finalize()
+    with pytest.raises(DedupConfigError) as info:
+        _define(app, "class", "shop.pair", dedup_key="order:{order_id}", dedup_ttl=60)
+    assert (info.value.task, info.value.setting) == ("shop.pair", "dedup_ttl")
+
+
+# --- debounce where runs cannot be parked ---------------------------------------------------------------
+
+#: Apps whose keys cannot live beside their messages: (broker, dedup_redis_url, what the refusal says).
+UNPARKABLE = [
+    pytest.param("memory://", REDIS, "memory:// is not Redis", id="memory"),
+    pytest.param("amqp://guest@127.0.0.1:5672//", REDIS, "amqp:// is not Redis", id="rabbitmq"),
+    pytest.param(REDIS, "redis://127.0.0.1:6379/14", "another server or database", id="store-on-another-database"),
+]
+
+
+def _debounced(app: Celery) -> Any:
+    @app.task(
+        base=DedupTask, shared=False, name="shop.sync", dedup_key="sku:{sku}", dedup_mode="debounce", dedup_window=1
+    )
+    def sync(sku: int) -> int:
+        return sku
+
+    return sync
+
+
+@pytest.mark.parametrize(("broker", "store", "why"), UNPARKABLE)
+@pytest.mark.parametrize("when", ["defined-after-install", "finalized-after-install", "bound-before-install"])
+def test_a_debounced_task_is_refused_at_start_up_where_it_cannot_be_parked(
+    bare_app: BareApp, broker: str, store: str, why: str, when: str
+) -> None:
+    """Not at its first .delay(): where the task is bound on an installed app, or at install for one bound before.
+
+    The refusal names the task and what is missing; a Redis broker is never said not to be Redis."""
+    app = bare_app(broker=broker, dedup_redis_url=store)
+    with pytest.raises(DedupConfigError) as info:
+        if when == "bound-before-install":
+            app.finalize()
+            _debounced(app)
+            celery_dedup.install(app)
+        elif when == "finalized-after-install":
+            celery_dedup.install(app)
+            _debounced(app)
+            app.finalize()
+        else:
+            celery_dedup.install(app)
+            app.finalize()
+            _debounced(app)
+    assert (info.value.task, info.value.setting, info.value.value) == ("shop.sync", "dedup_mode", "debounce")
+    assert why in info.value.reason
+    assert "Redis broker's database" in info.value.reason
+    if broker == REDIS:
+        assert "is not Redis" not in info.value.reason
+
+
+def test_a_debounced_task_is_taken_where_it_can_be_parked_or_runs_eagerly(bare_app: BareApp) -> None:
+    """The broker's own database (however spelled) parks runs; an eager app parks nothing; throttle never parks."""
+    for app in (
+        bare_app(),
+        bare_app(dedup_redis_url=REDIS.replace("127.0.0.1", "localhost")),
+        bare_app(broker="memory://", dedup_redis_url=REDIS, task_always_eager=True),
+    ):
+        celery_dedup.install(app)
+        app.finalize()
+        assert _debounced(app).dedup_policy.mode is MODES["debounce"]
+    app = bare_app(broker="memory://", dedup_redis_url=REDIS)
+    celery_dedup.install(app)
+    app.finalize()
+    throttled = _define(
+        app, "plain", "shop.throttled", dedup_key="order:{order_id}", dedup_mode="throttle", dedup_window=1
+    )
+    assert throttled.dedup_policy.mode is MODES["throttle"]

@@ -35,7 +35,7 @@ from celery_dedup.keys import KeySchema, member_for, new_nonce, new_task_id  # n
 from celery_dedup.status import FIELD_DOC  # noqa: E402
 
 from ._records import Records, keyed_tasks  # noqa: E402
-from .conftest import AppFactory, in_process_worker, wait_for  # noqa: E402
+from .conftest import AppFactory, Server, in_process_worker, wait_for  # noqa: E402
 
 SCHEMA = KeySchema("dedup")
 LIST = "/admin/celery_dedup/record/"
@@ -173,9 +173,14 @@ def test_app_setting_misconfigured_names_setting_and_value(value: Any, reason: s
 
 
 def test_app_setting_refuses_an_app_never_installed(make_app: AppFactory, root: Client) -> None:
+    """Refused as any setting the store cannot be used with: the 503 page says why."""
     bare = make_app(install=False)
-    with override_settings(CELERY_DEDUP_APP=bare), pytest.raises(DedupConfigError, match="install"):
-        root.get(LIST)
+    with override_settings(CELERY_DEDUP_APP=bare):
+        response = root.get(LIST)
+    assert response.status_code == 503
+    assert "DedupConfigError" in response.content.decode() and "install(app) was not called" in (
+        response.content.decode()
+    )
 
 
 # --- who may do what -----------------------------------------------------------------------------
@@ -671,6 +676,58 @@ def test_an_unreachable_store_is_a_page_that_says_so(
             assert "ConnectionError" in page
         assert client_for(users, "nobody").get(LIST).status_code == 403  # no address for those who may not look
         assert client_for(users, None).get(LIST).status_code == 302
+
+
+def test_settings_the_store_cannot_be_used_with_are_a_page_that_says_so(
+    make_app: AppFactory, users: dict[str, User]
+) -> None:
+    """A DedupConfigError (here: CELERY_DEDUP_APP names an app that was never installed, whose dedup_redis_url is
+    no store URL) answers every page with the 503 page, not a server error; the URL in the error is masked, with
+    DEBUG on too."""
+    unusable = make_app("unusable", install=False, dedup_redis_url="http://shop:s3cret@127.0.0.1:1/0")
+    member = "shop.charge:order:1"
+    root = client_for(users, "root")
+    with override_settings(CELERY_DEDUP_APP=unusable, DEBUG=True):
+        for method, url in [("get", LIST), ("get", detail_url(member)), ("post", requeue_url(member)), ("get", STATS)]:
+            response = getattr(root, method)(url)
+            page = response.content.decode()
+            assert response.status_code == 503, (method, url, response.status_code)
+            assert "DedupConfigError" in page and "dedup_redis_url" in page, (method, url)
+            assert "http://shop:**@127.0.0.1:1/0" in page
+            assert "s3cret" not in page
+
+
+NO_SCRIPTS = "noscripts"  # may read and write, but not run scripts: the gate's script is refused (NOPERM)
+
+
+def test_a_store_refusal_during_an_action_is_a_page_that_says_so(
+    make_app: AppFactory, users: dict[str, User], server: Server, r: redis.Redis
+) -> None:
+    """A DedupStoreError from an action (the gate's script refused while re-enqueueing) is the 503 page naming
+    the refusal, with the store's password masked, not a server error."""
+    app = make_app()
+    failed = Records(app, keyed_tasks(app)[0]).ended(2, "failed", error="boom")
+    r.acl_setuser(
+        NO_SCRIPTS,
+        enabled=True,
+        passwords=["+pw-s3cret"],
+        keys=["*"],
+        channels=["*"],
+        commands=["+@all", "-eval", "-evalsha"],
+    )
+    try:
+        limited = make_app("limited", broker_url=server.url.replace("redis://", f"redis://{NO_SCRIPTS}:pw-s3cret@"))
+        keyed_tasks(limited)
+        with override_settings(CELERY_DEDUP_APP=limited, DEBUG=True):
+            assert client_for(users, "root").get(requeue_url(failed.member)).status_code == 200
+            response = client_for(users, "root").post(requeue_url(failed.member))
+    finally:
+        r.acl_deluser(NO_SCRIPTS)
+    page = response.content.decode()
+    assert response.status_code == 503, response.status_code
+    assert "DedupStoreError" in page and "NOPERM" in page
+    assert f"{NO_SCRIPTS}:**@" in page and "s3cret" not in page
+    assert record(app, failed.member)["task_id"] == failed.task_id
 
 
 # --- 100,000 records -----------------------------------------------------------------------------

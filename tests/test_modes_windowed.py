@@ -223,9 +223,19 @@ def test_dispatch_interval_is_read(make_app: AppFactory) -> None:
 
 
 def test_debounce_needs_the_redis_broker(make_app: AppFactory, server: Server, runs: Runs, r: redis.Redis) -> None:
-    """On memory:// a debounced run cannot be parked: delay() refuses it and writes nothing."""
+    """On memory:// a debounced run cannot be parked: the task is refused at start-up (when the app binds it);
+    one bound while the app was eager is refused by delay() once it is not, and writes nothing."""
     app = make_app(broker_url="memory://", dedup_redis_url=server.url, task_default_queue=unique("q"))
     work = debounced(app, runs)
+    with pytest.raises(DedupConfigError) as info:
+        app.finalize()
+    assert info.value.task == work.name and info.value.setting == "dedup_mode"
+    assert "memory:// is not Redis" in info.value.reason
+
+    eager = make_app("eager", broker_url="memory://", dedup_redis_url=server.url, task_always_eager=True)
+    work = debounced(eager, runs)
+    eager.finalize()
+    eager.conf.task_always_eager = False
     with pytest.raises(DedupConfigError) as info:
         work.delay(1, "a")
     assert info.value.task == work.name and info.value.setting == "dedup_mode"
@@ -235,9 +245,12 @@ def test_debounce_needs_the_redis_broker(make_app: AppFactory, server: Server, r
 def test_a_worker_with_a_debounced_task_refuses_to_start_on_another_broker(
     make_app: AppFactory, server: Server, runs: Runs
 ) -> None:
-    """The dispatcher step fails the worker's start-up, naming the debounced task, instead of parking nothing."""
-    app = make_app(broker_url="memory://", dedup_redis_url=server.url)
+    """The dispatcher step fails the worker's start-up, naming the debounced task, instead of parking nothing
+    (a task bound while the app was eager got past its binding's check)."""
+    app = make_app(broker_url="memory://", dedup_redis_url=server.url, task_always_eager=True)
     work = debounced(app, runs)
+    app.finalize()
+    app.conf.task_always_eager = False
     worker = SimpleNamespace(app=app)
     with pytest.raises(DedupConfigError, match=re.escape(work.name)):
         DispatchStep(worker).start(worker)

@@ -12,10 +12,10 @@ from __future__ import annotations
 import dataclasses
 import functools
 import logging
+import re
 from collections.abc import Callable
 from typing import Any
 
-import redis
 from celery import Celery
 from django.contrib import admin, messages
 from django.contrib.admin.models import CHANGE, LogEntry
@@ -32,11 +32,18 @@ import celery_dedup
 from celery_dedup import DedupTask, operations, runtime
 from celery_dedup import limits as limit_groups
 from celery_dedup.decisions import DECISIONS
-from celery_dedup.exceptions import DedupArgumentError, DedupOperationError, DedupUnavailableError
+from celery_dedup.exceptions import (
+    STORE_ERRORS,
+    DedupArgumentError,
+    DedupConfigError,
+    DedupOperationError,
+    DedupStoreError,
+    DedupUnavailableError,
+)
 from celery_dedup.gate import decode_payload
 from celery_dedup.keys import split_member, task_from_namespace
 from celery_dedup.status import STATE_HELP
-from celery_dedup.store import ENDED_STATES, STATES, KeyDetail, ReleaseResult
+from celery_dedup.store import ENDED_STATES, STATES, KeyDetail, ReleaseResult, masked_url
 
 from .conf import celery_app, store_url
 from .detail import groups_of
@@ -47,8 +54,18 @@ from .models import Record
 TEMPLATES = "admin/celery_dedup/record"
 logger = logging.getLogger("celery_dedup")
 
-#: What an unreachable (or failing) Redis raises: from the store, from the gate, from a publish.
-UNAVAILABLE = (redis.RedisError, DedupUnavailableError, OperationalError)
+#: What the admin answers with its "unavailable" page: an unreachable or failing store (from the store, the
+#: gate, a publish), and settings of the Celery app the store cannot be used with.
+UNAVAILABLE: tuple[type[Exception], ...] = (
+    *STORE_ERRORS,
+    OperationalError,
+    DedupUnavailableError,
+    DedupStoreError,
+    DedupConfigError,
+)
+
+#: A URL inside an error's text, to be shown masked.
+_URL = re.compile(r"[A-Za-z][A-Za-z0-9+.-]*://[^\s'\"]+")
 
 
 @admin.register(Record)
@@ -96,10 +113,12 @@ class RecordAdmin(admin.ModelAdmin):  # type: ignore[type-arg]
         return answering
 
     def _unavailable(self, request: HttpRequest, exc: Exception) -> HttpResponse:
-        app = celery_app()
-        where = store_url(app)
-        error = f"{type(exc).__name__}: {exc}"
-        logger.warning("celery-dedup admin: the dedup store at %s cannot be reached (%s)", where, error)
+        try:
+            where = store_url(celery_app())
+        except DedupConfigError:  # the app itself cannot be used: its error says why
+            where = "(unknown)"
+        error = _URL.sub(lambda url: masked_url(url.group()), f"{type(exc).__name__}: {exc}")
+        logger.warning("celery-dedup admin: the dedup store at %s cannot be used (%s)", where, error)
         context = self._context(
             request,
             "Status records unavailable",

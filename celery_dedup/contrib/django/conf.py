@@ -63,12 +63,4 @@ def _import(path: str) -> Celery:
 
 def store_url(app: Celery) -> str:
     """The address of ``app``'s dedup store with passwords masked, for a page saying it cannot be reached."""
-    url = runtime.config_for(app).redis_url or runtime._broker_url(app)
-    return ";".join(_masked(part.strip()) for part in url.split(";"))
-
-
-def _masked(url: str) -> str:
-    try:
-        return masked_url(url)
-    except ValueError:  # not even a URL's shape: show the scheme only, in case the rest holds a password
-        return url.split("://", 1)[0] + "://..."
+    return masked_url(runtime.config_for(app).redis_url or runtime._broker_url(app))
