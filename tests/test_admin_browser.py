@@ -35,8 +35,8 @@ from django.test.utils import setup_test_environment, teardown_test_environment 
 from celery_dedup import DedupTask  # noqa: E402
 
 from ._records import Records  # noqa: E402
-from .conftest import AppFactory  # noqa: E402
-from .test_demo_browser import CHROMIUM, CHROMIUM_ARGS  # noqa: E402
+from .conftest import CHROMIUM, AppFactory  # noqa: E402
+from .test_demo_browser import CHROMIUM_ARGS  # noqa: E402
 
 ROOT = Path(__file__).resolve().parent.parent
 STATIC = ROOT / "docs" / "_static"
@@ -44,7 +44,7 @@ LIST = "/admin/celery_dedup/record/"
 
 pytestmark = [
     pytest.mark.slow,
-    pytest.mark.skipif(not CHROMIUM.exists(), reason=f"{CHROMIUM} is missing: install Debian's chromium"),
+    pytest.mark.usefixtures("chromium"),  # skips without it, after run-tests had the chance to install it
 ]
 
 
