@@ -1104,7 +1104,8 @@ def _close_result_consumer(app: Celery) -> None:
     5.6 then retry for about 20 s and print the ConnectionError they gave up
     on. Without a connection there is nothing to unsubscribe from.
     """
-    consumer = getattr(app.backend, "result_consumer", None)
+    backend = getattr(app, "_backend", None)  # the one the app made, if any: never make one now
+    consumer = getattr(backend, "result_consumer", None)
     if consumer is not None and hasattr(consumer, "_pubsub"):  # the Redis backend's
         consumer.stop()
         consumer._pubsub = None

@@ -49,7 +49,7 @@ def one_installer() -> Iterator[None]:
         try:
             fcntl.flock(lock, fcntl.LOCK_EX | fcntl.LOCK_NB)
         except BlockingIOError:
-            print(f"waiting for another run-tests or run-demo to finish installing into {VENV}", file=sys.stderr)
+            print(f"waiting for another run-tests, run-demo or run-chaos to install into {VENV}", file=sys.stderr)
             fcntl.flock(lock, fcntl.LOCK_EX)
         yield  # closing the file releases the lock
 
