@@ -1089,7 +1089,26 @@ def celery_dedup_app(celery_dedup_server: RunningServer, celery_dedup_config: Ma
     with setup_default_app(app):
         app.set_current()
         app.set_default()
-        yield app
+        try:
+            yield app
+        finally:
+            _close_result_consumer(app)
+            app.close()
+
+
+def _close_result_consumer(app: Celery) -> None:
+    """Close the pub/sub connection the app's result backend waits for results on, for good.
+
+    A result object unsubscribes from its run's channel when it is collected,
+    which may be at exit, after the session's server stopped: Celery 5.5 and
+    5.6 then retry for about 20 s and print the ConnectionError they gave up
+    on. Without a connection there is nothing to unsubscribe from.
+    """
+    backend = getattr(app, "_backend", None)  # the one the app made, if any: never make one now
+    consumer = getattr(backend, "result_consumer", None)
+    if consumer is not None and hasattr(consumer, "_pubsub"):  # the Redis backend's
+        consumer.stop()
+        consumer._pubsub = None
 
 
 @pytest.fixture(scope="session")

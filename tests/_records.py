@@ -50,8 +50,10 @@ class Records:
         assert not result.deduplicated
         return Run(member_for(self.task.name, self.task.dedup_business_key(order_id)), result.id)
 
-    def started(self, order_id: int, *, lock_ms: int = 60_000, key_mode: str = "lock") -> Run:
-        """Queued, then started as a worker starts it: its execution lock is alive for ``lock_ms``.
+    def started(
+        self, order_id: int, *, lock_ms: int = 60_000, key_mode: str = "lock", hostname: str = "worker-1"
+    ) -> Run:
+        """Queued, then started as the worker ``hostname`` starts it: its execution lock is alive for ``lock_ms``.
 
         ``key_mode="window"`` keeps the key held for the whole TTL, as until_expired does.
         """
@@ -64,7 +66,7 @@ class Records:
             lock_ms=lock_ms,
             gated=True,
             key_mode=key_mode,
-            hostname="worker-1",
+            hostname=hostname,
             pid=4242,
             retries=0,
             task_name=self.task.name,
@@ -73,9 +75,11 @@ class Records:
         assert decision.run, decision
         return Run(run.member, run.task_id, token)
 
-    def ended(self, order_id: int, state: str, *, keep_key: bool = False, error: str = "") -> Run:
-        """Started and finished in ``state``; ``keep_key`` keeps the key held (an idempotency window)."""
-        run = self.started(order_id, key_mode="window" if keep_key else "lock")
+    def ended(
+        self, order_id: int, state: str, *, keep_key: bool = False, error: str = "", hostname: str = "worker-1"
+    ) -> Run:
+        """Started by ``hostname``, finished in ``state``; ``keep_key`` keeps the key held (an idempotency window)."""
+        run = self.started(order_id, key_mode="window" if keep_key else "lock", hostname=hostname)
         # As the worker's guard does: the call's arguments are kept for a run that did not succeed.
         payload = kept_payload(self.task, state, (order_id,), {})
         owned, kept, _ = self.store.finish(

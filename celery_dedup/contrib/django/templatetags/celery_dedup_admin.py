@@ -52,6 +52,23 @@ def when(moment: datetime.datetime | None) -> SafeString:
 
 @register.filter
 def breakable(name: str) -> SafeString:
-    """A name that may wrap after each dot and before a run suffix (``shop.<wbr>charge``, ``order:3<wbr>~x2``)."""
-    # Escaped first: the entities escape() writes hold neither "." nor "~", so only break points are added.
-    return mark_safe(escape(name).replace(".", ".<wbr>").replace("~", "<wbr>~"))
+    """A name that may wrap after each dot, underscore and "@", and before a run suffix.
+
+    ``shop.<wbr>send_<wbr>email``, ``order:3<wbr>~x2``, ``celery@<wbr>vm-03.<wbr>example.<wbr>com`` (a
+    browser breaks after hyphens by itself).
+    """
+    # Escaped first: the entities escape() writes hold none of ".", "_", "@", "~", so only break points are added.
+    marked = str(escape(name))
+    for after in (".", "_", "@"):
+        marked = marked.replace(after, after + "<wbr>")
+    return mark_safe(marked.replace("~", "<wbr>~"))
+
+
+@register.filter
+def run_id(task_id: str) -> SafeString:
+    """A task id that wraps before its run suffix and, if it must, anywhere in its business key; never in the suffix."""
+    key, tilde, suffix = task_id.rpartition("~")
+    if not tilde:
+        return format_html('<span class="run-key">{}</span>', breakable(task_id))
+    markup = '<span class="run-key">{}</span><wbr><span class="run-suffix">~{}</span>'
+    return format_html(markup, breakable(key), suffix)
