@@ -138,6 +138,37 @@ def test_a_token_from_another_pid_namespace_on_this_host_is_not_gone() -> None:
     assert processes.token_pid(token) is None
 
 
+def test_a_proc_showing_another_pid_namespace_proves_nothing() -> None:
+    """``unshare --pid`` without remounting ``/proc``: its entries are the parent namespace's processes, not ours.
+
+    A judge there would read another process's start time for its own pids
+    and take live processes for reused pids: such a table gives no machine
+    id, so its tokens prove nothing, even of the judge's own live process.
+    """
+    code = (
+        "import json, os; from celery_dedup import processes; t = processes.token(); o = processes.owner_of(t); "
+        "print(json.dumps([t, os.getpid(), processes.owner_gone(t.replace(f':{o.start}:', ':999999:', 1))]))"
+    )
+    try:
+        made = subprocess.run(
+            ["unshare", "--pid", "--fork", sys.executable, "-c", code],
+            check=False,
+            capture_output=True,
+            text=True,
+            timeout=60,
+            cwd=ROOT,
+        )
+    except (FileNotFoundError, subprocess.TimeoutExpired) as exc:
+        pytest.skip(f"cannot make a pid namespace here: {exc}")
+    if made.returncode != 0:
+        pytest.skip(f"cannot make a pid namespace here: {made.stderr.strip()}")
+    token, pid, reused_gone = json.loads(made.stdout)
+    assert pid == 1, "premise: the first process of a new pid namespace"
+    owner = processes.owner_of(token)
+    assert owner is not None and owner.machine == "", token
+    assert reused_gone is False
+
+
 #: Loads processes.py alone (the standard library only: readable by any user) and prints owner_gone of each token.
 BLIND_JUDGE = """
 import importlib.util, json, os, sys
