@@ -522,3 +522,36 @@ def test_one_process_pools_run_one_body_of_a_group_at_a_time_and_evict_no_live_s
     assert len({e["pid"] for e in done}) == 1, "one process ran them all"
     assert most_at_once(done) == 1, sorted((e["start"], e["end"]) for e in done)
     assert store_for(task.app).stats()[task.name].get("limit_evicted", 0) == 0, "nothing died, nothing is evicted"
+
+
+def test_two_deliveries_of_one_run_in_one_process_keep_their_own_slots(
+    make_app: AppFactory, r: redis.Redis, tasks: limits_app.Tasks
+) -> None:
+    """Two deliveries of one run hold slots in one process a moment (a copy on its way to being refused).
+
+    The copy giving its slot back leaves the other's alone: still its
+    grant, still alive to a sibling asking for the group.
+    """
+    store = store_for(tasks.job.app)
+    task: Any = tasks.job
+    leases = []
+    for _ in range(2):
+        token = processes.claim()
+        task.push_request(id="run-1", args=[1, "T"], kwargs={}, headers=None, is_eager=False)
+        try:
+            leases.append(limits.admit(task, store, None, token))
+        finally:
+            task.pop_request()
+    running, copy = leases
+    assert running is not None and copy is not None
+    try:
+        limits.leave(copy, ran=False)
+        processes.retire(copy.token)
+        assert limits.current("run-1") == running.grant
+        assert not limits.owner_gone(running.token), "a delivery of this process that still holds its slot"
+        assert limits.owner_gone(copy.token), "one that gave its slot back has ended"
+    finally:
+        limits.leave(running, ran=True)
+        processes.retire(running.token)
+    assert limits.current("run-1") is None
+    assert r.zcard(SCHEMA.limit_slots("tests.limits_app.job:tenant:T")) == 0
