@@ -32,7 +32,7 @@ from .exceptions import UNREACHABLE, DedupError, DedupFollowerError, DedupStoreE
 from .gate import GateHeader, call_payload, decode_payload, decode_result, result_payload
 from .keyed import KeyedTask
 from .keys import member_for, split_member
-from .lock import ExecutionLock, new_token, renewer
+from .lock import ExecutionLock, renewer
 from .processes import exit_watcher, owner_gone, token_pid
 from .store import BackendResult, DedupStore, Finished, StartDecision
 
@@ -86,7 +86,7 @@ def guarded_call(
         return body(args, kwargs)
     member, store, gated = located
     policy = task.dedup_policy
-    token = new_token()
+    token = processes.claim()
     lock_ms = int(policy.lock_ttl * 1000)
     record_ms = runtime.config_for(task.app).record_ms
     try:
@@ -111,13 +111,11 @@ def guarded_call(
         limits.leave(lease, ran=True)
         forget(task_id, lock)
         replacement = _replacements.pop(token, None)
-        own = token
-        if replacement is not None and replacement.handed_over:
-            if ending.state == REPLACED:
-                return  # the replacement goes on with this run under its key: nothing ends here
-            own = ""  # the lock went with the hand-over, and the publish that followed failed
-        # A key held after success answers later calls with this run: keep its value for their followers.
-        keep = ending.state == SUCCEEDED and policy.mode.holds_after_success
+        handed_over = replacement is not None and replacement.handed_over
+        if handed_over and ending.state == REPLACED:
+            processes.retire(token)
+            return  # the replacement goes on with this run under its key: nothing ends here
+        own = "" if handed_over else token  # handed over: the lock went with it, and the publish that followed failed
         finished = finish(
             task,
             store,
@@ -133,9 +131,11 @@ def guarded_call(
             payload=kept_payload(task, ending.state, args, kwargs),
             patience=max(policy.lock_ttl, 5.0),
             lock=lock if own else None,
-            result=kept_result(task, value)[0] if keep else "",
+            # A key held after success answers later calls with this run: keep its value for their followers.
+            result=kept_result(task, value)[0] if ending.state == SUCCEEDED and policy.mode.holds_after_success else "",
             backend_result=backend_result,
         )
+        processes.retire(token)  # it let go of its lock and slot (or left them to expire)
         if finished is not None and finished.wants_result:
             settle(task, store, member, task_id, value, record_ms)
 
@@ -162,25 +162,36 @@ def admitted_start(
 ) -> tuple[limits.SlotLease | None, StartDecision]:
     """The task's limits, then :func:`begin`: a run that must wait takes nothing else (``Ignore``, re-published).
 
-    A delivery the guard then refuses gives its slot back at once.
+    A delivery the guard then refuses gives its slot back at once. A
+    delivery that takes nothing (it waits, is refused, or the store failed)
+    retires its claimed ``token``.
     """
-    lease = limits.admit(task, store, member, token)
     try:
-        decision = begin(task, store, member, gated, token, lock_ms, record_ms)
-    except redis.RedisError:
-        limits.leave(lease, ran=False)
+        lease = limits.admit(task, store, member, token)
+        try:
+            decision = begin(task, store, member, gated, token, lock_ms, record_ms)
+        except redis.RedisError:
+            limits.leave(lease, ran=False)
+            raise
+    except BaseException:
+        processes.retire(token)
         raise
     if not decision.run:
         limits.leave(lease, ran=False)
+        processes.retire(token)
     return lease, decision
 
 
 def _forget(task_id: str, token: str, lock: ExecutionLock, lease: limits.SlotLease | None) -> None:
-    """Stop renewing a delivery's lock and give back its slot, without recording an ending (someone else will)."""
+    """Stop renewing a delivery's lock and give back its slot, without recording an ending (someone else will).
+
+    Its token is retired: whoever reports the ending may free its lock.
+    """
     renewer().remove(lock)
     limits.leave(lease, ran=True)
     forget(task_id, lock)
     _replacements.pop(token, None)
+    processes.retire(token)
 
 
 class Ending(NamedTuple):
@@ -402,6 +413,11 @@ def forget(task_id: str, lock: ExecutionLock) -> None:
         del _running[task_id]
 
 
+def running(task_id: str) -> ExecutionLock | None:
+    """The lock of run ``task_id`` executing in this process, if it does."""
+    return _running.get(task_id)
+
+
 def lock_lost(task_id: str | None) -> bool:
     """Whether the run ``task_id`` executing in this process has lost its lock."""
     lock = _running.get(task_id) if task_id is not None else None
@@ -619,8 +635,9 @@ def delivery_gone(token: str) -> bool:
     """Whether the delivery that took lock ``token`` cannot be running any more.
 
     True only for a token of this process table whose process is provably
-    dead (:func:`~celery_dedup.processes.owner_gone`), or of this process,
-    which runs no delivery under it. Another machine's delivery is assumed
-    alive: its lock expires unless renewed.
+    dead (:func:`~celery_dedup.processes.owner_gone`), or of this process
+    and no longer claimed by its delivery (:func:`~celery_dedup.processes.ended`:
+    a sibling thread's lock is alive from before it was taken). Another
+    machine's delivery is assumed alive: its lock expires unless renewed.
     """
-    return processes.ended(token, {lock.token for lock in list(_running.values())})
+    return processes.ended(token)

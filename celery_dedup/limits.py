@@ -215,11 +215,14 @@ def note(store: DedupStore, member: str, task_id: str, what: str, detail: str) -
 class SlotLease:
     """One delivery's place in its group (a slot, a start), renewed by the process's renewer with its lock."""
 
-    def __init__(self, store: DedupStore, group: str, token: str, ttl_ms: int, grant: Grant, *, now: float) -> None:
+    def __init__(
+        self, store: DedupStore, group: str, token: str, run_id: str, ttl_ms: int, grant: Grant, *, now: float
+    ) -> None:
         self.store = store
         #: The group, named as the renewer names what it holds.
         self.member = group
         self.token = token
+        self.run_id = run_id
         self.ttl_ms = ttl_ms
         self.grant = grant
         self.lost = threading.Event()
@@ -250,7 +253,7 @@ def renew_leases(leases: Sequence[SlotLease], *, lease_ms: int) -> list[SlotLeas
     return lost
 
 
-#: Tokens of the leases this process holds, and each running run's grant, by task id.
+#: The leases this process holds, by delivery (token): two deliveries of one run may both hold one a moment.
 _held: dict[str, SlotLease] = {}
 
 
@@ -259,17 +262,24 @@ def current(task_id: str | None) -> Grant | None:
 
     ``granted_at`` is the start its group's rate limit counts, on the server's clock.
     """
-    lease = _held.get(task_id) if task_id is not None else None
-    return lease.grant if lease is not None else None
+    if task_id is None:
+        return None
+    leases = [lease for lease in list(_held.values()) if lease.run_id == task_id]
+    if len(leases) > 1:  # a copy of the run on its way to being refused: the one running holds the lock
+        from .guard import running  # noqa: PLC0415 - guard imports this module
+
+        lock = running(task_id)
+        leases = [lease for lease in leases if lock is not None and lease.token == lock.token] or leases
+    return leases[0].grant if leases else None
 
 
 def owner_gone(token: str) -> bool:
-    """Whether the delivery that took slot ``token`` provably runs no more.
+    """Whether the delivery that took slot ``token`` provably runs no more (:func:`~celery_dedup.processes.ended`).
 
-    See :func:`~celery_dedup.processes.ended`: a lease this process holds is
-    alive; another machine's holder is never judged dead.
+    A sibling delivery of this process is alive from before it asked for the
+    slot until it gave the slot back; another machine's is never judged dead.
     """
-    return processes.ended(token, {lease.token for lease in list(_held.values())})
+    return processes.ended(token)
 
 
 def group_of(task: KeyedTask, args: Any, kwargs: Any, member: str | None = None) -> str | None:
@@ -294,6 +304,8 @@ def admit(task: KeyedTask, store: DedupStore, member: str | None, token: str) ->
 
     Returns the lease to renew and give back (None: the task has no limits).
     ``member``: the run's dedup member, whose record says that it waits.
+    ``token``: the delivery's, claimed (:func:`~celery_dedup.processes.claim`)
+    until the lease is given back.
     """
     request = task.request
     if getattr(request, "is_eager", False):
@@ -322,8 +334,8 @@ def admit(task: KeyedTask, store: DedupStore, member: str | None, token: str) ->
     from .lock import renewer  # noqa: PLC0415 - lock imports this module
 
     keeper = renewer()
-    lease = SlotLease(store, group, token, lease_ms, grant, now=keeper.clock())
-    _held[run_id] = lease
+    lease = SlotLease(store, group, token, run_id, lease_ms, grant, now=keeper.clock())
+    _held[token] = lease
     keeper.add(lease)
     return lease
 
@@ -344,9 +356,7 @@ def leave(lease: SlotLease | None, *, ran: bool) -> None:
     from .lock import renewer  # noqa: PLC0415 - lock imports this module
 
     renewer().remove(lease)
-    for task_id, held in list(_held.items()):
-        if held is lease:
-            _held.pop(task_id, None)
+    _held.pop(lease.token, None)
     try:
         release(lease.store, lease.member, lease.token, ran=ran)
     except redis.RedisError:
@@ -401,13 +411,15 @@ def reported_ending(
 
 def limited_call(task: KeyedTask, args: tuple[Any, ...], kwargs: dict[str, Any], body: Any) -> Any:
     """Run ``body`` under the task's limits only (``dedup_mode="off"``: no key, no lock, no record)."""
-    from .lock import new_token  # noqa: PLC0415 - lock imports this module
-
-    lease = admit(task, runtime.store_for(task.app), None, new_token())
+    token = processes.claim()
     try:
-        return body(args, kwargs)
+        lease = admit(task, runtime.store_for(task.app), None, token)
+        try:
+            return body(args, kwargs)
+        finally:
+            leave(lease, ran=True)
     finally:
-        leave(lease, ran=True)
+        processes.retire(token)
 
 
 # --- reading groups (CLI, admin) ------------------------------------------------------------

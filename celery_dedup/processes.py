@@ -5,9 +5,17 @@ A lock token names the process that took it and what proves its death
 process's start time (``/proc/<pid>/stat`` field 22, clock ticks since boot:
 a reused pid has another) and ``machine`` a short hash of the kernel's boot id
 and the pid namespace (two containers may share a host name but not a process
-table; a reboot starts pids afresh). Only a process that shares both can read
-the owner's entry in the process table, and so prove it dead
-(:func:`owner_gone`).
+table; a reboot starts pids afresh). Only a process that shares both can
+prove the owner dead (:func:`owner_gone`), and only positively: its pid names
+no process (``kill`` finds none), a zombie, or another process (its start
+time differs). Whatever the judge cannot see (another user's entry under
+``/proc`` mounted ``hidepid``, an unreadable start time) is alive, and waits
+for its lease.
+
+Deliveries of one process (a threads or gevent pool) share its pid: the
+process tells its own live tokens from ended ones by a registry filled before
+any store sees a token (:func:`claim`) and emptied once its delivery let go
+of everything (:func:`retire`), never by one that can lag (:func:`ended`).
 
 A worker's main process reports endings its pool children never returned
 from (a lost child, a hard time limit, ``revoke(terminate=True)``); it may
@@ -25,7 +33,7 @@ import secrets
 import socket
 import threading
 import time
-from collections.abc import Callable, Iterable
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import NamedTuple
 
@@ -47,10 +55,16 @@ def _read(path: str) -> str | None:
 
 
 def _machine() -> str:
-    """8 hex digits naming this boot of this kernel and this pid namespace; "" where neither can be read."""
+    """8 hex digits naming this boot of this kernel and this pid namespace; "" where neither can be read.
+
+    Also "" where ``/proc`` shows another pid namespace's table (a ``/proc``
+    not remounted after ``unshare --pid``): its entries are not our pids.
+    """
     boot_id = _read(f"{_PROC}/sys/kernel/random/boot_id")
     try:
         namespace = os.stat(f"{_PROC}/self/ns/pid")
+        if os.readlink(f"{_PROC}/self") != str(os.getpid()):
+            return ""
     except OSError:
         return ""
     if not boot_id:
@@ -130,49 +144,71 @@ def owner_gone(token_: str) -> bool:
     """Whether the process that took lock ``token_`` is provably dead.
 
     True only for a token of this machine (same boot id and pid namespace)
-    whose pid is no longer in the process table, is a zombie, or is another
-    process now (its start time differs: the pid was reused). Another
-    machine's, an unreadable or a malformed token gives False: its lock
-    expires unless renewed.
+    whose pid names no process (:func:`gone`: none at all, or a zombie) or
+    another process now (its start time differs: the pid was reused).
+    Another machine's, a malformed token, or a process that exists but whose
+    start time cannot be read (``/proc`` hidden from this user) gives False:
+    its lock expires unless renewed.
     """
     owner = owner_of(token_)
     if owner is None or not _here(owner):
         return False
-    fields = _stat(owner.pid)
-    if fields is None:
-        return not os.path.exists(f"{_PROC}/{owner.pid}")
-    if fields[0] in ("Z", "X"):
+    if gone(owner.pid):
         return True
     started = start_time(owner.pid)
     return started is not None and started != owner.start
 
 
-def ended(token_: str, held: Iterable[str]) -> bool:
-    """Whether the delivery that took ``token_`` runs no more, where this process holds ``held``.
+#: This process's delivery tokens that may hold a lock or a slot: see :func:`claim`.
+_claimed: set[str] = set()
 
-    A token this process holds is alive; one of this process that it no
-    longer holds has ended (this process runs nothing under it); any other is
-    judged by :func:`owner_gone`.
+
+def claim() -> str:
+    """A new token (:func:`token`) for a delivery of this process, alive to :func:`ended` until :func:`retire`.
+
+    Claimed before any store sees it, so a sibling thread or greenlet that
+    finds it holding a lock or a slot a moment later never takes it for ended.
     """
-    if token_ in held:
-        return False
-    return token_pid(token_) == os.getpid() or owner_gone(token_)
+    new = token()
+    _claimed.add(new)
+    return new
+
+
+def retire(token_: str) -> None:
+    """The delivery of ``token_`` let go of its lock and slot (or gave up on them): it has ended."""
+    _claimed.discard(token_)
+
+
+def ended(token_: str) -> bool:
+    """Whether the delivery that took ``token_`` runs no more.
+
+    A token of this very process (same pid, start time and machine) has ended
+    once it is no longer claimed (:func:`claim`, :func:`retire`); any other
+    is judged by :func:`owner_gone`.
+    """
+    owner = owner_of(token_)
+    if owner is not None and _here(owner) and f"{owner.pid}:{owner.start}" == _own()[0]:
+        return token_ not in _claimed
+    return owner_gone(token_)
 
 
 def gone(pid: int) -> bool:
-    """Whether process ``pid`` of this host has exited (a zombie has: it runs nothing)."""
-    if not os.path.isdir(_PROC):  # no process table to read: only "exists" can be asked
-        try:
-            os.kill(pid, 0)
-        except ProcessLookupError:
-            return True
-        except PermissionError:
-            return False
+    """Whether process ``pid`` of this process table has provably exited: no such pid, or a zombie (it runs nothing).
+
+    ``kill(pid, 0)`` finding none proves it; a process it finds (or may not
+    signal: another user's) is alive unless its entry says zombie, and one
+    whose entry cannot be read (``/proc`` mounted ``hidepid``) stays alive.
+    """
+    if pid <= 0:  # 0 and negative pids name process groups
         return False
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return True
+    except PermissionError:
+        pass
     fields = _stat(pid)
-    if fields is None:
-        return not os.path.exists(f"{_PROC}/{pid}")
-    return bool(fields) and fields[0] in ("Z", "X")
+    return fields is not None and bool(fields) and fields[0] in ("Z", "X")
 
 
 @dataclass
@@ -240,6 +276,7 @@ def exit_watcher() -> ExitWatcher:
 
 def _forget_after_fork() -> None:
     global _watcher, _watcher_lock  # noqa: PLW0603
+    _claimed.clear()  # the parent's deliveries: their tokens name the parent
     _watcher = None  # the parent's thread does not exist in the child
     _watcher_lock = threading.Lock()
 

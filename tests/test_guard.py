@@ -10,12 +10,14 @@ from __future__ import annotations
 import contextlib
 import itertools
 import json
+import os
 import signal
 import threading
 import time
 from collections.abc import Iterator, Mapping
 from dataclasses import dataclass, field
 from typing import Any, TypeVar
+from urllib.parse import urlparse
 
 import pytest
 import redis
@@ -24,10 +26,12 @@ from celery.result import AsyncResult
 from kombu.utils.json import loads
 
 import celery_dedup
-from celery_dedup import DedupTask, ReapReport
+from celery_dedup import DedupTask, ReapReport, guard, limits, processes
 from celery_dedup import runtime as dedup_runtime
 from celery_dedup.keys import KeySchema, member_for, task_namespace
 from celery_dedup.lock import RENEW_FRACTION
+from celery_dedup.store import load_script
+from chaos.proxy import FaultProxy
 
 from .conftest import AppFactory, Server, WorkerProcess, in_process_worker, new_app, queued_messages, wait_for
 from .guard_app import MODES, deliveries_key, events_key, lost_key, register
@@ -1000,3 +1004,43 @@ def test_reaper_judges_a_message_lost_only_if_it_stays_missing(make_app: AppFact
     assert (record_of(r, member_for(work.name, "job:in-flight")) or {}).get("state") == "queued"
     assert (record_of(r, member_for(work.name, "job:gone")) or {}).get("state") == "lost"
     assert work.delay("in-flight").deduplicated, "the fetched run keeps its key"
+
+
+def test_a_lock_a_sibling_thread_just_took_is_not_judged_ended(
+    make_app: AppFactory, server: Server, r: redis.Redis
+) -> None:
+    """Threads pool: a delivery's lock is in the store before its thread hears back, and until then in no registry
+    of its own.
+
+    A sibling of the same process that reports an ending of the same run in
+    that moment (``settle_elsewhere``, say for a revoked copy) judges the
+    lock's token, which names this very process: it must find it alive and
+    leave the lock. The proxy holds the start script's reply to freeze the
+    moment.
+    """
+    port = urlparse(server.url).port
+    assert port is not None
+    r.execute_command("SCRIPT", "LOAD", load_script("start"))  # the held EVALSHA is the start, not a NOSCRIPT
+    with FaultProxy(port) as proxy:
+        app = make_app(broker_url=proxy.url, result_backend=server.url, dedup_reap_interval=0)
+
+        @app.task(base=DedupTask, name="shop.sibling", dedup_key="order:{order_id}", shared=False)
+        def charge(order_id: int) -> int:
+            return order_id
+
+        member = member_for(charge.name, "order:1")
+        proxy.arm("after", hold=True)
+        delivery = threading.Thread(target=charge.apply, args=((1,),), kwargs={"task_id": "run-1"}, daemon=True)
+        delivery.start()
+        assert proxy.fired.wait(10), "the delivery's start reached the server"
+        holder = r.get(SCHEMA.lock(member))
+        assert holder is not None
+        token = holder.decode()
+        assert processes.token_pid(token) == os.getpid(), "premise: the sibling's lock, taken in this process"
+        assert not guard.delivery_gone(token)
+        assert not limits.owner_gone(token)
+        guard.settle_elsewhere(charge, "revoked", "run-1", None, [1], {}, stopping=False)
+        assert r.get(SCHEMA.lock(member)) == holder, "the running delivery keeps its lock"
+        proxy.release()
+        delivery.join(30)
+    assert not delivery.is_alive()

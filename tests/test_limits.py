@@ -19,6 +19,7 @@ from collections import Counter
 from collections.abc import Iterator
 from contextlib import contextmanager
 from typing import Any
+from urllib.parse import urlparse
 
 import pytest
 import redis
@@ -28,6 +29,7 @@ from celery_dedup.exceptions import DedupConfigError
 from celery_dedup.keys import KeySchema
 from celery_dedup.limits import Denial, Grant, LimitPolicy, Rate
 from celery_dedup.runtime import store_for
+from chaos.proxy import FaultProxy
 
 from . import limits_app
 from .conftest import AppFactory, Server, WorkerProcess, wait_for
@@ -171,7 +173,7 @@ def test_a_lease_nobody_renews_expires_and_renewal_keeps_one(make_app: AppFactor
     one = LimitPolicy(None, concurrency=1)
     grant = _ask(store, "h:1:old", "run-1", one, lease_ms=300)
     assert isinstance(grant, Grant)
-    kept = limits.SlotLease(store, GROUP, "h:1:old", 300, grant, now=0.0)
+    kept = limits.SlotLease(store, GROUP, "h:1:old", "run-old", 300, grant, now=0.0)
     assert limits.renew_leases([kept], lease_ms=60_000) == []
     assert isinstance(_ask(store, "h:1:new", "run-2", one), Denial)
     r.zadd(SCHEMA.limit_slots(GROUP), {"h:1:old": 1})  # its deadline passed (as if not renewed)
@@ -231,10 +233,13 @@ def test_groups_are_listed_with_their_usage(make_app: AppFactory, r: redis.Redis
 
 
 @contextmanager
-def worker(server: Server, concurrency: int, **conf: Any) -> Iterator[WorkerProcess]:
+def worker(
+    server: Server, concurrency: int, *, pool: str = "prefork", url: str = "", **conf: Any
+) -> Iterator[WorkerProcess]:
     process = WorkerProcess(
-        server.url,
+        url or server.url,
         app="tests.limits_app",
+        pool=pool,
         concurrency=concurrency,
         env={"CELERY_DEDUP_LIMITS_CONF": json.dumps(conf)},
     )
@@ -333,7 +338,7 @@ def test_a_worker_killed_holding_slots_gives_them_back_and_loses_nothing(
     process saw its children die; a refused delivery proves it), not because
     their leases ran out.
     """
-    conf = {"task_acks_late": True, "task_reject_on_worker_lost": True, "dedup_lock_ttl": 300}
+    conf: dict[str, Any] = {"task_acks_late": True, "task_reject_on_worker_lost": True, "dedup_lock_ttl": 300}
     r.sadd(limits_app.HANG, "hang:0", "hang:1")
     with worker(server, concurrency=4, **conf) as process:
         for n in range(6):
@@ -485,3 +490,68 @@ def test_eager_calls_take_no_place_in_their_group(make_app: AppFactory, r: redis
     nested.delay(0)
     assert ran == [0, 1, 2]
     assert list(r.scan_iter(match="dedup:lim:*")) == []
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("pool", ["threads", "gevent", "eventlet"])
+def test_one_process_pools_run_one_body_of_a_group_at_a_time_and_evict_no_live_sibling(
+    server: Server, r: redis.Redis, tasks: limits_app.Tasks, pool: str
+) -> None:
+    """Ten deliveries of one process race for a group's single slot: a sibling's fresh slot is never taken for dead.
+
+    Every token of a one-process pool names the same pid, so only the process's
+    own registry tells a live sibling from an ended one: a slot just granted
+    must be in it before any sibling can see it in the group.
+    """
+    if pool != "threads":
+        pytest.importorskip(pool)
+    task = tasks.by_mode["until_executed"]
+    calls = 30
+    port = urlparse(server.url).port
+    assert port is not None
+    # Replies 20 ms late, as from a store across a network: a round trip a delivery makes between its
+    # grant and its body is long enough for its siblings to come back, be refused and judge its slot.
+    with FaultProxy(port) as proxy, worker(server, concurrency=10, pool=pool, url=proxy.url) as process:
+        proxy.delay(0.02)
+        for n in range(calls):
+            task.delay(n, pool)
+        wait_for(lambda: r.llen(limits_app.RUNS) >= calls, 120, lambda: f"{r.llen(limits_app.RUNS)} of {calls} ran")
+        done = runs(r)
+        output = "".join(process.output)
+    assert Counter(e["key"] for e in done) == Counter({f"until_executed:{n}": 1 for n in range(calls)}), output
+    assert len({e["pid"] for e in done}) == 1, "one process ran them all"
+    assert most_at_once(done) == 1, sorted((e["start"], e["end"]) for e in done)
+    assert store_for(task.app).stats()[task.name].get("limit_evicted", 0) == 0, "nothing died, nothing is evicted"
+
+
+def test_two_deliveries_of_one_run_in_one_process_keep_their_own_slots(
+    make_app: AppFactory, r: redis.Redis, tasks: limits_app.Tasks
+) -> None:
+    """Two deliveries of one run hold slots in one process a moment (a copy on its way to being refused).
+
+    The copy giving its slot back leaves the other's alone: still its
+    grant, still alive to a sibling asking for the group.
+    """
+    store = store_for(tasks.job.app)
+    task: Any = tasks.job
+    leases = []
+    for _ in range(2):
+        token = processes.claim()
+        task.push_request(id="run-1", args=[1, "T"], kwargs={}, headers=None, is_eager=False)
+        try:
+            leases.append(limits.admit(task, store, None, token))
+        finally:
+            task.pop_request()
+    running, copy = leases
+    assert running is not None and copy is not None
+    try:
+        limits.leave(copy, ran=False)
+        processes.retire(copy.token)
+        assert limits.current("run-1") == running.grant
+        assert not limits.owner_gone(running.token), "a delivery of this process that still holds its slot"
+        assert limits.owner_gone(copy.token), "one that gave its slot back has ended"
+    finally:
+        limits.leave(running, ran=True)
+        processes.retire(running.token)
+    assert limits.current("run-1") is None
+    assert r.zcard(SCHEMA.limit_slots("tests.limits_app.job:tenant:T")) == 0

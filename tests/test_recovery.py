@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 import signal
 import subprocess
 import sys
@@ -137,6 +138,114 @@ def test_a_token_from_another_pid_namespace_on_this_host_is_not_gone() -> None:
     assert ours is not None and owner.machine != ours.machine
     assert not processes.owner_gone(token), "our pid 1 is another process, but not provably the token's"
     assert processes.token_pid(token) is None
+
+
+def test_a_proc_showing_another_pid_namespace_proves_nothing() -> None:
+    """``unshare --pid`` without remounting ``/proc``: its entries are the parent namespace's processes, not ours.
+
+    A judge there would read another process's start time for its own pids
+    and take live processes for reused pids: such a table gives no machine
+    id, so its tokens prove nothing, even of the judge's own live process.
+    """
+    code = (
+        "import json, os; from celery_dedup import processes; t = processes.token(); o = processes.owner_of(t); "
+        "print(json.dumps([t, os.getpid(), processes.owner_gone(t.replace(f':{o.start}:', ':999999:', 1))]))"
+    )
+    try:
+        made = subprocess.run(
+            ["unshare", "--pid", "--fork", sys.executable, "-c", code],
+            check=False,
+            capture_output=True,
+            text=True,
+            timeout=60,
+            cwd=ROOT,
+        )
+    except (FileNotFoundError, subprocess.TimeoutExpired) as exc:
+        pytest.skip(f"cannot make a pid namespace here: {exc}")
+    if made.returncode != 0:
+        pytest.skip(f"cannot make a pid namespace here: {made.stderr.strip()}")
+    token, pid, reused_gone = json.loads(made.stdout)
+    assert pid == 1, "premise: the first process of a new pid namespace"
+    owner = processes.owner_of(token)
+    assert owner is not None and owner.machine == "", token
+    assert reused_gone is False
+
+
+#: Loads processes.py alone (the standard library only: readable by any user) and prints owner_gone of each token.
+BLIND_JUDGE = """
+import importlib.util, json, os, sys
+spec = importlib.util.spec_from_file_location("judge", "celery_dedup/processes.py")
+judge = importlib.util.module_from_spec(spec)
+sys.modules["judge"] = judge
+spec.loader.exec_module(judge)
+tokens = sys.argv[1:]
+print(json.dumps({
+    "uid": os.getuid(),
+    "visible": [os.path.exists(f"/proc/{judge.owner_of(t).pid}") for t in tokens],
+    "gone": [judge.owner_gone(t) for t in tokens],
+}))
+"""
+
+
+def judged_blind(hidepid: int, *tokens: str) -> dict[str, Any]:
+    """``owner_gone`` of ``tokens``, judged by user ``nobody`` through a ``/proc`` mounted ``hidepid=<hidepid>``.
+
+    A private mount namespace gets its own ``/proc`` instance, so the host's is untouched.
+    """
+    if os.geteuid() != 0 or not shutil.which("unshare") or not shutil.which("setpriv"):
+        pytest.skip("needs root, unshare and setpriv to mount a hardened /proc")
+    script = (
+        f"mount -t proc -o hidepid={hidepid} proc /proc || exit 77; "
+        'exec setpriv --reuid=65534 --regid=65534 --clear-groups "$0" -c "$@"'
+    )
+    command = ["unshare", "--mount", "--propagation", "private", "sh", "-c", script, sys.executable, BLIND_JUDGE]
+    made = subprocess.run([*command, *tokens], check=False, capture_output=True, text=True, timeout=60, cwd=ROOT)
+    if made.returncode == 77 or made.stderr.startswith("unshare:"):
+        pytest.skip(f"cannot mount a hardened /proc here: {made.stderr.strip()}")
+    assert made.returncode == 0, made.stderr
+    seen: dict[str, Any] = json.loads(made.stdout)
+    assert seen["uid"] == 65534
+    return seen
+
+
+@pytest.mark.parametrize("hidepid", [1, 2])
+def test_a_live_process_the_judge_cannot_see_is_alive(hidepid: int) -> None:
+    """``/proc`` mounted ``hidepid``: another user's entries are unreadable (1) or missing (2); not seen is not dead.
+
+    The neighbour: a dead process is still proved dead by a judge that sees nothing of it.
+    """
+    live = new_token()  # this test's process: root's
+    dead = subprocess.Popen([sys.executable, "-c", "pass"])
+    dead.wait()
+    dead_token = with_part(with_part(live, 1, str(dead.pid)), 2, str(processes.start_time(os.getpid())))
+    seen = judged_blind(hidepid, live, dead_token)
+    if hidepid == 2:
+        assert seen["visible"] == [False, False], "premise: the judge sees no entry of another user's process"
+    assert seen["gone"] == [False, True], seen
+
+
+def test_an_unreadable_process_table_proves_nothing_about_a_live_process(
+    monkeypatch: pytest.MonkeyPatch, tmp_path: Path
+) -> None:
+    """The judge's logic where ``/proc`` holds no entry for a live pid: no proof of death, whatever else it reads."""
+    token = new_token()
+    child = child_token()
+    assert child.stdout is not None
+    child_token_ = child.stdout.readline().strip()
+    try:
+        processes._own()  # this process's identity, read before the table goes blind
+        monkeypatch.setattr(processes, "_PROC", str(tmp_path))
+        assert not processes.owner_gone(token)
+        assert not processes.owner_gone(child_token_)
+        assert not processes.gone(child.pid)
+        assert not processes.gone(os.getpid())
+    finally:
+        assert child.stdin is not None
+        child.stdin.close()
+        child.wait()
+        child.stdout.close()
+    assert processes.owner_gone(child_token_), "and a pid with no process at all is dead, blind or not"
+    assert processes.gone(child.pid)
 
 
 @pytest.mark.parametrize(
