@@ -293,7 +293,7 @@ FIELD_DOCS = (
         "lock",
         "worker",
         "Lock owner",
-        "The owner token (host:pid:random) of the execution lock this run "
+        "The owner token (host:pid:start:machine:random) of the execution lock this run "
         "took; the lock itself, if alive, is shown with its time left.",
     ),
     FieldDoc(
