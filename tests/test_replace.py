@@ -132,3 +132,26 @@ def test_a_replacement_that_ends_before_its_predecessor_unwinds_still_settles_th
         assert run.get(timeout=20) == "walked 9"
         wait_for(lambda: r.hget(SCHEMA.record(member), "state") == b"succeeded", 10, "the run to be recorded")
     assert not r.sismember(SCHEMA.held, member) and not r.exists(SCHEMA.lock(member))
+
+
+def test_a_duplicate_group_member_of_a_run_that_replaced_itself_gets_the_replacements_result(
+    make_app: AppFactory, r: redis.Redis
+) -> None:
+    from celery import group
+
+    app = make_app()
+    client = redis.Redis.from_url(str(app.conf.broker_url))
+
+    @app.task(base=DedupTask, name="replace.build", dedup_key="build:{doc}", bind=True, shared=False)
+    def build(self: DedupTask, doc: int) -> Any:
+        time.sleep(0.3)
+        raise self.replace(render.s(doc))
+
+    @app.task(name="replace.render", shared=False)
+    def render(doc: int) -> str:
+        client.incr(f"replace:rendered:{doc}")
+        return f"rendered {doc}"
+
+    result = group(build.s(1), build.s(1)).apply_async()
+    with in_process_worker(app, pool="threads", concurrency=2):
+        assert result.get(timeout=20) == ["rendered 1", "rendered 1"]
