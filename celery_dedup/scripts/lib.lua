@@ -147,7 +147,22 @@ end
 -- (or `result` is to be kept for followers still to come: a key held after
 -- success). A success whose return value is not given yet returns true: the
 -- caller settles it with the value (settle.lua).
+-- A run `replaced` by work under another key or a plain task has not given
+-- its followers anything yet: they stay parked, for as long as the run's
+-- record is kept, until its replacement's ending settles them (settle.lua,
+-- relay.py), and the outcome says so meanwhile (the reaper leaves them). If
+-- that ending came first, they are released with it now.
 local function settle_followers(prefix, member, run, state, err, result, ttl_ms)
+  if state == 'replaced' then
+    local outcomes, followers = prefix .. ':out:' .. member, prefix .. ':fol:' .. member
+    if redis.call('HEXISTS', outcomes, run) == 1 then
+      release_followers(prefix, member, run)
+    elseif redis.call('EXISTS', followers) == 1 then
+      record_outcome(prefix, member, run, state, err, '', ttl_ms)
+      redis.call('PEXPIRE', followers, math.max(redis.call('PTTL', followers), ttl_ms))
+    end
+    return false
+  end
   if result == '' and redis.call('EXISTS', prefix .. ':fol:' .. member) == 0 then
     return false
   end
