@@ -410,15 +410,19 @@ def start_run(
     lock_ms: int = 60_000,
     hostname: str = "bench@host",
     pid: int | None = None,
+    key_mode: str = "lock",
 ) -> None:
-    """What the guard sends when a delivery of a gated key starts; raises if the store refuses it."""
+    """What the guard sends when a delivery of a gated key starts; raises if the store refuses it.
+
+    ``key_mode``: the task's mode's ``key_on_start`` ("window" for throttle and until_expired).
+    """
     decision = store.start(
         member,
         task_id,
         token,
         lock_ms=lock_ms,
         gated=True,
-        key_mode="lock",
+        key_mode=key_mode,
         hostname=hostname,
         pid=os.getpid() if pid is None else pid,
         retries=0,

@@ -24,9 +24,18 @@ A smaller table repeats the per-key record measurements with other worker
 host names and argument sizes, because a record's encoding (compact listpack
 or a real hash table) flips on its longest value.
 
+A last table runs one key ``--runs`` times under ``throttle`` and under
+``until_expired`` (a short window, waited out between runs), each run through
+the gate, ``start`` and ``finish`` with the return value those modes keep for
+the followers of their window, and gives the key's bytes (every structure of
+its member) and its kept outcomes after some of those runs: a key that keeps
+running must not grow with its runs. (What still grows, up to 1000 entries,
+is the key's memory of its ended runs pushed out of its record, so a late copy
+of an old run is still recognised: shown apart.)
+
 Run it from the repository root::
 
-    .venv/bin/python -m benchmarks.memory [--keys 100000] [--sample 1000] [--output FILE]
+    .venv/bin/python -m benchmarks.memory [--keys 100000] [--sample 1000] [--runs 100] [--output FILE]
 
 It starts its own server (``celery_dedup.testing.RedisServer``), prints
 Markdown tables and writes ``benchmarks/results/memory.json``. Library code
@@ -53,6 +62,7 @@ from celery import Celery
 import celery_dedup
 from benchmarks import harness
 from celery_dedup import DedupTask, runtime
+from celery_dedup.gate import result_payload
 from celery_dedup.keys import KeySchema, member_for, task_namespace
 from celery_dedup.lock import new_token
 from celery_dedup.processes import HOST_CHARS, owner_of
@@ -266,6 +276,8 @@ class Run:
     #: Bytes of the message's ``"dedup": {...}`` header entry, as JSON.
     dedup_header_bytes: int
     variants: list[dict[str, Any]]
+    #: Per mode: one key's bytes and kept outcomes after some of its runs.
+    repeated: dict[str, list[dict[str, Any]]]
     elapsed_s: float
 
 
@@ -362,6 +374,96 @@ def measure_variants(client: redis.Redis, url: str, count: int, rng: random.Rand
     return rows
 
 
+#: The windowed modes that keep a run's return value after it succeeded, with their options (a short window).
+REPEATED_MODES = {
+    "throttle": {"dedup_mode": "throttle", "dedup_window": 0.02},
+    "until_expired": {"dedup_mode": "until_expired", "dedup_ttl": 0.02},
+}
+#: Runs after which the repeated key is measured (those up to --runs).
+CHECKPOINTS = (1, 2, 10, 29, 100, 1000)
+
+
+def member_bytes(client: redis.Redis, schema: KeySchema, member: str) -> int:
+    """``MEMORY USAGE`` of every key of one member (the held set and indexes are shared: not counted)."""
+    keys = (schema.record, schema.history, schema.lock, schema.ended, schema.followers, schema.outcomes)
+    return sum(usage(client, key(member)) for key in keys)
+
+
+def run_repeatedly(
+    client: redis.Redis, url: str, mode: str, options: dict[str, Any], runs: int, rng: random.Random
+) -> list[dict[str, Any]]:
+    """One key of a ``mode`` task run ``runs`` times as a worker would; what it holds at each checkpoint."""
+    app = Celery(f"bench_memory_repeated_{mode}", set_as_current=False)
+    app.conf.update(
+        broker_url=url, task_default_queue=QUEUE, broker_connection_retry_on_startup=False, dedup_key_prefix="dedup"
+    )
+    celery_dedup.install(app)
+    name = f"shop.orders.{mode}"
+
+    @app.task(name=name, base=DedupTask, dedup_key="order:{order_id}", shared=False, **options)
+    def charge(order_id: int, amount: int = 0) -> None:
+        return None
+
+    store = runtime.store_for(app)
+    schema = store.schema
+    member = member_for(name, f"order:{FIRST_ORDER}")
+    rows = []
+    try:
+        clear(client, "dedup")
+        for run in range(1, runs + 1):
+            amount = rng.randrange(100, 100_000)
+            result = charge.apply_async((FIRST_ORDER, amount))
+            if result.deduplicated:
+                raise RuntimeError(f"{mode} run {run}: the key was still held")
+            client.delete(QUEUE)
+            token = token_for(DEFAULT_HOST)
+            harness.start_run(
+                store,
+                member,
+                result.id,
+                token,
+                task_name=name,
+                lock_ms=LOCK_MS,
+                hostname=f"celery@{DEFAULT_HOST}",
+                pid=DEFAULT_PID,
+                key_mode="window",
+            )
+            # What such a run returns and the guard keeps for its window's followers.
+            value = {"order_id": FIRST_ORDER, "amount": amount, "status": "charged", "receipt": secrets.token_hex(16)}
+            store.finish(
+                member,
+                result.id,
+                "succeeded",
+                drop=False,
+                record_ms=86_400_000,
+                token=token,
+                role="run",
+                result=result_payload(app, value),
+            )
+            if run in CHECKPOINTS or run == runs:
+                rows.append(
+                    {
+                        "runs": run,
+                        "member_bytes": member_bytes(client, schema, member),
+                        "outcomes": int(client.hlen(schema.outcomes(member))),
+                        "outcomes_bytes": usage(client, schema.outcomes(member)),
+                        "ended_bytes": usage(client, schema.ended(member)),
+                    }
+                )
+            held_until = int(client.hget(schema.record(member), "held_until") or 0)
+            while harness.server_ms(client) <= held_until:
+                time.sleep(0.005)
+        clear(client, "dedup")
+    finally:
+        app.close()
+    return rows
+
+
+def measure_repeated(client: redis.Redis, url: str, runs: int, rng: random.Random) -> dict[str, list[dict[str, Any]]]:
+    """One key run ``runs`` times under each mode of ``REPEATED_MODES``."""
+    return {mode: run_repeatedly(client, url, mode, options, runs, rng) for mode, options in REPEATED_MODES.items()}
+
+
 def measure(script: harness.Script, args: argparse.Namespace) -> Run:
     rng = random.Random(args.seed)
     with RedisServer() as server:
@@ -378,6 +480,7 @@ def measure(script: harness.Script, args: argparse.Namespace) -> Run:
         try:
             states, queue_per_message, message_bytes, header_bytes = measure_main(client, server.url, args, rng)
             variants = measure_variants(client, server.url, args.variant_keys, rng)
+            repeated = measure_repeated(client, server.url, args.runs, rng)
         finally:
             client.close()
         return Run(
@@ -389,6 +492,7 @@ def measure(script: harness.Script, args: argparse.Namespace) -> Run:
             message_bytes,
             header_bytes,
             variants,
+            repeated,
             time.monotonic() - started,
         )
 
@@ -500,6 +604,21 @@ def variant_table(rows: Sequence[dict[str, Any]]) -> str:
     return "\n".join(lines)
 
 
+def repeated_table(repeated: dict[str, list[dict[str, Any]]]) -> str:
+    lines = [
+        "| mode | runs of the key | bytes of the key (all its structures) | outcomes kept | bytes of its outcomes "
+        "| bytes of its ended-run fingerprints |",
+        "|---|---:|---:|---:|---:|---:|",
+    ]
+    for mode, rows in repeated.items():
+        for row in rows:
+            lines.append(
+                f"| {mode} | {row['runs']} | {row['member_bytes']} | {row['outcomes']} | {row['outcomes_bytes']} "
+                f"| {row['ended_bytes']} |"
+            )
+    return "\n".join(lines)
+
+
 def print_report(args: argparse.Namespace, run: Run) -> None:
     print()
     print(
@@ -514,6 +633,10 @@ def print_report(args: argparse.Namespace, run: Run) -> None:
     print(f"Record size by worker host name and arguments ({args.variant_keys} keys each)")
     print()
     print(variant_table(run.variants))
+    print()
+    print(f"One key run {args.runs} times (each run's return value kept for its window's followers)")
+    print()
+    print(repeated_table(run.repeated))
     print()
     hash_value = run.config.get("hash-max-listpack-value", "?")
     print(
@@ -569,6 +692,7 @@ def parse_args(script: harness.Script, argv: Sequence[str] | None) -> argparse.N
     script.option("--sample", 1000, "keys sampled for MEMORY USAGE")
     script.option("--variant-keys", 2000, "keys per record variant")
     script.option("--seed", 1, "random seed for amounts and the sample", minimum=None)
+    script.option("--runs", 100, "runs of the one key measured under throttle and until_expired")
     return script.parse(argv)
 
 
@@ -586,6 +710,7 @@ def main(argv: Sequence[str] | None = None) -> int:
                 "sample": args.sample,
                 "variant_keys": args.variant_keys,
                 "seed": args.seed,
+                "runs": args.runs,
                 "task": TASK,
                 "hostname": DEFAULT_HOST,
                 "pid": DEFAULT_PID,
@@ -596,6 +721,7 @@ def main(argv: Sequence[str] | None = None) -> int:
             "dedup_header_bytes": run.dedup_header_bytes,
             "summary": summary(run),
             "variants": run.variants,
+            "repeated": run.repeated,
             "notes": notes(run),
         },
     )

@@ -237,12 +237,17 @@ class Replacement:
 _replacements: dict[str, Replacement] = {}
 
 
-def replacing(task: KeyedTask, by: str) -> None:
-    """Note that the run executing ``task`` replaces itself with ``by`` (called from ``on_replace``)."""
+def replacing(task: KeyedTask, by: str) -> tuple[str, str] | None:
+    """Note that the run executing ``task`` replaces itself with ``by`` (called from ``on_replace``).
+
+    Returns the run's ``(prefix, member)``, None if no run of this process is executing it.
+    """
     task_id = task.request.id
     lock = _running.get(task_id) if task_id is not None else None
-    if lock is not None:
-        _replacements[lock.token] = Replacement(lock.member, by)
+    if lock is None:
+        return None
+    _replacements[lock.token] = Replacement(lock.member, by)
+    return lock.store.schema.prefix, lock.member
 
 
 def hand_over(task_id: str | None, member: str) -> bool:

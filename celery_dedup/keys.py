@@ -32,7 +32,9 @@ task name, ``:``, and the business key)::
     P:fol:M     HASH, the member's followers: follower task id -> JSON
                 {run, queue, message, at} (message and queue gone once released)
     P:out:M     HASH, how runs of the member that had followers ended:
-                run task id -> JSON {state, error, result}
+                run task id -> JSON {state, error, result} (state `replaced`
+                while the run's replacement has yet to end); only runs a
+                follower may still ask for (see lib.lua's record_outcome)
     P:following SET of members with followers (the reaper's list to look at)
 """
 

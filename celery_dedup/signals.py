@@ -19,7 +19,7 @@ from celery import signals
 from celery.exceptions import Reject, TimeLimitExceeded
 from kombu.utils.imports import symbol_by_name
 
-from . import runtime
+from . import relay, runtime
 from .gate import HEADER, GateHeader, Ticket, open_ticket
 from .guard import FAILED, LOST, REJECTED, REVOKED, settle_elsewhere
 from .keyed import delay_seconds
@@ -218,3 +218,4 @@ def connect(app: Any) -> None:
     signals.task_revoked.connect(on_revoked, weak=False, dispatch_uid="celery_dedup.on_revoked")
     signals.task_unknown.connect(on_unrunnable, weak=False, dispatch_uid="celery_dedup.on_unknown")
     signals.task_rejected.connect(on_unrunnable, weak=False, dispatch_uid="celery_dedup.on_rejected")
+    relay.connect()

@@ -613,10 +613,15 @@ class DedupStore:
             backend_result.written = True
         return Finished(bool(owned), bool(lock_kept), bool(wants_result))
 
-    def settle(self, member: str, run_id: str, *, result: str, unkept: str = "", record_ms: int) -> int:
-        """Give a succeeded run's followers its return value and release them (see ``settle.lua``)."""
+    def settle(
+        self, member: str, run_id: str, *, result: str, unkept: str = "", record_ms: int, state: str = "succeeded"
+    ) -> int:
+        """Give a run's followers how it ended (a success: its return value) and release them (see ``settle.lua``).
+
+        ``unkept``: why a success's value could not be kept, or the error the run ended with.
+        """
         at = self._at(member)
-        args: list[str | int] = [member, run_id, result, storable(unkept), at.prefix, record_ms]
+        args: list[str | int] = [member, run_id, result, storable(unkept), at.prefix, record_ms, state]
         return int(self.scripts.settle([at.followers(member)], args))
 
     def unclaim(self, member: str, task_id: str) -> bool:

@@ -16,7 +16,7 @@ from celery import Task
 from celery.utils.saferepr import saferepr
 from kombu.exceptions import OperationalError
 
-from . import decisions, limits, runtime
+from . import decisions, limits, relay, runtime
 from .bulk import apply_async_many
 from .config import check_debounce, check_mode, check_on_duplicate, check_on_locked, check_ttl
 from .exceptions import (
@@ -306,9 +306,11 @@ class DedupTask(_TaskBase):
 
         The run's lock is handed over and its record set back to ``queued``, so
         the replacement starts at once and the key stays held; a replacement
-        under another key (or a plain task) ends this run as ``replaced``.
+        under another key (or a plain task) ends this run as ``replaced``, and
+        its followers then resolve as the replacement ends (see :mod:`celery_dedup.relay`).
         """
-        replacing(self, getattr(sig, "name", None) or type(sig).__name__)
+        own = replacing(self, getattr(sig, "name", None) or type(sig).__name__)
+        relay.carry(self.request, sig, own)
         return super().on_replace(sig)
 
     @property
@@ -398,10 +400,10 @@ class DedupTask(_TaskBase):
             member = member_for(self.name, policy.spec.business_key(args, kwargs))
         else:
             member = previous.member
-        # Task.replace under the same key: the replacement goes on as this run.
-        continues = continues or hand_over(task_id, member)
+        continues = continues or self._goes_on(task_id, member, headers)
         business_key = split_member(member)[1]
-        follows = carries_continuation(link, link_error, options)
+        # A replacement carrying a replaced run's followers has them to resolve (see relay.py).
+        follows = carries_continuation(link, link_error, options) or bool(relay.entries(headers))
         fresh = task_id is None and previous is None and not follows and not policy.mode.parks
         known = self._peek(member) if fresh else None
         if known is not None:
@@ -439,6 +441,16 @@ class DedupTask(_TaskBase):
             return self._answer(outcome, business_key, run_id, options, follows=follows)
         decisions.log("accepted", self.name, business_key, run_id)
         return self._add_to_parent(result, add_to_parent)
+
+    def _goes_on(self, task_id: str | None, member: str, headers: dict[str, Any]) -> bool:
+        """Whether this publish is ``Task.replace`` under the run's own key: the replacement goes on as the run.
+
+        The run's own ending then settles its followers: its key leaves the replacement's relay.
+        """
+        if not hand_over(task_id, member):
+            return False
+        relay.drop(headers, member)
+        return True
 
     def _two_phase(
         self, gate: GateHeader, run_id: str, args: Any, kwargs: Any, headers: dict[str, Any], publish: _Publish

@@ -226,14 +226,20 @@ def wait_for(predicate: Callable[[], T], timeout: float, what: str | Callable[[]
 
 
 @contextlib.contextmanager
-def in_process_worker(app: Celery, pool: str = "solo", concurrency: int = 1) -> Iterator[Any]:
-    """A real Celery worker consuming ``app``'s queues in this process.
+def in_process_worker(app: Celery, pool: str = "solo", concurrency: int = 1, **options: Any) -> Iterator[Any]:
+    """A real Celery worker consuming ``app``'s queues in this process (``options``: more worker options).
 
     Through the plugin's helper: on kombu 5.5 a worker started after another
     one in this process would otherwise never fire its timer.
     """
     with testing.in_process_worker(
-        app, pool=pool, concurrency=concurrency, perform_ping_check=False, shutdown_timeout=10.0, loglevel="WARNING"
+        app,
+        pool=pool,
+        concurrency=concurrency,
+        perform_ping_check=False,
+        shutdown_timeout=10.0,
+        loglevel="WARNING",
+        **options,
     ) as worker:
         try:
             yield worker

@@ -67,6 +67,8 @@ class Tasks:
     tick: DedupTask
     hang: DedupTask
     storm: DedupTask
+    #: Replaces itself with ``render``, a plain task that hangs like ``hang`` when told to.
+    build: DedupTask
 
 
 def register(app: Celery) -> Tasks:
@@ -116,7 +118,19 @@ def register(app: Celery) -> Tasks:
         time.sleep(STORM_SECONDS)
         return n
 
-    return Tasks(plain_tick, tick, hang, storm)
+    @app.task(name="tests.crash_app.build", base=DedupTask, bind=True, shared=False, dedup_key="build:{n}")
+    def build(self: DedupTask, n: int) -> Any:
+        raise self.replace(render.s(n))
+
+    @app.task(name="tests.crash_app.render", bind=True, shared=False)
+    def render(self: Task[Any, Any], n: int) -> str:
+        key = f"render:{n}"
+        record_execution(key, self.request.id)
+        if counter.decr(hang_key(key)) >= 0:
+            time.sleep(HANG_SECONDS)
+        return f"rendered {n}"
+
+    return Tasks(plain_tick, tick, hang, storm, build)
 
 
 def build() -> Celery:

@@ -26,6 +26,8 @@ from typing import Any, TypeVar
 import kombu
 import pytest
 import redis
+from celery import group
+from celery.result import GroupResult
 from kombu.transport import redis as kombu_redis
 
 import celery_dedup
@@ -462,6 +464,30 @@ def test_late_worker_lost_report_leaves_a_running_redelivered_copy_its_lock(
         assert holder.decode().split(":")[1] == str(copy), f"the lock belongs to another delivery: {holder!r}"
         assert record(r, hang)["state"] == "started"
         assert executions(r, key) == 2, "a further copy ran beside the running one"
+    except AssertionError:
+        print(fleet.logs())
+        raise
+
+
+def test_followers_of_a_replaced_run_fail_as_lost_when_the_replacements_worker_is_killed(
+    fleet: Fleet, tasks: crash_app.Tasks, r: redis.Redis
+) -> None:
+    """A group member replaced itself with a plain task whose pool child is SIGKILLed: Celery fails the member
+    with WorkerLostError (its message is not requeued), and its duplicate member, following the replaced run,
+    fails as lost (reported by the worker's main process) instead of waiting for an ending that will not come.
+    """
+    fleet.start(conf=crash_conf(acks_late=False), transport={})
+    r.set(crash_app.hang_key("render:1"), 1)
+    result = group(tasks.build.s(1), tasks.build.s(1)).apply_async()
+    assert isinstance(result, GroupResult)
+    os.kill(started_pid(r, "render:1"), signal.SIGKILL)
+    try:
+        result.join(timeout=30, propagate=False)
+        first, follower = result.results
+        assert first.state == "FAILURE" and type(first.result).__name__ == "WorkerLostError", first.result
+        assert follower.state == "FAILURE" and "lost" in str(follower.result), follower.result
+        assert first.id in str(follower.result) and "WorkerLostError" in str(follower.result)
+        assert executions(r, "render:1") == 1
     except AssertionError:
         print(fleet.logs())
         raise

@@ -580,3 +580,72 @@ def test_stopped_in_process_worker_stops_dispatching(make_app: AppFactory, runs:
     work.delay(8, "a")
     wait_server_ms(r, int(record_of(r, member)["due_at"]) + 300)
     assert record_of(r, member)["state"] == "pending", "a stopped worker's dispatcher pushed the run"
+
+
+# --------------------------------------------------------------------------- outcomes kept for followers
+
+#: Runs of one key in the outcome tests: more than a busy key's history of a day would hold.
+MANY_RUNS = 30
+
+
+@pytest.mark.parametrize(
+    "options",
+    [{"dedup_mode": "throttle", "dedup_window": 0.1}, {"dedup_mode": "until_expired", "dedup_ttl": 0.1}],
+    ids=["throttle", "until_expired"],
+)
+def test_a_key_held_after_success_keeps_only_its_current_runs_outcome(
+    make_app: AppFactory, runs: Runs, r: redis.Redis, options: dict[str, Any]
+) -> None:
+    """Each run keeps its return value for the followers of its window; earlier runs' values go.
+
+    Regression: every run's value stayed in the key's outcomes hash, whose expiry each run re-armed.
+    """
+    app = make_app()
+    work = windowed_task(app, runs, **options)
+    member = member_of(work, 7)
+    with in_process_worker(app):
+        for i in range(MANY_RUNS):
+            run = work.delay(7, f"value {i}")
+            assert not run.deduplicated, f"run {i} found the key still held"
+            assert run.get(timeout=10) == f"value {i}"
+            wait_state(r, member, "succeeded", run.id)
+            wait_server_ms(r, int(record_of(r, member)["held_until"]) + 20)
+    assert len(runs.all()) == MANY_RUNS
+    kept = {k.decode(): json.loads(v) for k, v in r.hgetall(SCHEMA.outcomes(member)).items()}
+    assert list(kept) == [run.id], f"{len(kept)} outcomes kept after {MANY_RUNS} runs"
+    assert kept[run.id]["state"] == "succeeded"
+
+
+def test_a_follower_still_on_its_way_gets_its_own_runs_outcome_after_later_runs(
+    make_app: AppFactory, runs: Runs, r: redis.Redis
+) -> None:
+    """Outcomes a released follower has yet to read are kept; a follower in a later window gets that window's run.
+
+    Each follower's message waits in a queue no worker reads until the key has run again.
+    """
+    app = make_app()
+    work = windowed_task(app, runs, dedup_mode="throttle", dedup_window=0.3)
+    client = redis.Redis.from_url(str(app.conf.broker_url))
+    receipts = f"windowed:receipts:{uuid.uuid4().hex}"
+
+    @app.task(shared=False, name=unique("receipt"))
+    def receipt(value: str) -> None:
+        client.rpush(receipts, value)
+
+    member = member_of(work, 8)
+    followers = []
+    with in_process_worker(app):
+        for i in range(3):
+            run = work.delay(8, f"run {i}")
+            assert not run.deduplicated and run.get(timeout=10) == f"run {i}"
+            wait_state(r, member, "succeeded", run.id)
+            follower = work.apply_async((8, "never run"), link=receipt.s(), queue="later")
+            assert follower.deduplicated and follower.id == run.id
+            followers.append(follower)
+            wait_server_ms(r, int(record_of(r, member)["held_until"]) + 20)
+    assert r.hlen(SCHEMA.outcomes(member)) == 3, "each follower on its way keeps its run's outcome"
+    with in_process_worker(app, queues=["later", "celery"]):
+        wait_for(lambda: client.llen(receipts) == 3, 20, "the followers' callbacks")
+    assert sorted(raw.decode() for raw in client.lrange(receipts, 0, -1)) == ["run 0", "run 1", "run 2"]
+    assert [run["args"][1] for run in runs.all()] == ["run 0", "run 1", "run 2"]
+    client.close()

@@ -95,10 +95,34 @@ end
 -- How run `run` of M ended, for its followers (start.lua hands it to each):
 -- JSON {state, error, result}, `result` the run's return value as
 -- gate.result_payload serialized it ("" when it was not kept).
+-- Only outcomes someone can still ask for stay: this run's, the run the
+-- record names (a key held after success answers its window's followers with
+-- it), and those of runs whose followers have yet to read them (parked, or
+-- released and on their way). So a key that keeps running keeps at most
+-- max_followers + 2 of them, not one per run.
 local function record_outcome(prefix, member, run, state, err, result, ttl_ms)
   local outcomes = prefix .. ':out:' .. member
   redis.call('HSET', outcomes, run, cjson.encode({state = state, error = err or '', result = result or ''}))
   redis.call('PEXPIRE', outcomes, ttl_ms)
+  if redis.call('HLEN', outcomes) == 1 then
+    return
+  end
+  local wanted = {[run] = true}
+  local current = redis.call('HGET', prefix .. ':rec:' .. member, 'task_id')
+  if current then
+    wanted[current] = true
+  end
+  for _, entry in ipairs(redis.call('HVALS', prefix .. ':fol:' .. member)) do
+    local ok, follower = pcall(cjson.decode, entry)
+    if ok and follower.run then
+      wanted[follower.run] = true
+    end
+  end
+  for _, kept in ipairs(redis.call('HKEYS', outcomes)) do
+    if not wanted[kept] then
+      redis.call('HDEL', outcomes, kept)
+    end
+  end
 end
 
 -- Push the parked messages of `run`'s followers onto their queues (gate.lua
@@ -123,7 +147,22 @@ end
 -- (or `result` is to be kept for followers still to come: a key held after
 -- success). A success whose return value is not given yet returns true: the
 -- caller settles it with the value (settle.lua).
+-- A run `replaced` by work under another key or a plain task has not given
+-- its followers anything yet: they stay parked, for as long as the run's
+-- record is kept, until its replacement's ending settles them (settle.lua,
+-- relay.py), and the outcome says so meanwhile (the reaper leaves them). If
+-- that ending came first, they are released with it now.
 local function settle_followers(prefix, member, run, state, err, result, ttl_ms)
+  if state == 'replaced' then
+    local outcomes, followers = prefix .. ':out:' .. member, prefix .. ':fol:' .. member
+    if redis.call('HEXISTS', outcomes, run) == 1 then
+      release_followers(prefix, member, run)
+    elseif redis.call('EXISTS', followers) == 1 then
+      record_outcome(prefix, member, run, state, err, '', ttl_ms)
+      redis.call('PEXPIRE', followers, math.max(redis.call('PTTL', followers), ttl_ms))
+    end
+    return false
+  end
   if result == '' and redis.call('EXISTS', prefix .. ':fol:' .. member) == 0 then
     return false
   end

@@ -51,7 +51,8 @@
 -- reading again entries written in that same millisecond.
 --
 --   5. followers parked longer than ARGV[5] whose run has ended, or lost its
---      record to another run, are released (SSCAN of P:following, resuming).
+--      record to another run, are released (SSCAN of P:following, resuming);
+--      not those of a run that replaced itself, whose replacement settles them.
 -- Returns {expired holds released, dead runs and unconfirmed publishes marked
 -- lost, index entries removed, vanished messages' runs marked lost, {member,
 -- task id, why, ...} for each run marked lost}.
@@ -280,11 +281,17 @@ for _, member in ipairs(look[2]) do
     redis.call('SREM', following, member)
   end
   local r = redis.call('HMGET', prefix .. ':rec:' .. member, 'task_id', 'state')
+  local outcomes = prefix .. ':out:' .. member
+  -- A run that replaced itself: its replacement, not the run, settles them (lib's settle_followers).
+  local function replaced(run)
+    local ok, outcome = pcall(cjson.decode, redis.call('HGET', outcomes, run) or '')
+    return ok and outcome.state == 'replaced'
+  end
   local settled = {}
   for i = 1, #entries, 2 do
     local ok, follower = pcall(cjson.decode, entries[i + 1])
     local run = ok and follower.run
-    local waiting = run and (r[1] == run and not ENDED[r[2]] and r[2] ~= 'lost')
+    local waiting = run and (r[1] == run and not ENDED[r[2]] and r[2] ~= 'lost' or follower.message and replaced(run))
     if run and follower.message and not waiting and not settled[run] and tonumber(follower.at or 0) <= now - grace_ms then
       settled[run] = true
       if redis.call('HEXISTS', prefix .. ':out:' .. member, run) == 0 then
