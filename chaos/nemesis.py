@@ -28,7 +28,7 @@ from celery_dedup.exceptions import DedupError
 from celery_dedup.keys import KeySchema, split_member
 
 from .app import LOCK_TTL, MODE_BY_TASK
-from .cluster import Cluster, Slot, signal_group
+from .cluster import Cluster, Slot, group_pids, signal_group
 from .history import History
 from .proxy import SCRIPT_COMMANDS, Point
 
@@ -42,9 +42,11 @@ OPERATOR_ACTIONS = ("release", "purge", "reap", "requeue")
 FAULTS = (
     "kill-child",
     "kill-worker",
+    "restart-worker",
     "kill-producer",
     "stop-worker",
     "proxy",
+    "slow-link",
     "restart",
     "revoke",
     "operator",
@@ -115,14 +117,14 @@ class Nemesis:
                 pids.add(int(pid))
         return pids
 
-    def _target_worker(self) -> Slot:
-        """Mostly a worker whose pool runs a body right now (a fault there hits a live lock), else any."""
-        slots = self.cluster.worker_slots
+    def _target_worker(self, among: list[Slot] | None = None) -> Slot:
+        """Mostly a worker (of ``among``) whose pool runs a body now (a fault there hits a live lock), else any."""
+        slots = among or self.cluster.worker_slots
         prefer_busy = self.rng.random() < 0.8
         fallback = self._slot(slots)
         if prefer_busy:
             busy = self._busy_pids()
-            candidates = [slot for slot in slots if busy.intersection(slot.children())]
+            candidates = [slot for slot in slots if busy.intersection(slot.body_pids())]
             if candidates:
                 return candidates[self.rng.randrange(len(candidates))] if len(candidates) > 1 else candidates[0]
         return fallback
@@ -130,9 +132,14 @@ class Nemesis:
     # --- processes --------------------------------------------------------------------------
 
     def kill_child(self) -> None:
-        """SIGKILL one prefork pool child (the task it runs dies mid-body)."""
+        """SIGKILL one prefork pool child (the task it runs dies mid-body); other pools have no children."""
         slot = self._target_worker()
         index = self.rng.randrange(self.cluster.concurrency)
+        if slot.pool != "prefork":
+            prefork = [s for s in self.cluster.worker_slots if s.pool == "prefork"]
+            if not prefork:
+                return
+            slot = self._slot(prefork)
         children = slot.children()
         if not children:
             return
@@ -151,6 +158,39 @@ class Nemesis:
         self.cluster.start_worker(slot)
         self.cluster.wait_ready(slot)
         self.history.emit("fault_end", kind="kill-worker", slot=slot.name)
+
+    def restart_worker(self) -> None:
+        """Restart a worker under its own node name while the old one still runs, then SIGKILL the old one.
+
+        What systemd or Docker do with a worker slower to stop than their stop
+        timeout, where the new worker keeps the node name and starts before
+        the old one is gone: half the time the old one is stopped (SIGTERM, a
+        warm shutdown that finishes its bodies) as the new one starts, else
+        once the new one is ready; it is SIGKILLed after a stop timeout, with
+        whatever it still runs. Mostly a late-acknowledging worker running a
+        body: its runs are the ones a worker on this machine must put back.
+        """
+        late = [slot for slot in self.cluster.worker_slots if slot.acks_late]
+        slot = self._target_worker(late if late and self.rng.random() < 0.8 else None)
+        term_first = self.rng.random() < 0.5
+        stop_timeout = self.rng.uniform(0.3, 1.5)
+        old = self.cluster.detach(slot)
+        if old is None or old.poll() is not None:
+            slot.process = old
+            return
+        self.fault("restart-worker", slot=slot.name, node=slot.node, pids=group_pids(old.pid), term_first=term_first)
+        signal_group(old.pid, signal.SIGCONT)
+        try:
+            if term_first:
+                signal_group(old.pid, signal.SIGTERM)
+            self.cluster.start_worker(slot, same_name=True)
+            self.cluster.wait_ready(slot)
+            if not term_first:
+                signal_group(old.pid, signal.SIGTERM)
+            self.pause(stop_timeout, stop_timeout)
+        finally:
+            self.cluster.kill_detached(slot, old, "restart-worker")
+        self.history.emit("fault_end", kind="restart-worker", slot=slot.name)
 
     def kill_producer(self) -> None:
         """SIGKILL a producer; half the time frozen mid-publish, after the server ran its script."""
@@ -224,6 +264,24 @@ class Nemesis:
             self.fault("proxy", action=action, target=target)
             for slot in slots:
                 slot.proxy.reset()
+
+    def slow_link(self) -> None:
+        """A worker (mostly one running bodies) reaches the store over a slow link for a while.
+
+        Every reply to it comes 20 to 200 ms late, for 2 to 8 s: each step of a
+        delivery (its group's slot, the guard, the notes it writes) takes that
+        much longer, so what a sibling thread does meanwhile meets it half-way.
+        Too short to let a lease renewed every third of its TTL expire.
+        """
+        slot = self._target_worker()
+        seconds, lasting = round(self.rng.uniform(0.02, 0.2), 3), self.rng.uniform(2.0, 8.0)
+        self.fault("slow-link", target=slot.name, seconds=seconds)
+        slot.proxy.delay(seconds)
+        try:
+            self.pause(lasting, lasting)
+        finally:
+            slot.proxy.delay(0)
+            self.history.emit("fault_end", kind="slow-link", target=slot.name)
 
     def restart(self) -> None:
         """Crash the server and start it again: from its append-only file, or (without persistence) empty."""

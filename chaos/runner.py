@@ -31,7 +31,7 @@ import redis
 
 from . import app as chaos_app
 from .checker import Report, check
-from .cluster import Cluster, DeathWatch
+from .cluster import POOLS, Cluster, DeathWatch
 from .history import History, Tail
 from .nemesis import FAULTS, MAX_SKEW, Nemesis
 from .workload import KEYS_PER_MODE, MODE_WEIGHTS
@@ -55,7 +55,12 @@ def parse(argv: list[str] | None) -> argparse.Namespace:
         default=",".join(FAULTS),
         help=f"comma-separated faults, or 'none' (default: all): {', '.join(FAULTS)}",
     )
-    parser.add_argument("--workers", type=int, default=2)
+    parser.add_argument("--workers", type=int, default=len(POOLS), help=f"worker processes (default {len(POOLS)})")
+    parser.add_argument(
+        "--pools",
+        default=",".join(POOLS),
+        help=f"comma-separated pools the workers run, in turn by slot (default: {','.join(POOLS)})",
+    )
     parser.add_argument("--concurrency", type=int, default=2)
     parser.add_argument("--producers", type=int, default=3)
     parser.add_argument(
@@ -88,6 +93,14 @@ def faults_from(text: str) -> tuple[str, ...]:
     return chosen
 
 
+def pools_from(text: str) -> tuple[str, ...]:
+    chosen = tuple(name.strip() for name in text.split(",") if name.strip())
+    unknown = sorted(set(chosen) - set(POOLS))
+    if unknown or not chosen:
+        raise SystemExit(f"run-chaos: unknown pools {', '.join(unknown) or '(none)'}; choose from {', '.join(POOLS)}")
+    return chosen
+
+
 class Run:
     """The processes, the nemesis and the phases of one run (see the module docstring)."""
 
@@ -109,6 +122,7 @@ class Run:
             keys=options.keys,
             modes=options.modes,
             persistent="restart" in self.faults,
+            pools=pools_from(options.pools),
         )
         self.tail = Tail(run_dir, frozenset({"call", "body_start", "fault"}))
 

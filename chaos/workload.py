@@ -41,7 +41,7 @@ from .history import History
 KEYS_PER_MODE = 35
 #: How each call is published, with its weight.
 WAYS = {"delay": 40, "countdown": 12, "eta": 8, "many": 10, "send_task": 12, "chain": 10}
-#: Modes' weights: the gated modes dominate.
+#: Modes' weights (by task: ``limit1`` and ``limit2`` are limited tasks): the gated modes dominate.
 MODE_WEIGHTS = {
     "until_executed": 30,
     "until_executing": 12,
@@ -49,6 +49,8 @@ MODE_WEIGHTS = {
     "while_executing": 14,
     "debounce": 16,
     "throttle": 14,
+    "limit1": 10,
+    "limit2": 10,
 }
 
 
@@ -116,7 +118,7 @@ class Schedule:
 
     def __iter__(self) -> Iterator[tuple[list[Call], float]]:
         """Batches of calls (one, or several for ``many``) and the pause after each."""
-        modes = {spec.mode: spec for spec in MODES}
+        modes = {spec.name: spec for spec in MODES}
         names = [name for name in MODE_WEIGHTS if name in self.modes]
         ways = list(WAYS)
         while True:
@@ -165,7 +167,7 @@ class Producer:
         self.app = app
         self.history = history
         self.schedule = schedule
-        self.tasks = {spec.mode: cast(DedupTask, app.tasks[spec.task_name]) for spec in MODES}
+        self.tasks = {spec.name: cast(DedupTask, app.tasks[spec.task_name]) for spec in MODES}
         self.stopping = False
         #: A chained duplicate's own head id: it follows the run, and resolves under this id.
         self.own_head = ""
@@ -179,7 +181,7 @@ class Producer:
 
     def publish(self, batch: list[Call]) -> None:
         first = batch[0]
-        task = self.tasks[first.mode.mode]
+        task = self.tasks[first.mode.name]
         for call in batch:
             self.history.emit("call_start", **self._fields(call, task))
         try:
