@@ -241,13 +241,23 @@ def register(app: Celery, history: History | None) -> dict[str, DedupTask]:
 
 
 def register_after(app: Celery, history: History | None) -> Any:
-    """``chaos.after``: the plain task a chained call continues with; it records that it ran."""
+    """``chaos.after``: the plain task a chained call continues with; it records that it ran, and with what.
+
+    In a chain (``head | chaos.after.s(call)``) it gets the result of the run
+    its call was accepted into or followed: the ``call`` whose arguments that
+    run's body ran, which the body returns (``continued``). Alone
+    (``chaos.after.si(call)``) it is what a body replaced itself with: the
+    replacement returns that body's call, as the run's result (``replacement_ran``).
+    """
 
     @app.task(name="chaos.after", shared=False)
-    def after(call: str) -> str:
+    def after(result: str, call: str = "") -> str:
         if history is not None:
-            history.emit("continued", call=call)
-        return call
+            if call:
+                history.emit("continued", call=call, result=result)
+            else:
+                history.emit("replacement_ran", result=result)
+        return result
 
     return after
 
@@ -281,8 +291,8 @@ def record_worker_signals(history: History) -> None:
             )
 
     def on_published(sender: Any = None, body: Any = None, **_: Any) -> None:
-        if sender == "chaos.after" and isinstance(body, (list, tuple)) and body and body[0]:
-            history.emit("continuation_sent", call=str(body[0][0]))
+        if sender == "chaos.after" and isinstance(body, (list, tuple)) and body and len(body[0]) > 1:
+            history.emit("continuation_sent", call=str(body[0][1]))
 
     def on_received(sender: Any = None, request: Any = None, **_: Any) -> None:
         if request is not None:

@@ -141,11 +141,10 @@ WHOLE_WORKER_KILLS = frozenset({"kill-worker", "restart-worker"})
 #: How soon after its worker's SIGKILL a live run must be put back, seconds: before its lock (renewed every
 #: third of its TTL) expires, a reaper pass of another worker (every REAP_INTERVAL) proves the owner dead.
 RECOVERY_BOUND = LOCK_TTL + REAP_INTERVAL
-#: Faults that can keep a dead worker's run from being put back in time (they stop, cut or kill the
-#: workers that would restore it, or change the run's record).
-RECOVERY_HINDRANCES = frozenset(
-    {"restart", "proxy", "stop-worker", "kill-worker", "restart-worker", "revoke", "operator"}
-)
+#: Faults that can keep a dead worker's run from being put back in time (they stop, cut or slow the
+#: workers that would restore it, or change the run's record). Workers killed or stopped by a restart
+#: meanwhile only do not count as the live worker that restores it.
+RECOVERY_HINDRANCES = frozenset({"restart", "proxy", "slow-link", "stop-worker", "revoke", "operator"})
 #: Slack for comparing host times with the server's millisecond timestamps.
 MS = 0.002
 
@@ -342,7 +341,16 @@ class History:
                 self.put_back[str(event["task_id"])].append((event["t"], int(event["pid"]), what))
 
     def _index_chains(self, events: list[Event]) -> None:
-        self.continued: set[str] = {e["call"] for e in events if e["ev"] == "continued"}
+        #: Chained calls whose next step ran, with the result it got (None in a history from before results).
+        self.continued: dict[str, str | None] = {}
+        for event in events:
+            if event["ev"] == "continued":
+                self.continued.setdefault(event["call"], event.get("result"))
+        #: Results replacements returned (a body that replaced itself by a plain task): when, in which process.
+        self.replacements: dict[str, tuple[float, int]] = {}
+        for event in events:
+            if event["ev"] == "replacement_ran":
+                self.replacements.setdefault(str(event.get("result")), (event["t"], int(event["pid"])))
         self.continuation_sent: dict[str, float] = {}
         for event in events:
             if event["ev"] == "continuation_sent":
@@ -841,6 +849,7 @@ class Checker:
                 continue  # the run did not succeed: its chain stops there
             self.checked["continuation"] += 1
             if call.call in self.h.continued:
+                self._judge_result(call)
                 continue
             if self.h.wiped_between(call.t0 - 1.0, self.h.end):
                 wiped = f"chain {call.call}: the server's data was wiped"
@@ -861,8 +870,8 @@ class Checker:
                 continue
             state = "sent at " + self.h.rel(sent) if sent is not None else "never sent"
             message = (
-                f"chain {call.call} ({call.outcome} as run {call.task_id} at {self.h.rel(call.t)}): the run succeeded "
-                f"at {self.h.rel(at)}, and the next step never ran ({state})"
+                f"chain {call.call} ({call.outcome} as run {call.task_id} at {self.h.rel(call.t)}): the run resolved "
+                f"at {self.h.rel(at)} (it succeeded, or its replacement ran), and the next step never ran ({state})"
             )
             self.violation("continuation", call.member, message, t=call.t, ids=(call.task_id,), until=at)
 
@@ -939,7 +948,17 @@ class Checker:
             return  # the visibility timeout can bring it back first, and then there is nothing to restore
         if h.lock_loss(body) or h.loss_cause(body, deadline) or self._recovery_hindrance(body, killed_at, deadline):
             return
-        if not any(t < killed_at and h.alive_at(pid, deadline) for pid, t in h.ready.items() if pid not in pids):
+        stopping = {
+            int(pid)
+            for e in h.faults
+            if e["kind"] == "restart-worker" and killed_at - 30.0 <= e["t"] <= deadline
+            for pid in e.get("pids", [])
+        }
+        if not any(
+            t < killed_at and h.alive_at(pid, deadline)
+            for pid, t in h.ready.items()
+            if pid not in pids and pid not in stopping
+        ):
             return  # no other worker was ready throughout: the next one's start-up pass restores it
         self.checked["recovery"] += 1
         signs = [(t, what) for t, pid, what in h.put_back.get(body.task_id, []) if t >= killed_at and pid not in pids]
@@ -972,19 +991,43 @@ class Checker:
             return event
         return None
 
+    def _judge_result(self, call: Call) -> None:
+        """A chain goes on with its run's result (or its replacement's): the call whose arguments a body of it ran."""
+        result = self.h.continued.get(call.call)
+        ran = {body.call for body in self.h.bodies_by_task.get(call.task_id, [])}
+        if result is None or result in ran:
+            return
+        message = (
+            f"chain {call.call} ({call.outcome} as run {call.task_id} at {self.h.rel(call.t)}) went on with "
+            f"{result!r}, which is not the result of its run or of its replacement (its bodies ran {sorted(ran)})"
+        )
+        self.violation("continuation", call.member, message, t=call.t, ids=(call.task_id,))
+
+    def _replaced(self, task_id: str) -> tuple[float, int] | None:
+        """When and where the plain task that ended run ``task_id`` (``replaced``) returned its result, or None."""
+        for body in self.h.bodies_by_task.get(task_id, []):
+            if body.outcome == REPLACED_BY_PLAIN and body.call in self.h.replacements:
+                return self.h.replacements[body.call]
+        return None
+
     def _succeeded(self, call: Call) -> tuple[float, int | None] | None:
-        """When (and in which process) the chained call's head resolved with success, or None."""
+        """When (and in which process) the chained call's head resolved with its result, or None.
+
+        A run resolves with its result when it succeeds, or when it replaced
+        itself by a plain task that then ran: that task's result is the run's.
+        """
         task_id = call.task_id
+        replaced = self._replaced(task_id)
         if call.outcome == "accepted":
             for body in self.h.bodies_by_task.get(task_id, []):
                 if body.outcome == "succeeded" and self.h.recorded_end(body) is not None:
                     return body.end, body.pid
-            return None
+            return replaced
         succeeded = any(e.task_id == task_id and e.state == "succeeded" for e in self.h.entries(call.member)) or any(
             b.outcome == "succeeded" and self.h.recorded_end(b) is not None
             for b in self.h.bodies_by_task.get(task_id, [])
         )
-        if not succeeded:
+        if not succeeded and replaced is None:
             return None
         own = self.h.own_heads.get(call.call, "")
         for event in self.h.decisions.get(own, []):

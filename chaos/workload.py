@@ -229,7 +229,7 @@ class Producer:
                 return [("accepted", sent.id)]
             return [(collapsed if outcome.collapsed else "duplicate", outcome.task_id)]
         if first.way == "chain":
-            tail = (task.s(*first.args) | self.app.tasks["chaos.after"].si(first.call_id)).apply_async()
+            tail = (task.s(*first.args) | self.app.tasks["chaos.after"].s(first.call_id)).apply_async()
             head = str(cast("AsyncResult[Any]", tail.parent).id)
             outcome = celery_dedup.last_outcome()
             if outcome is None or not first.mode.gated or outcome.task_id == head:
