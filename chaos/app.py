@@ -4,6 +4,8 @@ Configured from the environment, so ``celery -A chaos.app worker`` and the
 producers build the same app:
 
 - ``CHAOS_BROKER``: broker and dedup store URL (the process's fault proxy);
+- ``CHAOS_STORE``: if set, the dedup store apart from the broker (another
+  proxy, another database): the two-phase gate;
 - ``CHAOS_RUN_DIR`` and ``CHAOS_ROLE``: where this process writes its history;
 - ``CHAOS_CONF``: JSON object of further Celery settings (``task_acks_late``, ...).
 
@@ -224,9 +226,12 @@ def make_body(history: History | None) -> Callable[..., str]:
 
 
 def register(app: Celery, history: History | None) -> dict[str, DedupTask]:
-    """Register one chaos task per mode on ``app``."""
+    """Register one chaos task per mode on ``app`` (no debounce with a store apart: it needs the atomic gate)."""
     tasks: dict[str, DedupTask] = {}
+    two_phase = bool(app.conf.get("dedup_redis_url"))
     for spec in MODES:
+        if two_phase and spec.parks:
+            continue
         decorate: Callable[[Callable[..., str]], Any] = app.task(
             name=spec.task_name,
             base=DedupTask,
@@ -325,6 +330,8 @@ def build(broker: str | None = None, *, history: History | None = None, conf: di
         dedup_default_ttl=TTL,
     )
     chaos_app.conf.update(conf if conf is not None else json.loads(os.environ.get("CHAOS_CONF", "{}")))
+    if conf is None and os.environ.get("CHAOS_STORE"):
+        chaos_app.conf.dedup_redis_url = os.environ["CHAOS_STORE"]
     if history is None:
         history = history_from_env()
     if history is not None:

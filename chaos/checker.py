@@ -273,6 +273,8 @@ class History:
         self.final = final
         self.t0: float = events[0]["t"] if events else 0.0
         self.phases: dict[str, float] = {e["name"]: e["t"] for e in events if e["ev"] == "phase"}
+        #: The store apart from the broker: the two-phase gate (no debounce, no followers, no recovery).
+        self.two_phase = any(e["ev"] == "phase" and e.get("store") == "apart" for e in events)
         self.end: float = self.phases.get("stopped", events[-1]["t"] if events else 0.0)
         self.faults = [e for e in events if e["ev"] == "fault"]
         self.wipes = [e["t"] for e in self.faults if e["kind"] == "restart" and e.get("wipe")]
@@ -519,8 +521,8 @@ class History:
         the transport loses (a worker's fetch whose reply was cut, a worker
         killed holding it) leaves no trace the library could keep.
         """
-        if MODE_BY_TASK.get(member.split(":", 1)[0], MODES[0]).gated:
-            return None
+        if MODE_BY_TASK.get(member.split(":", 1)[0], MODES[0]).gated and not self.two_phase:
+            return None  # on the atomic gate the reaper records a lost message; apart, the key waits for its TTL
         fault = self.transit_fault(since)
         if fault is None:
             return None
@@ -844,6 +846,8 @@ class Checker:
         for call in self.h.calls:
             if call.way != "chain" or not call.task_id or call.outcome not in ("accepted", "duplicate", "collapsed"):
                 continue
+            if self.h.two_phase and call.outcome != "accepted":
+                continue  # with the store apart a duplicate is answered as such: it follows nothing
             resolved = self._succeeded(call)
             if resolved is None:
                 continue  # the run did not succeed: its chain stops there
@@ -938,7 +942,7 @@ class Checker:
     def _judge_recovery(self, body: Body, killed_at: float, pids: set[int]) -> None:
         h = self.h
         worker = h.workers.get(body.role)
-        if worker is None or not worker.acks_late:
+        if h.two_phase or worker is None or not worker.acks_late:  # recovery needs the store on the broker
             return  # acknowledged at its start: nothing to put back, the run is recorded lost
         deadline = killed_at + RECOVERY_BOUND
         delivered = max(

@@ -31,6 +31,8 @@ from celery_dedup.testing import RedisServer
 from .history import History
 from .proxy import FaultProxy
 
+#: The database of the dedup store when it is apart from the broker's (database 0).
+STORE_DB = 1
 #: Every worker pool the run can start; slot i runs ``pools[i % len(pools)]``.
 POOLS = ("prefork", "threads", "solo", "gevent")
 
@@ -165,8 +167,8 @@ class Server:
     def stop(self) -> None:
         self.process.stop()
 
-    def client(self) -> redis.Redis:
-        return redis.Redis(port=self.port, socket_timeout=10)
+    def client(self, db: int = 0) -> redis.Redis:
+        return redis.Redis(port=self.port, db=db, socket_timeout=10)
 
 
 @dataclass
@@ -186,6 +188,17 @@ class Slot:
     acks_late: bool = False
     #: A worker's node name (kept when it restarts under its own name).
     node: str = ""
+    #: The proxy to the store, in a run whose store is apart from the broker (two-phase).
+    store_proxy: FaultProxy | None = None
+
+    @property
+    def proxies(self) -> list[FaultProxy]:
+        return [self.proxy] if self.store_proxy is None else [self.proxy, self.store_proxy]
+
+    @property
+    def store_link(self) -> FaultProxy:
+        """The proxy the process reaches the dedup store through."""
+        return self.store_proxy or self.proxy
 
     @property
     def name(self) -> str:
@@ -228,6 +241,9 @@ class Cluster:
     persistent: bool = False
     #: Pools of the worker slots, in turn (see :meth:`worker_conf`).
     pools: tuple[str, ...] = POOLS
+    #: The dedup store in a database of its own (``STORE_DB``), each process reaching it through a proxy of
+    #: its own: the two-phase gate. Else the store is the broker (the atomic gate).
+    store_apart: bool = False
     worker_slots: list[Slot] = field(default_factory=list)
     producer_slots: list[Slot] = field(default_factory=list)
     server: Server = field(init=False)
@@ -246,6 +262,8 @@ class Cluster:
             # workers as pools, every pool runs both ways.
             slot.acks_late = (slot.index + slot.index // len(self.pools)) % 2 == 0
         self.producer_slots = [Slot("producer", i, FaultProxy(self.server.port).start()) for i in range(self.producers)]
+        for slot in self.slots if self.store_apart else ():
+            slot.store_proxy = FaultProxy(self.server.port).start()
         for slot in self.worker_slots:
             self.start_worker(slot)
         for slot in self.worker_slots:
@@ -258,12 +276,21 @@ class Cluster:
         for slot in self.producer_slots + self.worker_slots:
             self.stop_process(slot, grace=0)
         for slot in self.producer_slots + self.worker_slots:
-            slot.proxy.close()
+            for proxy in slot.proxies:
+                proxy.close()
         self.server.stop()
 
     @property
     def slots(self) -> list[Slot]:
         return self.worker_slots + self.producer_slots
+
+    @property
+    def store_url(self) -> str:
+        """The dedup store, reached directly (the runner's own app); the broker's URL unless the store is apart."""
+        return f"redis://127.0.0.1:{self.server.port}/{STORE_DB}" if self.store_apart else self.server.url
+
+    def store_client(self) -> redis.Redis:
+        return self.server.client(STORE_DB if self.store_apart else 0)
 
     # --- processes --------------------------------------------------------------------------
 
@@ -275,6 +302,7 @@ class Cluster:
             CHAOS_RUN_DIR=str(self.run_dir),
             CHAOS_ROLE=f"{slot.name}.{slot.generation}",
             CHAOS_CONF=json.dumps(conf or {}),
+            CHAOS_STORE=f"redis://127.0.0.1:{slot.store_proxy.port}/{STORE_DB}" if slot.store_proxy else "",
         )
         env.pop("PYTHONSTARTUP", None)
         return env

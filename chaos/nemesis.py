@@ -71,6 +71,8 @@ class Nemesis:
         self.count = 0
         self.ops = 0
         self.client = cluster.server.client()
+        #: Records, locks and held keys: the broker's database, or the store's apart from it.
+        self.store = cluster.store_client()
         self.skews: dict[int, float] = {}
         self._deck: list[str] = []
 
@@ -110,8 +112,8 @@ class Nemesis:
     def _busy_pids(self) -> set[int]:
         """Pids of the processes holding an execution lock now (a lock's token names its pid)."""
         pids = set()
-        for key in self.client.scan_iter("dedup:lock:*", count=1000):
-            token = _text(self.client.get(key) or b"")
+        for key in self.store.scan_iter("dedup:lock:*", count=1000):
+            token = _text(self.store.get(key) or b"")
             pid = token.split(":")[1] if token.count(":") >= 2 else ""
             if pid.isdigit():
                 pids.add(int(pid))
@@ -198,11 +200,11 @@ class Nemesis:
         mid_publish = self.rng.random() < 0.5
         fired = False
         if mid_publish:
-            slot.proxy.arm("after", hold=True, commands=SCRIPT_COMMANDS)
-            fired = slot.proxy.fired.wait(3.0)
+            slot.store_link.arm("after", hold=True, commands=SCRIPT_COMMANDS)
+            fired = slot.store_link.fired.wait(3.0)
         self.fault("kill-producer", slot=slot.name, mid_publish=mid_publish, frozen=fired)
         self.cluster.kill(slot, "kill-producer")
-        slot.proxy.disarm()
+        slot.store_link.disarm()
         self.cluster.start_producer(slot, skew=self.skews.get(slot.index, 0.0))
 
     def stop_worker(self) -> None:
@@ -231,7 +233,8 @@ class Nemesis:
     # --- the network and the server ---------------------------------------------------------
 
     def proxy(self) -> None:
-        """On one process's connections (or everyone's): delay replies, drop them, or reset connections."""
+        """On one process's connections (or everyone's; to the broker and the store): delay replies, drop them,
+        or reset connections."""
         everyone = self.rng.random() < 0.25
         slots = self.cluster.slots if everyone else [self._slot(self.cluster.slots)]
         action = self.rng.choice(("delay", "drop-reply", "drop-request", "reset"))
@@ -239,35 +242,37 @@ class Nemesis:
         if action == "delay":
             seconds, lasting = round(self.rng.uniform(0.05, 0.5), 3), self.rng.uniform(1.0, 4.0)
             self.fault("proxy", action=action, target=target, seconds=seconds)
-            for slot in slots:
-                slot.proxy.delay(seconds)
+            for proxy in (proxy for slot in slots for proxy in slot.proxies):
+                proxy.delay(seconds)
             try:
                 self.pause(lasting, lasting)
             finally:
-                for slot in slots:
-                    slot.proxy.delay(0)
+                for proxy in (proxy for slot in slots for proxy in slot.proxies):
+                    proxy.delay(0)
                 self.history.emit("fault_end", kind="proxy", action=action, target=target)
         elif action in ("drop-reply", "drop-request"):
             times = self.rng.randint(1, 3)
             scripts_only = self.rng.random() < 0.7
             self.fault("proxy", action=action, target=target, times=times, scripts_only=scripts_only)
             point: Point = "after" if action == "drop-reply" else "before"
-            for slot in slots:
+            for proxy in (proxy for slot in slots for proxy in slot.proxies):
                 if scripts_only:
-                    slot.proxy.arm(point, times=times)
+                    proxy.arm(point, times=times)
                 else:
-                    slot.proxy.arm(point, times=times, commands=_ALL_COMMANDS)
+                    proxy.arm(point, times=times, commands=_ALL_COMMANDS)
             self.pause(1.0, 3.0)
-            for slot in slots:
-                slot.proxy.disarm()
+            for proxy in (proxy for slot in slots for proxy in slot.proxies):
+                proxy.disarm()
         else:
             self.fault("proxy", action=action, target=target)
-            for slot in slots:
-                slot.proxy.reset()
+            for proxy in (proxy for slot in slots for proxy in slot.proxies):
+                proxy.reset()
 
     def slow_link(self) -> None:
         """A worker (mostly one running bodies) reaches the store over a slow link for a while.
 
+        The link to the store (apart from the broker in a two-phase run, else
+        the one link to both).
         Every reply to it comes 20 to 200 ms late, for 2 to 8 s: each step of a
         delivery (its group's slot, the guard, the notes it writes) takes that
         much longer, so what a sibling thread does meanwhile meets it half-way.
@@ -276,11 +281,11 @@ class Nemesis:
         slot = self._target_worker()
         seconds, lasting = round(self.rng.uniform(0.02, 0.2), 3), self.rng.uniform(2.0, 8.0)
         self.fault("slow-link", target=slot.name, seconds=seconds)
-        slot.proxy.delay(seconds)
+        slot.store_link.delay(seconds)
         try:
             self.pause(lasting, lasting)
         finally:
-            slot.proxy.delay(0)
+            slot.store_link.delay(0)
             self.history.emit("fault_end", kind="slow-link", target=slot.name)
 
     def restart(self) -> None:
@@ -298,11 +303,11 @@ class Nemesis:
     def _members(self, *states: str) -> list[str]:
         members: list[str] = []
         for state in states:
-            members += [_text(m) for m in self.client.zrange(SCHEMA.state_index(state), 0, 200)]
+            members += [_text(m) for m in self.store.zrange(SCHEMA.state_index(state), 0, 200)]
         return sorted(m for m in members if split_member(m)[0] in MODE_BY_TASK)
 
     def _task_id(self, member: str) -> str:
-        raw = self.client.hget(SCHEMA.record(member), "task_id")
+        raw = self.store.hget(SCHEMA.record(member), "task_id")
         return _text(raw) if raw else ""
 
     def revoke(self) -> None:
@@ -388,8 +393,9 @@ class Nemesis:
     def heal(self) -> None:
         """Undo what lasts: every process running, every proxy clean, the server up."""
         for slot in self.cluster.slots:
-            slot.proxy.disarm()
-            slot.proxy.delay(0)
+            for proxy in slot.proxies:
+                proxy.disarm()
+                proxy.delay(0)
             if slot.alive:
                 signal_group(slot.pid, signal.SIGCONT)
         if self.cluster.server.process.process is None or self.cluster.server.process.process.poll() is not None:

@@ -39,6 +39,9 @@ from .history import History
 
 #: Keys per mode; calls pick them with Zipf-like weights, so a few keys are very hot.
 KEYS_PER_MODE = 35
+#: Ways a call goes out on the two-phase gate (a store apart from the broker): ``send_task`` by name is
+#: published ungated there, and a chained duplicate cannot follow its run (both as the guarantees say).
+TWO_PHASE_WAYS = ("delay", "countdown", "eta", "many")
 #: How each call is published, with its weight.
 WAYS = {"delay": 40, "countdown": 12, "eta": 8, "many": 10, "send_task": 12, "chain": 10}
 #: Modes' weights (by task: ``limit1`` and ``limit2`` are limited tasks): the gated modes dominate.
@@ -82,6 +85,7 @@ class Schedule:
     prefix: str
     keys: int = KEYS_PER_MODE
     modes: tuple[str, ...] = tuple(MODE_WEIGHTS)
+    ways: tuple[str, ...] = tuple(WAYS)
     rng: random.Random = field(init=False)
     count: int = 0
 
@@ -120,7 +124,7 @@ class Schedule:
         """Batches of calls (one, or several for ``many``) and the pause after each."""
         modes = {spec.name: spec for spec in MODES}
         names = [name for name in MODE_WEIGHTS if name in self.modes]
-        ways = list(WAYS)
+        ways = [way for way in WAYS if way in self.ways]
         while True:
             mode = modes[self.rng.choices(names, [MODE_WEIGHTS[name] for name in names])[0]]
             way = self.rng.choices(ways, [WAYS[name] for name in ways])[0]
@@ -167,7 +171,9 @@ class Producer:
         self.app = app
         self.history = history
         self.schedule = schedule
-        self.tasks = {spec.name: cast(DedupTask, app.tasks[spec.task_name]) for spec in MODES}
+        self.tasks = {
+            spec.name: cast(DedupTask, app.tasks[spec.task_name]) for spec in MODES if spec.task_name in app.tasks
+        }
         self.stopping = False
         #: A chained duplicate's own head id: it follows the run, and resolves under this id.
         self.own_head = ""
@@ -261,7 +267,9 @@ def main(argv: list[str] | None = None) -> None:
     if options.skew:
         skew_clock(app, options.skew)
     prefix = f"p{options.index}.{options.generation}"
-    producer = Producer(app, history, Schedule(options.seed, prefix, options.keys, tuple(options.modes.split(","))))
+    ways = TWO_PHASE_WAYS if app.conf.get("dedup_redis_url") else tuple(WAYS)
+    schedule = Schedule(options.seed, prefix, options.keys, tuple(options.modes.split(",")), ways)
+    producer = Producer(app, history, schedule)
 
     def stop(*_: Any) -> None:
         producer.stopping = True

@@ -240,6 +240,35 @@ def test_a_chain_whose_run_succeeded_must_go_on(story: Story) -> None:
     assert [(v.invariant, v.message.split()[1]) for v in report.violations] == [("continuation", "head")]
 
 
+def test_a_chain_goes_on_with_its_runs_result(story: Story) -> None:
+    story.call(0, "a", call="head", way="chain").body(1, 2, "a", call="head")
+    report = story.add(2.5, "continued", pid=300, call="head", result="some-other-call").check()
+    assert invariants(report) == ["continuation"]
+    assert "not the result of its run" in report.violations[0].message
+
+
+def replaced_run(story: Story) -> Story:
+    """Run ``a`` replaced itself by a plain task, which ran and returned the run's result; ``follower`` followed it."""
+    story.call(0, "a", call="head", replace="plain").body(1, 1.1, "a", call="head", outcome="replaced")
+    story.server(MEMBER, (0.0, "queued", "a", ""), (1.0, "started", "a", ""), (1.1, "replaced", "a", ""))
+    story.add(1.3, "replacement_ran", pid=300, result="head")
+    story.call(0.5, "a", outcome="duplicate", call="follower", way="chain", own="f")
+    return story.add(1.4, "decision", pid=300, decision="followed", task_id="f", message="resolved as run a ended")
+
+
+def test_a_follower_of_a_run_replaced_by_a_plain_task_must_go_on(story: Story) -> None:
+    report = replaced_run(story).check()
+    assert invariants(report) == ["continuation"]
+    assert "its replacement ran" in report.violations[0].message
+
+
+def test_a_follower_of_a_replaced_run_goes_on_with_the_replacements_result(tmp_path: Path) -> None:
+    good = replaced_run(Story(tmp_path / "good")).add(1.5, "continued", pid=300, call="follower", result="head")
+    assert invariants(good.check()) == []
+    bad = replaced_run(Story(tmp_path / "bad")).add(1.5, "continued", pid=300, call="follower", result="replaced")
+    assert invariants(bad.check()) == ["continuation"]
+
+
 def test_a_chain_goes_on_with_its_next_step(story: Story) -> None:
     story.call(0, "a", call="head", way="chain").body(1, 2, "a", call="head")
     assert invariants(story.add(2.5, "continued", pid=300, call="head").check()) == []
