@@ -61,9 +61,11 @@ violation is printed with an excerpt of the history around it.
     visibility timeout itself cannot bring the message back first, another
     worker was ready throughout, and no fault in between can have delayed it.
 ``continuation``
-    A chained call (``head | chaos.after``) whose run succeeded goes on with
-    its chain, whether the call was accepted or followed that run as a
-    duplicate: ``chaos.after`` runs. Explained: the server's data was wiped;
+    A chained call (``head | chaos.after``) whose run resolved (it succeeded,
+    or replaced itself by a plain task that ran) goes on with its chain,
+    whether the call was accepted or followed that run as a duplicate:
+    ``chaos.after`` runs, with the run's result (the call a body of it ran;
+    a replacement returns its body's). Explained: the server's data was wiped;
     the process that resolved the head died right after it (Celery sends the
     next step after the body, and a run that ended is not run again); the
     next step's message can have been lost in transit (a worker killed, the
