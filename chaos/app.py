@@ -4,6 +4,8 @@ Configured from the environment, so ``celery -A chaos.app worker`` and the
 producers build the same app:
 
 - ``CHAOS_BROKER``: broker and dedup store URL (the process's fault proxy);
+- ``CHAOS_STORE``: if set, the dedup store apart from the broker (another
+  proxy, another database): the two-phase gate;
 - ``CHAOS_RUN_DIR`` and ``CHAOS_ROLE``: where this process writes its history;
 - ``CHAOS_CONF``: JSON object of further Celery settings (``task_acks_late``, ...).
 
@@ -16,6 +18,7 @@ from __future__ import annotations
 
 import json
 import os
+import threading
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -58,14 +61,22 @@ TRANSPORT_OPTIONS = {
 
 @dataclass(frozen=True)
 class ModeSpec:
-    """One keyed task of the workload: its mode and the options it is declared with."""
+    """One keyed task of the workload: its mode, the options it is declared with, its limit group's N."""
 
     mode: str
     options: dict[str, Any]
+    #: The task's name after ``chaos.``; default: the mode.
+    label: str = ""
+    #: ``limit_concurrency`` of its groups (see :func:`limit_group`); 0: no limit.
+    limit: int = 0
+
+    @property
+    def name(self) -> str:
+        return self.label or self.mode
 
     @property
     def task_name(self) -> str:
-        return f"chaos.{self.mode}"
+        return f"chaos.{self.name}"
 
     @property
     def gated(self) -> bool:
@@ -97,6 +108,15 @@ class ModeSpec:
         return float(self.options.get("dedup_ttl", TTL))
 
 
+#: Limit groups per limited task: keys spread over this many groups, the hottest key's group the busiest.
+LIMIT_GROUPS = 3
+
+
+def limit_group(k: str, *_: Any, **__: Any) -> str:
+    """The limit group of key ``k`` (``k7`` -> ``g1``): a few groups, each shared by several keys."""
+    return f"g{int(k.lstrip('k') or 0) % LIMIT_GROUPS}"
+
+
 MODES: tuple[ModeSpec, ...] = (
     ModeSpec("until_executed", {"dedup_ttl": TTL}),
     ModeSpec("until_executing", {"dedup_ttl": TTL}),
@@ -104,6 +124,19 @@ MODES: tuple[ModeSpec, ...] = (
     ModeSpec("while_executing", {}),
     ModeSpec("debounce", {"dedup_ttl": TTL, "dedup_window": DEBOUNCE_WINDOW, "dedup_max_wait": DEBOUNCE_MAX_WAIT}),
     ModeSpec("throttle", {"dedup_window": THROTTLE_WINDOW}),
+    # Limit groups of small N: different keys of one group may not run more than N bodies at once.
+    ModeSpec(
+        "until_executed",
+        {"dedup_ttl": TTL, "limit_key": limit_group, "limit_concurrency": 1},
+        label="limit1",
+        limit=1,
+    ),
+    ModeSpec(
+        "while_executing",
+        {"dedup_ttl": TTL, "limit_key": limit_group, "limit_concurrency": 2},
+        label="limit2",
+        limit=2,
+    ),
 )
 MODE_BY_TASK = {spec.task_name: spec for spec in MODES}
 
@@ -160,16 +193,22 @@ def make_body(history: History | None) -> Callable[..., str]:
     ) -> str:
         request = self.request
         member = member_for(self.name, self.dedup_business_key(k, call, sleep, fail, retry, replace))
-        fields = {"task_id": request.id, "member": member, "call": call}
+        fields = {"task_id": request.id, "member": member, "call": call, "tid": threading.get_ident()}
+        limit = MODE_BY_TASK[self.name].limit if self.name in MODE_BY_TASK else 0
         if history is not None:
-            history.emit("body_start", retries=request.retries or 0, worker=request.hostname, **fields)
+            group = {"group": member_for(self.name, limit_group(k)), "limit": limit} if limit else {}
+            history.emit("body_start", retries=request.retries or 0, worker=request.hostname, **group, **fields)
         outcome = "succeeded"
+        ended = False
         try:
             work(self, sleep, lambda: history.emit("lock_lost_seen", **fields) if history else None)
             if retry and not request.retries:
                 outcome = "retry"
             elif replace:
                 outcome = "replaced"
+                if history is not None:  # the body is done: its replacement may start before replace() returns
+                    history.emit("body_end", outcome=outcome, lock_lost=bool(self.dedup_lock_lost), **fields)
+                ended = True
             elif fail:
                 outcome = "failed"
             conclude(self, outcome, member)
@@ -179,7 +218,7 @@ def make_body(history: History | None) -> Callable[..., str]:
                 outcome = type(exc).__name__
             raise
         finally:
-            if history is not None:
+            if history is not None and not ended:
                 history.emit("body_end", outcome=outcome, lock_lost=bool(self.dedup_lock_lost), **fields)
         return call
 
@@ -187,9 +226,12 @@ def make_body(history: History | None) -> Callable[..., str]:
 
 
 def register(app: Celery, history: History | None) -> dict[str, DedupTask]:
-    """Register one chaos task per mode on ``app``."""
+    """Register one chaos task per mode on ``app`` (no debounce with a store apart: it needs the atomic gate)."""
     tasks: dict[str, DedupTask] = {}
+    two_phase = bool(app.conf.get("dedup_redis_url"))
     for spec in MODES:
+        if two_phase and spec.parks:
+            continue
         decorate: Callable[[Callable[..., str]], Any] = app.task(
             name=spec.task_name,
             base=DedupTask,
@@ -199,24 +241,37 @@ def register(app: Celery, history: History | None) -> dict[str, DedupTask]:
             dedup_mode=spec.mode,
             **spec.options,
         )
-        tasks[spec.mode] = cast(DedupTask, decorate(make_body(history)))
+        tasks[spec.name] = cast(DedupTask, decorate(make_body(history)))
     return tasks
 
 
 def register_after(app: Celery, history: History | None) -> Any:
-    """``chaos.after``: the plain task a chained call continues with; it records that it ran."""
+    """``chaos.after``: the plain task a chained call continues with; it records that it ran, and with what.
+
+    In a chain (``head | chaos.after.s(call)``) it gets the result of the run
+    its call was accepted into or followed: the ``call`` whose arguments that
+    run's body ran, which the body returns (``continued``). Alone
+    (``chaos.after.si(call)``) it is what a body replaced itself with: the
+    replacement returns that body's call, as the run's result (``replacement_ran``).
+    """
 
     @app.task(name="chaos.after", shared=False)
-    def after(call: str) -> str:
+    def after(result: str, call: str = "") -> str:
         if history is not None:
-            history.emit("continued", call=call)
-        return call
+            if call:
+                history.emit("continued", call=call, result=result)
+            else:
+                history.emit("replacement_ran", result=result)
+        return result
 
     return after
 
 
 def record_worker_signals(history: History) -> None:
-    """Record every revoke a worker acts on, every run the guard settled, every chain continuation sent.
+    """Record every message a worker took, revoke it acts on, run the guard settled, chain continuation sent.
+
+    ``received``: a worker's consumer took the message (prefetched; the body
+    may start later), from Celery's ``task_received``.
 
     ``revoked``: a terminated body ends there. Connected before
     ``celery_dedup.install``, so this receiver runs before the library's: the
@@ -241,9 +296,18 @@ def record_worker_signals(history: History) -> None:
             )
 
     def on_published(sender: Any = None, body: Any = None, **_: Any) -> None:
-        if sender == "chaos.after" and isinstance(body, (list, tuple)) and body and body[0]:
-            history.emit("continuation_sent", call=str(body[0][0]))
+        if sender == "chaos.after" and isinstance(body, (list, tuple)) and body and len(body[0]) > 1:
+            history.emit("continuation_sent", call=str(body[0][1]))
 
+    def on_received(sender: Any = None, request: Any = None, **_: Any) -> None:
+        if request is not None:
+            history.emit("received", task_id=request.id)
+
+    def on_ready(sender: Any = None, **_: Any) -> None:
+        history.emit("worker_ready", node=getattr(sender, "hostname", None))
+
+    signals.worker_ready.connect(on_ready, weak=False, dispatch_uid="chaos.on_ready")
+    signals.task_received.connect(on_received, weak=False, dispatch_uid="chaos.on_received")
     signals.after_task_publish.connect(on_published, weak=False, dispatch_uid="chaos.on_published")
     signals.task_revoked.connect(on_revoked, weak=False, dispatch_uid="chaos.on_revoked")
     signals.task_postrun.connect(on_postrun, weak=False, dispatch_uid="chaos.on_postrun")
@@ -266,6 +330,8 @@ def build(broker: str | None = None, *, history: History | None = None, conf: di
         dedup_default_ttl=TTL,
     )
     chaos_app.conf.update(conf if conf is not None else json.loads(os.environ.get("CHAOS_CONF", "{}")))
+    if conf is None and os.environ.get("CHAOS_STORE"):
+        chaos_app.conf.dedup_redis_url = os.environ["CHAOS_STORE"]
     if history is None:
         history = history_from_env()
     if history is not None:

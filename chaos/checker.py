@@ -46,10 +46,26 @@ violation is printed with an excerpt of the history around it.
     A debounced run executes with the arguments of its burst's last call as
     the server ordered them: no call of the burst was sent after the one
     whose arguments ran had returned.
+``limit``
+    Never more than N bodies of a limit group at once (``limit_concurrency=N``),
+    across workers and within one process (threads, gevent). Explained: the
+    renewer reported that the older body lost its slot, and a fault can have
+    kept it from renewing the lease (a SIGSTOP, its connections cut or
+    delayed, a server restart, a revoke).
+``recovery``
+    A run whose whole worker was SIGKILLed on this machine while its body ran
+    (``task_acks_late``, its lock live, the store on the broker) is put back
+    in its queue before its lock expires: a live worker's start-up or reaper
+    pass proves the owner and the worker dead and restores the message, so
+    the re-run does not wait for ``visibility_timeout``. Checked only when the
+    visibility timeout itself cannot bring the message back first, another
+    worker was ready throughout, and no fault in between can have delayed it.
 ``continuation``
-    A chained call (``head | chaos.after``) whose run succeeded goes on with
-    its chain, whether the call was accepted or followed that run as a
-    duplicate: ``chaos.after`` runs. Explained: the server's data was wiped;
+    A chained call (``head | chaos.after``) whose run resolved (it succeeded,
+    or replaced itself by a plain task that ran) goes on with its chain,
+    whether the call was accepted or followed that run as a duplicate:
+    ``chaos.after`` runs, with the run's result (the call a body of it ran;
+    a replacement returns its body's). Explained: the server's data was wiped;
     the process that resolved the head died right after it (Celery sends the
     next step after the body, and a run that ended is not run again); the
     next step's message can have been lost in transit (a worker killed, the
@@ -66,7 +82,7 @@ from itertools import pairwise
 from pathlib import Path
 from typing import Any
 
-from .app import LOCK_TTL, MODE_BY_TASK, MODES, ModeSpec
+from .app import LOCK_TTL, MODE_BY_TASK, MODES, REAP_INTERVAL, VISIBILITY_TIMEOUT, ModeSpec
 from .history import Event, read_events
 
 INVARIANTS = (
@@ -80,6 +96,8 @@ INVARIANTS = (
     "window",
     "debounce-args",
     "continuation",
+    "limit",
+    "recovery",
 )
 #: States after which a run has ended (lib.lua's ENDED), and those that count as its fate.
 ENDED = frozenset({"succeeded", "failed", "revoked", "rejected", "ignored", "skipped", "released", "replaced"})
@@ -87,7 +105,18 @@ FATES = ENDED | {"lost"}
 #: Body outcomes that do not end a run's work: a retry, a replacement under the same key (the run goes on;
 #: one by a plain task ends the run, see REPLACED_BY_PLAIN), a process exiting mid-body (a terminate), no outcome.
 NOT_FINAL = frozenset(
-    {"retry", "Retry", "replaced", "Reject", "Ignore", "SystemExit", "KeyboardInterrupt", "killed", "unknown"}
+    {
+        "retry",
+        "Retry",
+        "replaced",
+        "Reject",
+        "Ignore",
+        "SystemExit",
+        "KeyboardInterrupt",
+        "GreenletExit",
+        "killed",
+        "unknown",
+    }
 )
 #: The outcome of a body that replaced itself by a plain task: its run ended ``replaced`` and freed its key.
 REPLACED_BY_PLAIN = "replaced-by-plain"
@@ -100,6 +129,7 @@ EXPLAINED = {
     "transit": "ungated runs whose message a fault can have lost before any record existed",
     "crash": "worker crashes outside celery-dedup (Celery or kombu; the worker was replaced)",
     "continuation": "chains whose next step a kill lost after their run succeeded",
+    "limit": "limit groups over N after a fault kept a body from renewing its slot",
 }
 #: How soon after resolving a chain's head its process must die to explain a next step never sent, seconds.
 SEND_WINDOW = 3.0
@@ -108,6 +138,15 @@ SEND_WINDOW = 3.0
 TRANSIT_WINDOW = 30.0
 #: The longest countdown or ETA a producer asks for, seconds (see chaos.workload).
 MAX_DELAY = 3.0
+#: Kills of a whole worker (main process and pool), by the ``why`` of their ``kill`` event.
+WHOLE_WORKER_KILLS = frozenset({"kill-worker", "restart-worker"})
+#: How soon after its worker's SIGKILL a live run must be put back, seconds: before its lock (renewed every
+#: third of its TTL) expires, a reaper pass of another worker (every REAP_INTERVAL) proves the owner dead.
+RECOVERY_BOUND = LOCK_TTL + REAP_INTERVAL
+#: Faults that can keep a dead worker's run from being put back in time (they stop, cut or slow the
+#: workers that would restore it, or change the run's record). Workers killed or stopped by a restart
+#: meanwhile only do not count as the live worker that restores it.
+RECOVERY_HINDRANCES = frozenset({"restart", "proxy", "slow-link", "stop-worker", "revoke", "operator"})
 #: Slack for comparing host times with the server's millisecond timestamps.
 MS = 0.002
 
@@ -126,6 +165,23 @@ class Body:
     #: The body's own outcome, or ``killed`` / ``unknown`` when it did not record one.
     outcome: str = "unknown"
     lock_lost: bool = False
+    #: The thread or greenlet that ran it (a threads or gevent pool runs several bodies in one process).
+    tid: int = 0
+    #: A limited task's group and its ``limit_concurrency`` (0: not limited).
+    group: str = ""
+    limit: int = 0
+
+
+@dataclass
+class Worker:
+    """One worker process the run started: its slot, pool and way of acknowledging."""
+
+    slot: str
+    generation: int
+    pool: str
+    acks_late: bool
+    #: The pid of its main process.
+    process: int
 
 
 @dataclass
@@ -219,6 +275,8 @@ class History:
         self.final = final
         self.t0: float = events[0]["t"] if events else 0.0
         self.phases: dict[str, float] = {e["name"]: e["t"] for e in events if e["ev"] == "phase"}
+        #: The store apart from the broker: the two-phase gate (no debounce, no followers, no recovery).
+        self.two_phase = any(e["ev"] == "phase" and e.get("store") == "apart" for e in events)
         self.end: float = self.phases.get("stopped", events[-1]["t"] if events else 0.0)
         self.faults = [e for e in events if e["ev"] == "fault"]
         self.wipes = [e["t"] for e in self.faults if e["kind"] == "restart" and e.get("wipe")]
@@ -257,10 +315,46 @@ class History:
             elif event["ev"] == "finish_failed":
                 self.finish_failed.add(str(event.get("task_id")))
         self.renewer_losses = [e for e in events if e["ev"] == "lock_lost_log"]
+        self.slot_losses = [e for e in events if e["ev"] == "slot_lost_log"]
         self._index_chains(events)
+        self._index_workers(events)
+
+    def _index_workers(self, events: list[Event]) -> None:
+        #: Worker processes by role (``worker-0.3``); a history from before pools were recorded is prefork.
+        self.workers: dict[str, Worker] = {}
+        for event in events:
+            if event["ev"] == "spawn" and str(event.get("slot", "")).startswith("worker-"):
+                slot, generation = str(event["slot"]), int(event["generation"])
+                late = event.get("acks_late")
+                self.workers[f"{slot}.{generation}"] = Worker(
+                    slot,
+                    generation,
+                    str(event.get("pool") or "prefork"),
+                    int(slot.rpartition("-")[2]) % 2 == 0 if late is None else bool(late),
+                    int(event.get("process") or 0),
+                )
+        #: When each worker process said it was ready (``worker_ready``), by its pid.
+        self.ready: dict[int, float] = {}
+        #: Signs that a run's message came back to a worker: (time, pid, what), by task id.
+        self.put_back: dict[str, list[tuple[float, int, str]]] = defaultdict(list)
+        for event in events:
+            if event["ev"] == "worker_ready":
+                self.ready.setdefault(int(event["pid"]), event["t"])
+            elif event["ev"] in ("recovered", "received") and event.get("task_id"):
+                what = "recovered by a worker" if event["ev"] == "recovered" else "taken by a worker"
+                self.put_back[str(event["task_id"])].append((event["t"], int(event["pid"]), what))
 
     def _index_chains(self, events: list[Event]) -> None:
-        self.continued: set[str] = {e["call"] for e in events if e["ev"] == "continued"}
+        #: Chained calls whose next step ran, with the result it got (None in a history from before results).
+        self.continued: dict[str, str | None] = {}
+        for event in events:
+            if event["ev"] == "continued":
+                self.continued.setdefault(event["call"], event.get("result"))
+        #: Results replacements returned (a body that replaced itself by a plain task): when, in which process.
+        self.replacements: dict[str, tuple[float, int]] = {}
+        for event in events:
+            if event["ev"] == "replacement_ran":
+                self.replacements.setdefault(str(event.get("result")), (event["t"], int(event["pid"])))
         self.continuation_sent: dict[str, float] = {}
         for event in events:
             if event["ev"] == "continuation_sent":
@@ -271,30 +365,35 @@ class History:
     # --- building --------------------------------------------------------------------------
 
     def _bodies(self) -> list[Body]:
-        open_bodies: dict[int, Body] = {}
+        open_bodies: dict[tuple[int, int], Body] = {}
         bodies: list[Body] = []
         for event in self.events:
             if event["ev"] == "body_start":
-                pid = event["pid"]
-                previous = open_bodies.pop(pid, None)
-                if previous is not None:  # the process moved on: the previous body ended unrecorded
+                pid, tid = event["pid"], int(event.get("tid") or 0)
+                previous = open_bodies.pop((pid, tid), None)
+                if previous is not None:  # the thread moved on: the previous body ended unrecorded
                     previous.end = min(self._death(pid, previous.start), event["t"])
                     previous.outcome = "unknown"
                 body = Body(event["task_id"], event["member"], event["call"], pid, event["role"], event["t"])
-                open_bodies[pid] = body
+                body.tid, body.group, body.limit = tid, str(event.get("group") or ""), int(event.get("limit") or 0)
+                open_bodies[(pid, tid)] = body
                 bodies.append(body)
             elif event["ev"] == "body_end":
-                ending = open_bodies.pop(event["pid"], None)
+                ending = open_bodies.pop((event["pid"], int(event.get("tid") or 0)), None)
                 if ending is not None and ending.task_id == event["task_id"]:
                     ending.end = event["t"]
                     ending.outcome = event["outcome"]
                     ending.lock_lost = bool(event.get("lock_lost"))
-        for pid, body in open_bodies.items():
+        for (pid, _), body in open_bodies.items():
             death = self._death(pid, body.start)
             revoked = self.sigkilled.get(body.task_id, death)
             body.end = min(death, revoked) if revoked >= body.start else death
             body.outcome = "killed" if body.end < self.end else "unknown"
         return bodies
+
+    def alive_at(self, pid: int, t: float) -> bool:
+        """Whether process ``pid`` was still alive at ``t`` (no death recorded before it)."""
+        return not any(death <= t for death in self.deaths.get(pid, []))
 
     def died_within(self, pid: int, after: float, seconds: float) -> bool:
         return self._death(pid, after) <= after + seconds
@@ -362,6 +461,20 @@ class History:
             return f"the record's lock_lost_at {self.rel(lost_at)}"
         return None
 
+    def slot_loss(self, body: Body, until: float) -> str | None:
+        """How ``body`` lost its limit slot to a fault before ``until``: the renewer reported it, and a fault can
+        have kept the lease from being renewed; else None."""
+        reported = next(
+            (
+                e
+                for e in self.slot_losses
+                if e["pid"] == body.pid and e["t"] >= body.start and e.get("group") == body.group
+            ),
+            None,
+        )
+        cause = self.loss_cause(body, until) if reported is not None else None
+        return None if cause is None or reported is None else f"slot lost at {self.rel(reported['t'])}; {cause}"
+
     def loss_cause(self, body: Body, until: float) -> str | None:
         """A fault that can have kept ``body`` from renewing its lock between its start and ``until``."""
         slot = body.role.rsplit(".", 1)[0]
@@ -410,8 +523,8 @@ class History:
         the transport loses (a worker's fetch whose reply was cut, a worker
         killed holding it) leaves no trace the library could keep.
         """
-        if MODE_BY_TASK.get(member.split(":", 1)[0], MODES[0]).gated:
-            return None
+        if MODE_BY_TASK.get(member.split(":", 1)[0], MODES[0]).gated and not self.two_phase:
+            return None  # on the atomic gate the reaper records a lost message; apart, the key waits for its TTL
         fault = self.transit_fault(since)
         if fault is None:
             return None
@@ -428,7 +541,7 @@ class History:
             if not since <= event["t"] <= until:
                 continue
             kind, target = event["kind"], str(event.get("target") or event.get("slot") or "")
-            if kind in ("kill-worker", "kill-child", "restart") or (
+            if kind in ("kill-worker", "restart-worker", "kill-child", "restart") or (
                 kind == "proxy" and (target == "all" or target.startswith("worker"))
             ):
                 return event
@@ -533,6 +646,8 @@ class Checker:
         self.windows()
         self.debounce_args()
         self.continuations()
+        self.limits()
+        self.recovery()
 
     def crashes(self) -> None:
         workers = {e["slot"] for e in self.h.events if e["ev"] == "spawn" and e["slot"].startswith("worker")}
@@ -733,11 +848,14 @@ class Checker:
         for call in self.h.calls:
             if call.way != "chain" or not call.task_id or call.outcome not in ("accepted", "duplicate", "collapsed"):
                 continue
+            if self.h.two_phase and call.outcome != "accepted":
+                continue  # with the store apart a duplicate is answered as such: it follows nothing
             resolved = self._succeeded(call)
             if resolved is None:
                 continue  # the run did not succeed: its chain stops there
             self.checked["continuation"] += 1
             if call.call in self.h.continued:
+                self._judge_result(call)
                 continue
             if self.h.wiped_between(call.t0 - 1.0, self.h.end):
                 wiped = f"chain {call.call}: the server's data was wiped"
@@ -758,24 +876,164 @@ class Checker:
                 continue
             state = "sent at " + self.h.rel(sent) if sent is not None else "never sent"
             message = (
-                f"chain {call.call} ({call.outcome} as run {call.task_id} at {self.h.rel(call.t)}): the run succeeded "
-                f"at {self.h.rel(at)}, and the next step never ran ({state})"
+                f"chain {call.call} ({call.outcome} as run {call.task_id} at {self.h.rel(call.t)}): the run resolved "
+                f"at {self.h.rel(at)} (it succeeded, or its replacement ran), and the next step never ran ({state})"
             )
             self.violation("continuation", call.member, message, t=call.t, ids=(call.task_id,), until=at)
 
+    # --- limit groups ------------------------------------------------------------------------
+
+    def limits(self) -> None:
+        """Never more than N bodies of a limit group at once."""
+        by_group: dict[str, list[Body]] = defaultdict(list)
+        for body in self.h.bodies:
+            if body.limit:
+                by_group[body.group].append(body)
+        for group, bodies in by_group.items():
+            bodies.sort(key=lambda body: body.start)
+            self.checked["limit"] += len(bodies)
+            running: list[Body] = []
+            for body in bodies:
+                running = [other for other in running if other.end > body.start]
+                running.append(body)
+                if len(running) > body.limit:
+                    self._judge_limit(group, body, running[:-1])
+
+    def _judge_limit(self, group: str, newest: Body, others: list[Body]) -> None:
+        h = self.h
+        what = (
+            ", ".join(f"{b.task_id} (pid {b.pid}, {h.rel(b.start)}..{h.rel(b.end)}, {b.outcome})" for b in others)
+            + f" and {newest.task_id} (pid {newest.pid}, from {h.rel(newest.start)})"
+        )
+        causes = [(b, h.slot_loss(b, newest.start)) for b in others]
+        explained = [(b, cause) for b, cause in causes if cause is not None]
+        if len(others) + 1 - len(explained) <= newest.limit:
+            reasons = "; ".join(f"{b.task_id}: {cause}" for b, cause in explained)
+            self.explained.append(Explained("limit", group, f"{len(others) + 1} bodies at once ({what}): {reasons}"))
+            return
+        message = f"{len(others) + 1} bodies of a group of limit {newest.limit} ran at once: {what}"
+        ids = tuple(b.task_id for b in [*others, newest])
+        until = min(*(b.end for b in others), h.end)
+        self.violations.append(
+            Violation("limit", group, message, newest.start, ids, self._group_excerpt(group, ids, newest.start, until))
+        )
+
+    def _group_excerpt(self, group: str, ids: tuple[str, ...], start: float, end: float, limit: int = 16) -> list[str]:
+        """The bodies of ``group``, the events of runs ``ids`` and the faults around [start, end]."""
+        lines = [
+            f"{self.h.rel(e['t']):>10} {_describe(e)}"
+            for e in self.h.events
+            if start - 1.0 <= e["t"] <= end + 1.0
+            and (e.get("group") == group or e.get("task_id") in ids or e["ev"] in ("fault", "kill"))
+        ]
+        return lines if len(lines) <= limit else [*lines[: limit // 2], "...", *lines[-limit // 2 :]]
+
+    # --- crash recovery on this machine -------------------------------------------------------
+
+    def recovery(self) -> None:
+        """A run killed with its whole worker (acks_late, lock live) is put back before its lock expires."""
+        h = self.h
+        for event in h.events:
+            if event["ev"] != "kill" or event.get("why") not in WHOLE_WORKER_KILLS:
+                continue
+            killed_at, pids = event["t"], {int(pid) for pid in event["pids"]}
+            for body in h.bodies:
+                if body.pid in pids and body.outcome == "killed" and abs(body.end - killed_at) < 1e-6:
+                    self._judge_recovery(body, killed_at, pids)
+
+    def _judge_recovery(self, body: Body, killed_at: float, pids: set[int]) -> None:
+        h = self.h
+        worker = h.workers.get(body.role)
+        if h.two_phase or worker is None or not worker.acks_late:  # recovery needs the store on the broker
+            return  # acknowledged at its start: nothing to put back, the run is recorded lost
+        deadline = killed_at + RECOVERY_BOUND
+        delivered = max(
+            (t for t, pid, _ in h.put_back.get(body.task_id, []) if pid in pids and t <= body.start), default=body.start
+        )
+        if delivered + VISIBILITY_TIMEOUT < deadline:
+            return  # the visibility timeout can bring it back first, and then there is nothing to restore
+        if h.lock_loss(body) or h.loss_cause(body, deadline) or self._recovery_hindrance(body, killed_at, deadline):
+            return
+        stopping = {
+            int(pid)
+            for e in h.faults
+            if e["kind"] == "restart-worker" and killed_at - 30.0 <= e["t"] <= deadline
+            for pid in e.get("pids", [])
+        }
+        if not any(
+            t < killed_at and h.alive_at(pid, deadline)
+            for pid, t in h.ready.items()
+            if pid not in pids and pid not in stopping
+        ):
+            return  # no other worker was ready throughout: the next one's start-up pass restores it
+        self.checked["recovery"] += 1
+        signs = [(t, what) for t, pid, what in h.put_back.get(body.task_id, []) if t >= killed_at and pid not in pids]
+        signs += [(b.start, "executed again") for b in h.bodies_by_task.get(body.task_id, []) if b.start >= killed_at]
+        signs += [
+            (e.t, f"history: {e.state} {e.note}")
+            for e in h.entries(body.member, body.task_id)
+            if e.t >= killed_at and (e.state == "started" or "taken over" in e.note)
+        ]
+        first = min(signs, default=None)
+        if first is not None and first[0] <= deadline:
+            return
+        later = f"the first sign of it came at {h.rel(first[0])} ({first[1]})" if first else "it never came back"
+        message = (
+            f"run {body.task_id} died with its worker {worker.slot}.{worker.generation} ({worker.pool}, acks_late; "
+            f"SIGKILL at {h.rel(killed_at)}, body from {h.rel(body.start)}, its lock live) and was not put back "
+            f"within {RECOVERY_BOUND:.0f}s, before its lock expired: {later}"
+        )
+        self.violation("recovery", body.member, message, t=killed_at, ids=(body.task_id,), until=deadline)
+
+    def _recovery_hindrance(self, body: Body, start: float, end: float) -> Event | None:
+        """A fault between ``start`` and ``end`` that can have kept ``body``'s run from being put back."""
+        for event in self.h.faults:
+            if not start < event["t"] <= end or event["kind"] not in RECOVERY_HINDRANCES:
+                continue
+            if event["kind"] == "revoke" and event.get("task_id") != body.task_id:
+                continue
+            if event["kind"] == "operator" and event.get("member") not in (None, body.member):
+                continue
+            return event
+        return None
+
+    def _judge_result(self, call: Call) -> None:
+        """A chain goes on with its run's result (or its replacement's): the call whose arguments a body of it ran."""
+        result = self.h.continued.get(call.call)
+        ran = {body.call for body in self.h.bodies_by_task.get(call.task_id, [])}
+        if result is None or result in ran:
+            return
+        message = (
+            f"chain {call.call} ({call.outcome} as run {call.task_id} at {self.h.rel(call.t)}) went on with "
+            f"{result!r}, which is not the result of its run or of its replacement (its bodies ran {sorted(ran)})"
+        )
+        self.violation("continuation", call.member, message, t=call.t, ids=(call.task_id,))
+
+    def _replaced(self, task_id: str) -> tuple[float, int] | None:
+        """When and where the plain task that ended run ``task_id`` (``replaced``) returned its result, or None."""
+        for body in self.h.bodies_by_task.get(task_id, []):
+            if body.outcome == REPLACED_BY_PLAIN and body.call in self.h.replacements:
+                return self.h.replacements[body.call]
+        return None
+
     def _succeeded(self, call: Call) -> tuple[float, int | None] | None:
-        """When (and in which process) the chained call's head resolved with success, or None."""
+        """When (and in which process) the chained call's head resolved with its result, or None.
+
+        A run resolves with its result when it succeeds, or when it replaced
+        itself by a plain task that then ran: that task's result is the run's.
+        """
         task_id = call.task_id
+        replaced = self._replaced(task_id)
         if call.outcome == "accepted":
             for body in self.h.bodies_by_task.get(task_id, []):
                 if body.outcome == "succeeded" and self.h.recorded_end(body) is not None:
                     return body.end, body.pid
-            return None
+            return replaced
         succeeded = any(e.task_id == task_id and e.state == "succeeded" for e in self.h.entries(call.member)) or any(
             b.outcome == "succeeded" and self.h.recorded_end(b) is not None
             for b in self.h.bodies_by_task.get(task_id, [])
         )
-        if not succeeded:
+        if not succeeded and replaced is None:
             return None
         own = self.h.own_heads.get(call.call, "")
         for event in self.h.decisions.get(own, []):

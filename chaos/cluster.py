@@ -31,6 +31,11 @@ from celery_dedup.testing import RedisServer
 from .history import History
 from .proxy import FaultProxy
 
+#: The database of the dedup store when it is apart from the broker's (database 0).
+STORE_DB = 1
+#: Every worker pool the run can start; slot i runs ``pools[i % len(pools)]``.
+POOLS = ("prefork", "threads", "solo", "gevent")
+
 
 def group_pids(pgid: int) -> list[int]:
     """The live processes of process group ``pgid`` (a worker and its pool children), sorted."""
@@ -162,8 +167,8 @@ class Server:
     def stop(self) -> None:
         self.process.stop()
 
-    def client(self) -> redis.Redis:
-        return redis.Redis(port=self.port, socket_timeout=10)
+    def client(self, db: int = 0) -> redis.Redis:
+        return redis.Redis(port=self.port, db=db, socket_timeout=10)
 
 
 @dataclass
@@ -178,6 +183,22 @@ class Slot:
     log: IO[bytes] | None = None
     #: Set while the run itself stops or kills the process: an exit then is no crash.
     expected_exit: bool = False
+    #: A worker's pool (``prefork``, ``threads``, ``solo``, ``gevent``) and whether it acknowledges late.
+    pool: str = "prefork"
+    acks_late: bool = False
+    #: A worker's node name (kept when it restarts under its own name).
+    node: str = ""
+    #: The proxy to the store, in a run whose store is apart from the broker (two-phase).
+    store_proxy: FaultProxy | None = None
+
+    @property
+    def proxies(self) -> list[FaultProxy]:
+        return [self.proxy] if self.store_proxy is None else [self.proxy, self.store_proxy]
+
+    @property
+    def store_link(self) -> FaultProxy:
+        """The proxy the process reaches the dedup store through."""
+        return self.store_proxy or self.proxy
 
     @property
     def name(self) -> str:
@@ -197,6 +218,12 @@ class Slot:
     def children(self) -> list[int]:
         return [pid for pid in self.pids() if pid != self.pid]
 
+    def body_pids(self) -> list[int]:
+        """The processes that run bodies: a prefork pool's children, else the worker's main process."""
+        if self.pool == "prefork":
+            return self.children()
+        return [self.pid] if self.alive else []
+
 
 @dataclass
 class Cluster:
@@ -212,6 +239,11 @@ class Cluster:
     keys: int = 35
     modes: str = ""
     persistent: bool = False
+    #: Pools of the worker slots, in turn (see :meth:`worker_conf`).
+    pools: tuple[str, ...] = POOLS
+    #: The dedup store in a database of its own (``STORE_DB``), each process reaching it through a proxy of
+    #: its own: the two-phase gate. Else the store is the broker (the atomic gate).
+    store_apart: bool = False
     worker_slots: list[Slot] = field(default_factory=list)
     producer_slots: list[Slot] = field(default_factory=list)
     server: Server = field(init=False)
@@ -224,7 +256,14 @@ class Cluster:
     def start(self) -> None:
         self.server.start()
         self.worker_slots = [Slot("worker", i, FaultProxy(self.server.port).start()) for i in range(self.workers)]
+        for slot in self.worker_slots:
+            slot.pool = self.pools[slot.index % len(self.pools)]
+            # Acknowledgement alternates by slot, and flips for each round of pools: with twice as many
+            # workers as pools, every pool runs both ways.
+            slot.acks_late = (slot.index + slot.index // len(self.pools)) % 2 == 0
         self.producer_slots = [Slot("producer", i, FaultProxy(self.server.port).start()) for i in range(self.producers)]
+        for slot in self.slots if self.store_apart else ():
+            slot.store_proxy = FaultProxy(self.server.port).start()
         for slot in self.worker_slots:
             self.start_worker(slot)
         for slot in self.worker_slots:
@@ -237,12 +276,21 @@ class Cluster:
         for slot in self.producer_slots + self.worker_slots:
             self.stop_process(slot, grace=0)
         for slot in self.producer_slots + self.worker_slots:
-            slot.proxy.close()
+            for proxy in slot.proxies:
+                proxy.close()
         self.server.stop()
 
     @property
     def slots(self) -> list[Slot]:
         return self.worker_slots + self.producer_slots
+
+    @property
+    def store_url(self) -> str:
+        """The dedup store, reached directly (the runner's own app); the broker's URL unless the store is apart."""
+        return f"redis://127.0.0.1:{self.server.port}/{STORE_DB}" if self.store_apart else self.server.url
+
+    def store_client(self) -> redis.Redis:
+        return self.server.client(STORE_DB if self.store_apart else 0)
 
     # --- processes --------------------------------------------------------------------------
 
@@ -254,6 +302,7 @@ class Cluster:
             CHAOS_RUN_DIR=str(self.run_dir),
             CHAOS_ROLE=f"{slot.name}.{slot.generation}",
             CHAOS_CONF=json.dumps(conf or {}),
+            CHAOS_STORE=f"redis://127.0.0.1:{slot.store_proxy.port}/{STORE_DB}" if slot.store_proxy else "",
         )
         env.pop("PYTHONSTARTUP", None)
         return env
@@ -275,12 +324,20 @@ class Cluster:
         )
 
     def worker_conf(self, slot: Slot) -> dict[str, Any]:
-        """Even slots acknowledge late (and requeue on a lost child), odd slots early."""
-        late = slot.index % 2 == 0
-        return {"task_acks_late": late, "task_reject_on_worker_lost": late}
+        """Slots that acknowledge late also requeue on a lost child; the others acknowledge early."""
+        return {"task_acks_late": slot.acks_late, "task_reject_on_worker_lost": slot.acks_late}
 
-    def start_worker(self, slot: Slot) -> None:
+    def pool_concurrency(self, slot: Slot) -> int:
+        """``solo`` runs one body; ``threads`` and ``gevent`` twice as many as a prefork pool (siblings race)."""
+        if slot.pool == "solo":
+            return 1
+        return self.concurrency * (2 if slot.pool in ("threads", "gevent") else 1)
+
+    def start_worker(self, slot: Slot, *, same_name: bool = False) -> None:
+        """Start the slot's next worker: under a new node name, or (``same_name``) under its current one."""
         slot.generation += 1
+        if not same_name or not slot.node:
+            slot.node = f"{slot.name}.{slot.generation}"
         command = [
             sys.executable,
             "-m",
@@ -289,25 +346,33 @@ class Cluster:
             "chaos.app",
             "worker",
             "--pool",
-            "prefork",
+            slot.pool,
             "--concurrency",
-            str(self.concurrency),
+            str(self.pool_concurrency(slot)),
             "--loglevel",
             "INFO",
             "--without-gossip",
             "--without-mingle",
             "--without-heartbeat",
             "--hostname",
-            f"{slot.name}.{slot.generation}@%h",
+            f"{slot.node}@%h",
         ]
         self._spawn(slot, command, self._env(slot, self.worker_conf(slot)))
         slot.expected_exit = False
-        self.history.emit("spawn", slot=slot.name, generation=slot.generation, process=slot.pid)
+        self.history.emit(
+            "spawn",
+            slot=slot.name,
+            generation=slot.generation,
+            process=slot.pid,
+            node=slot.node,
+            pool=slot.pool,
+            acks_late=slot.acks_late,
+        )
 
     def wait_ready(self, slot: Slot, timeout: float = 90.0) -> bool:
         """Until the worker logged ``ready.`` (False if it died or the time ran out)."""
         deadline = time.monotonic() + timeout
-        marker = f"{slot.name}.{slot.generation}@"
+        marker = f"{slot.node}@"
         path = self.run_dir / f"{slot.name}.log"
         while time.monotonic() < deadline:
             text = path.read_text(errors="replace")
@@ -374,6 +439,20 @@ class Cluster:
             slot.expected_exit = True
             found.append(slot)
         return found
+
+    def detach(self, slot: Slot) -> subprocess.Popen[bytes] | None:
+        """Take the slot's worker out of it (the run no longer watches it), to start another in its place."""
+        old, slot.process = slot.process, None
+        return old
+
+    def kill_detached(self, slot: Slot, process: subprocess.Popen[bytes], why: str) -> list[int]:
+        """SIGKILL a detached worker's whole process group, recorded (``kill``) just before; returns the pids."""
+        pids = group_pids(process.pid)
+        if pids or process.poll() is None:
+            self.history.emit("kill", slot=slot.name, pids=pids or [process.pid], why=why)
+            signal_group(process.pid, signal.SIGKILL)
+        process.wait()
+        return pids
 
     def kill_pid(self, slot: Slot, pid: int, why: str) -> None:
         """SIGKILL one process of the slot (a pool child), recorded (``kill``) just before."""

@@ -19,11 +19,15 @@ Event kinds (field ``ev``) and who writes them:
   outcome (``accepted``, ``duplicate``, ``collapsed``, ``error``) and the id it
   was handed;
 - ``body_start`` / ``lock_lost_seen`` / ``body_end``: a task body, with its task
-  id, member, the ``call`` whose arguments it runs, and pid;
-- ``decision`` / ``lock_lost_log`` / ``finish_failed``: the library's log lines
-  on ``celery_dedup`` (decisions, the renewer's lost locks, endings it could
-  not record);
-- ``revoked`` / ``settled``: a worker's ``task_revoked`` signal (a terminated
+  id, member, the ``call`` whose arguments it runs, pid and thread (``tid``:
+  a threads or gevent pool runs several bodies in one process), and for a
+  limited task its limit ``group`` and that group's ``limit``;
+- ``decision`` / ``lock_lost_log`` / ``slot_lost_log`` / ``finish_failed``:
+  the library's log lines on ``celery_dedup`` (decisions, the renewer's lost
+  locks and limit slots, endings it could not record);
+- ``recovered``: the library put a dead worker's run back in its queue;
+- ``received`` / ``revoked`` / ``settled``: a worker's ``task_received``
+  signal (its consumer took the message), ``task_revoked`` (a terminated
   body ends here) and ``task_postrun`` (the guard has recorded the ending);
 - ``fault`` / ``op`` / ``phase``: the nemesis's faults, operator actions, and the
   run's phases (written by the runner).
@@ -93,6 +97,12 @@ class DecisionRecorder(logging.Handler):
                 )
             elif record.levelno >= logging.ERROR and "execution lock lost" in record.msg:
                 self.history.emit("lock_lost_log", message=record.getMessage())
+            elif record.levelno >= logging.ERROR and str(record.msg).startswith("limit slot lost"):
+                group = record.args[0] if isinstance(record.args, tuple) and record.args else None
+                self.history.emit("slot_lost_log", group=group, message=record.getMessage())
+            elif str(record.msg).startswith("recovered:"):
+                task_id = record.args[1] if isinstance(record.args, tuple) and len(record.args) > 1 else None
+                self.history.emit("recovered", task_id=task_id, message=record.getMessage())
             elif record.levelno >= logging.ERROR and str(record.msg).startswith("could not record"):
                 task_id = record.args[2] if isinstance(record.args, tuple) and len(record.args) > 2 else None
                 self.history.emit("finish_failed", task_id=task_id, message=record.getMessage())

@@ -28,7 +28,7 @@ from celery_dedup.exceptions import DedupError
 from celery_dedup.keys import KeySchema, split_member
 
 from .app import LOCK_TTL, MODE_BY_TASK
-from .cluster import Cluster, Slot, signal_group
+from .cluster import Cluster, Slot, group_pids, signal_group
 from .history import History
 from .proxy import SCRIPT_COMMANDS, Point
 
@@ -42,9 +42,11 @@ OPERATOR_ACTIONS = ("release", "purge", "reap", "requeue")
 FAULTS = (
     "kill-child",
     "kill-worker",
+    "restart-worker",
     "kill-producer",
     "stop-worker",
     "proxy",
+    "slow-link",
     "restart",
     "revoke",
     "operator",
@@ -69,6 +71,8 @@ class Nemesis:
         self.count = 0
         self.ops = 0
         self.client = cluster.server.client()
+        #: Records, locks and held keys: the broker's database, or the store's apart from it.
+        self.store = cluster.store_client()
         self.skews: dict[int, float] = {}
         self._deck: list[str] = []
 
@@ -108,21 +112,21 @@ class Nemesis:
     def _busy_pids(self) -> set[int]:
         """Pids of the processes holding an execution lock now (a lock's token names its pid)."""
         pids = set()
-        for key in self.client.scan_iter("dedup:lock:*", count=1000):
-            token = _text(self.client.get(key) or b"")
+        for key in self.store.scan_iter("dedup:lock:*", count=1000):
+            token = _text(self.store.get(key) or b"")
             pid = token.split(":")[1] if token.count(":") >= 2 else ""
             if pid.isdigit():
                 pids.add(int(pid))
         return pids
 
-    def _target_worker(self) -> Slot:
-        """Mostly a worker whose pool runs a body right now (a fault there hits a live lock), else any."""
-        slots = self.cluster.worker_slots
+    def _target_worker(self, among: list[Slot] | None = None) -> Slot:
+        """Mostly a worker (of ``among``) whose pool runs a body now (a fault there hits a live lock), else any."""
+        slots = among or self.cluster.worker_slots
         prefer_busy = self.rng.random() < 0.8
         fallback = self._slot(slots)
         if prefer_busy:
             busy = self._busy_pids()
-            candidates = [slot for slot in slots if busy.intersection(slot.children())]
+            candidates = [slot for slot in slots if busy.intersection(slot.body_pids())]
             if candidates:
                 return candidates[self.rng.randrange(len(candidates))] if len(candidates) > 1 else candidates[0]
         return fallback
@@ -130,9 +134,14 @@ class Nemesis:
     # --- processes --------------------------------------------------------------------------
 
     def kill_child(self) -> None:
-        """SIGKILL one prefork pool child (the task it runs dies mid-body)."""
+        """SIGKILL one prefork pool child (the task it runs dies mid-body); other pools have no children."""
         slot = self._target_worker()
         index = self.rng.randrange(self.cluster.concurrency)
+        if slot.pool != "prefork":
+            prefork = [s for s in self.cluster.worker_slots if s.pool == "prefork"]
+            if not prefork:
+                return
+            slot = self._slot(prefork)
         children = slot.children()
         if not children:
             return
@@ -152,17 +161,50 @@ class Nemesis:
         self.cluster.wait_ready(slot)
         self.history.emit("fault_end", kind="kill-worker", slot=slot.name)
 
+    def restart_worker(self) -> None:
+        """Restart a worker under its own node name while the old one still runs, then SIGKILL the old one.
+
+        What systemd or Docker do with a worker slower to stop than their stop
+        timeout, where the new worker keeps the node name and starts before
+        the old one is gone: half the time the old one is stopped (SIGTERM, a
+        warm shutdown that finishes its bodies) as the new one starts, else
+        once the new one is ready; it is SIGKILLed after a stop timeout, with
+        whatever it still runs. Mostly a late-acknowledging worker running a
+        body: its runs are the ones a worker on this machine must put back.
+        """
+        late = [slot for slot in self.cluster.worker_slots if slot.acks_late]
+        slot = self._target_worker(late if late and self.rng.random() < 0.8 else None)
+        term_first = self.rng.random() < 0.5
+        stop_timeout = self.rng.uniform(0.3, 1.5)
+        old = self.cluster.detach(slot)
+        if old is None or old.poll() is not None:
+            slot.process = old
+            return
+        self.fault("restart-worker", slot=slot.name, node=slot.node, pids=group_pids(old.pid), term_first=term_first)
+        signal_group(old.pid, signal.SIGCONT)
+        try:
+            if term_first:
+                signal_group(old.pid, signal.SIGTERM)
+            self.cluster.start_worker(slot, same_name=True)
+            self.cluster.wait_ready(slot)
+            if not term_first:
+                signal_group(old.pid, signal.SIGTERM)
+            self.pause(stop_timeout, stop_timeout)
+        finally:
+            self.cluster.kill_detached(slot, old, "restart-worker")
+        self.history.emit("fault_end", kind="restart-worker", slot=slot.name)
+
     def kill_producer(self) -> None:
         """SIGKILL a producer; half the time frozen mid-publish, after the server ran its script."""
         slot = self._slot(self.cluster.producer_slots)
         mid_publish = self.rng.random() < 0.5
         fired = False
         if mid_publish:
-            slot.proxy.arm("after", hold=True, commands=SCRIPT_COMMANDS)
-            fired = slot.proxy.fired.wait(3.0)
+            slot.store_link.arm("after", hold=True, commands=SCRIPT_COMMANDS)
+            fired = slot.store_link.fired.wait(3.0)
         self.fault("kill-producer", slot=slot.name, mid_publish=mid_publish, frozen=fired)
         self.cluster.kill(slot, "kill-producer")
-        slot.proxy.disarm()
+        slot.store_link.disarm()
         self.cluster.start_producer(slot, skew=self.skews.get(slot.index, 0.0))
 
     def stop_worker(self) -> None:
@@ -191,7 +233,8 @@ class Nemesis:
     # --- the network and the server ---------------------------------------------------------
 
     def proxy(self) -> None:
-        """On one process's connections (or everyone's): delay replies, drop them, or reset connections."""
+        """On one process's connections (or everyone's; to the broker and the store): delay replies, drop them,
+        or reset connections."""
         everyone = self.rng.random() < 0.25
         slots = self.cluster.slots if everyone else [self._slot(self.cluster.slots)]
         action = self.rng.choice(("delay", "drop-reply", "drop-request", "reset"))
@@ -199,31 +242,51 @@ class Nemesis:
         if action == "delay":
             seconds, lasting = round(self.rng.uniform(0.05, 0.5), 3), self.rng.uniform(1.0, 4.0)
             self.fault("proxy", action=action, target=target, seconds=seconds)
-            for slot in slots:
-                slot.proxy.delay(seconds)
+            for proxy in (proxy for slot in slots for proxy in slot.proxies):
+                proxy.delay(seconds)
             try:
                 self.pause(lasting, lasting)
             finally:
-                for slot in slots:
-                    slot.proxy.delay(0)
+                for proxy in (proxy for slot in slots for proxy in slot.proxies):
+                    proxy.delay(0)
                 self.history.emit("fault_end", kind="proxy", action=action, target=target)
         elif action in ("drop-reply", "drop-request"):
             times = self.rng.randint(1, 3)
             scripts_only = self.rng.random() < 0.7
             self.fault("proxy", action=action, target=target, times=times, scripts_only=scripts_only)
             point: Point = "after" if action == "drop-reply" else "before"
-            for slot in slots:
+            for proxy in (proxy for slot in slots for proxy in slot.proxies):
                 if scripts_only:
-                    slot.proxy.arm(point, times=times)
+                    proxy.arm(point, times=times)
                 else:
-                    slot.proxy.arm(point, times=times, commands=_ALL_COMMANDS)
+                    proxy.arm(point, times=times, commands=_ALL_COMMANDS)
             self.pause(1.0, 3.0)
-            for slot in slots:
-                slot.proxy.disarm()
+            for proxy in (proxy for slot in slots for proxy in slot.proxies):
+                proxy.disarm()
         else:
             self.fault("proxy", action=action, target=target)
-            for slot in slots:
-                slot.proxy.reset()
+            for proxy in (proxy for slot in slots for proxy in slot.proxies):
+                proxy.reset()
+
+    def slow_link(self) -> None:
+        """A worker (mostly one running bodies) reaches the store over a slow link for a while.
+
+        The link to the store (apart from the broker in a two-phase run, else
+        the one link to both).
+        Every reply to it comes 20 to 200 ms late, for 2 to 8 s: each step of a
+        delivery (its group's slot, the guard, the notes it writes) takes that
+        much longer, so what a sibling thread does meanwhile meets it half-way.
+        Too short to let a lease renewed every third of its TTL expire.
+        """
+        slot = self._target_worker()
+        seconds, lasting = round(self.rng.uniform(0.02, 0.2), 3), self.rng.uniform(2.0, 8.0)
+        self.fault("slow-link", target=slot.name, seconds=seconds)
+        slot.store_link.delay(seconds)
+        try:
+            self.pause(lasting, lasting)
+        finally:
+            slot.store_link.delay(0)
+            self.history.emit("fault_end", kind="slow-link", target=slot.name)
 
     def restart(self) -> None:
         """Crash the server and start it again: from its append-only file, or (without persistence) empty."""
@@ -240,11 +303,11 @@ class Nemesis:
     def _members(self, *states: str) -> list[str]:
         members: list[str] = []
         for state in states:
-            members += [_text(m) for m in self.client.zrange(SCHEMA.state_index(state), 0, 200)]
+            members += [_text(m) for m in self.store.zrange(SCHEMA.state_index(state), 0, 200)]
         return sorted(m for m in members if split_member(m)[0] in MODE_BY_TASK)
 
     def _task_id(self, member: str) -> str:
-        raw = self.client.hget(SCHEMA.record(member), "task_id")
+        raw = self.store.hget(SCHEMA.record(member), "task_id")
         return _text(raw) if raw else ""
 
     def revoke(self) -> None:
@@ -330,8 +393,9 @@ class Nemesis:
     def heal(self) -> None:
         """Undo what lasts: every process running, every proxy clean, the server up."""
         for slot in self.cluster.slots:
-            slot.proxy.disarm()
-            slot.proxy.delay(0)
+            for proxy in slot.proxies:
+                proxy.disarm()
+                proxy.delay(0)
             if slot.alive:
                 signal_group(slot.pid, signal.SIGCONT)
         if self.cluster.server.process.process is None or self.cluster.server.process.process.poll() is not None:

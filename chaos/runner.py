@@ -31,7 +31,7 @@ import redis
 
 from . import app as chaos_app
 from .checker import Report, check
-from .cluster import Cluster, DeathWatch
+from .cluster import POOLS, Cluster, DeathWatch
 from .history import History, Tail
 from .nemesis import FAULTS, MAX_SKEW, Nemesis
 from .workload import KEYS_PER_MODE, MODE_WEIGHTS
@@ -55,7 +55,12 @@ def parse(argv: list[str] | None) -> argparse.Namespace:
         default=",".join(FAULTS),
         help=f"comma-separated faults, or 'none' (default: all): {', '.join(FAULTS)}",
     )
-    parser.add_argument("--workers", type=int, default=2)
+    parser.add_argument("--workers", type=int, default=len(POOLS), help=f"worker processes (default {len(POOLS)})")
+    parser.add_argument(
+        "--pools",
+        default=",".join(POOLS),
+        help=f"comma-separated pools the workers run, in turn by slot (default: {','.join(POOLS)})",
+    )
     parser.add_argument("--concurrency", type=int, default=2)
     parser.add_argument("--producers", type=int, default=3)
     parser.add_argument(
@@ -66,6 +71,13 @@ def parse(argv: list[str] | None) -> argparse.Namespace:
     )
     parser.add_argument(
         "--modes", default=",".join(MODE_WEIGHTS), help="comma-separated modes the producers call (default: all)"
+    )
+    parser.add_argument(
+        "--store",
+        choices=("broker", "apart"),
+        default="broker",
+        help="the dedup store: the broker itself (atomic gate, default) or another database behind a link of "
+        "its own (two-phase gate; no debounce)",
     )
     parser.add_argument("--quiet", type=float, default=None, help="longest quiet period, seconds (default 45, +skew)")
     parser.add_argument("--keep", type=Path, default=None, help="write the run's history to DIR and keep it")
@@ -85,6 +97,14 @@ def faults_from(text: str) -> tuple[str, ...]:
     unknown = sorted(set(chosen) - set(FAULTS))
     if unknown:
         raise SystemExit(f"run-chaos: unknown faults {', '.join(unknown)}; choose from {', '.join(FAULTS)}")
+    return chosen
+
+
+def pools_from(text: str) -> tuple[str, ...]:
+    chosen = tuple(name.strip() for name in text.split(",") if name.strip())
+    unknown = sorted(set(chosen) - set(POOLS))
+    if unknown or not chosen:
+        raise SystemExit(f"run-chaos: unknown pools {', '.join(unknown) or '(none)'}; choose from {', '.join(POOLS)}")
     return chosen
 
 
@@ -109,18 +129,26 @@ class Run:
             keys=options.keys,
             modes=options.modes,
             persistent="restart" in self.faults,
+            pools=pools_from(options.pools),
+            store_apart=options.store == "apart",
         )
         self.tail = Tail(run_dir, frozenset({"call", "body_start", "fault"}))
 
     def execute(self) -> None:
         cluster = self.cluster
         self.history.emit(
-            "phase", name="started", seed=self.seed, faults=list(self.faults), minutes=self.options.minutes
+            "phase",
+            name="started",
+            seed=self.seed,
+            faults=list(self.faults),
+            minutes=self.options.minutes,
+            store=self.options.store,
         )
         cluster.start()
         deaths = DeathWatch(self.history, lambda: cluster.worker_slots).start()
-        client = cluster.server.client()
-        app = chaos_app.build(cluster.server.url, history=self.history, conf={})
+        client, store = cluster.server.client(), cluster.store_client()
+        conf = {"dedup_redis_url": cluster.store_url} if cluster.store_apart else {}
+        app = chaos_app.build(cluster.server.url, history=self.history, conf=conf)
         nemesis = Nemesis(cluster, app, self.history, self.seed, self.faults)
         thread = threading.Thread(target=nemesis.run, name="nemesis", daemon=True)
         self.history.emit("phase", name="nemesis")
@@ -137,15 +165,16 @@ class Run:
         self.history.emit("phase", name="producers_stopped")
         nemesis.heal()
         self.history.emit("phase", name="nemesis_end")
-        self.quiet(client)
+        self.quiet(client, store)
         self.history.emit("phase", name="quiet_end")
-        (self.run_dir / "final.json").write_text(json.dumps(snapshot(client)))
+        (self.run_dir / "final.json").write_text(json.dumps(snapshot(client, store)))
         for slot in cluster.worker_slots:
             cluster.stop_process(slot, grace=15.0)
         deaths.stop()
         self.history.emit("phase", name="stopped")
         app.close()
         client.close()
+        store.close()
 
     def revive(self) -> None:
         """Start a new worker in place of one that died on its own (a crash is recorded, and checked)."""
@@ -163,7 +192,7 @@ class Run:
             flush=True,
         )
 
-    def quiet(self, client: redis.Redis) -> None:
+    def quiet(self, client: redis.Redis, store: redis.Redis) -> None:
         """Until nothing is queued, unacknowledged, parked, locked or unended for a while (bounded)."""
         longest = self.options.quiet
         if longest is None:
@@ -173,7 +202,7 @@ class Run:
         last_print = time.monotonic()
         while time.monotonic() < deadline:
             try:
-                busy = outstanding(client)
+                busy = outstanding(client, store)
             except redis.RedisError:
                 busy = {"unreachable": 1}
             if not any(busy.values()):
@@ -187,19 +216,20 @@ class Run:
                 waiting = ", ".join(f"{name} {n}" for name, n in busy.items() if n)
                 self.progress(f"quiet period, waiting for {waiting or 'a settled moment'}")
             time.sleep(0.25)
-        self.history.emit("quiet_timeout", outstanding=outstanding(client))
+        self.history.emit("quiet_timeout", outstanding=outstanding(client, store))
 
 
-def outstanding(client: redis.Redis) -> dict[str, int]:
-    """What still has to happen: messages, parked runs, live locks and unended records."""
+def outstanding(client: redis.Redis, store: redis.Redis) -> dict[str, int]:
+    """What still has to happen: messages (``client``: the broker), parked runs, live locks and unended records
+    (``store``: the dedup store, the same database unless it is apart)."""
     counts = {
         "queued": sum(int(client.llen(queue)) for queue in QUEUES),
         "unacked": int(client.hlen("unacked")),
-        "parked": int(client.zcard("dedup:due")),
-        "locks": sum(1 for _ in client.scan_iter("dedup:lock:*", count=1000)),
+        "parked": int(store.zcard("dedup:due")),
+        "locks": sum(1 for _ in store.scan_iter("dedup:lock:*", count=1000)),
     }
-    for state in ("pending", "queued", "started", "retry"):
-        counts[f"records {state}"] = int(client.zcard(f"dedup:idx:state:{state}"))
+    for state in ("pending", "publishing", "queued", "started", "retry"):
+        counts[f"records {state}"] = int(store.zcard(f"dedup:idx:state:{state}"))
     return counts
 
 
@@ -207,8 +237,10 @@ def _text(value: Any) -> str:
     return value.decode("utf-8", "surrogateescape") if isinstance(value, bytes) else str(value)
 
 
-def snapshot(client: redis.Redis) -> dict[str, Any]:
-    """Everything the checker reads from the server at the end: records, histories, holds, locks, messages."""
+def snapshot(client: redis.Redis, store: redis.Redis | None = None) -> dict[str, Any]:
+    """Everything the checker reads from the server at the end: records, histories, holds, locks (``store``),
+    messages (``client``)."""
+    broker, client = client, store or client
     seconds, micros = client.time()
     members: set[str] = set()
     for pattern, prefix in (
@@ -231,8 +263,8 @@ def snapshot(client: redis.Redis) -> dict[str, Any]:
             "lock_pttl": int(client.pttl(f"dedup:lock:{member}")),
         }
     queued_ids = []
-    raw_messages = [raw for queue in QUEUES for raw in client.lrange(queue, 0, -1)]
-    raw_messages += [json.loads(raw)[0] for raw in client.hvals("unacked")]
+    raw_messages = [raw for queue in QUEUES for raw in broker.lrange(queue, 0, -1)]
+    raw_messages += [json.loads(raw)[0] for raw in broker.hvals("unacked")]
     for raw in raw_messages:
         message = json.loads(raw) if isinstance(raw, (bytes, str)) else raw
         queued_ids.append((message.get("headers") or {}).get("id"))
@@ -267,6 +299,9 @@ def main(argv: list[str] | None = None) -> int:
     else:
         run_dir = Path(tempfile.mkdtemp(prefix="celery-dedup-chaos-"))
     print(f"chaos: seed {seed}, faults {options.faults}, {options.minutes:g} min, history in {run_dir}", flush=True)
+    if options.store == "apart" and "debounce" in options.modes.split(","):
+        options.modes = ",".join(mode for mode in options.modes.split(",") if mode != "debounce")
+        print("chaos: no debounce with the store apart (it needs the atomic gate)", flush=True)
     run = Run(options, run_dir, seed)
     try:
         run.execute()

@@ -39,9 +39,12 @@ from .history import History
 
 #: Keys per mode; calls pick them with Zipf-like weights, so a few keys are very hot.
 KEYS_PER_MODE = 35
+#: Ways a call goes out on the two-phase gate (a store apart from the broker): ``send_task`` by name is
+#: published ungated there, and a chained duplicate cannot follow its run (both as the guarantees say).
+TWO_PHASE_WAYS = ("delay", "countdown", "eta", "many")
 #: How each call is published, with its weight.
 WAYS = {"delay": 40, "countdown": 12, "eta": 8, "many": 10, "send_task": 12, "chain": 10}
-#: Modes' weights: the gated modes dominate.
+#: Modes' weights (by task: ``limit1`` and ``limit2`` are limited tasks): the gated modes dominate.
 MODE_WEIGHTS = {
     "until_executed": 30,
     "until_executing": 12,
@@ -49,6 +52,8 @@ MODE_WEIGHTS = {
     "while_executing": 14,
     "debounce": 16,
     "throttle": 14,
+    "limit1": 10,
+    "limit2": 10,
 }
 
 
@@ -80,6 +85,7 @@ class Schedule:
     prefix: str
     keys: int = KEYS_PER_MODE
     modes: tuple[str, ...] = tuple(MODE_WEIGHTS)
+    ways: tuple[str, ...] = tuple(WAYS)
     rng: random.Random = field(init=False)
     count: int = 0
 
@@ -116,9 +122,9 @@ class Schedule:
 
     def __iter__(self) -> Iterator[tuple[list[Call], float]]:
         """Batches of calls (one, or several for ``many``) and the pause after each."""
-        modes = {spec.mode: spec for spec in MODES}
+        modes = {spec.name: spec for spec in MODES}
         names = [name for name in MODE_WEIGHTS if name in self.modes]
-        ways = list(WAYS)
+        ways = [way for way in WAYS if way in self.ways]
         while True:
             mode = modes[self.rng.choices(names, [MODE_WEIGHTS[name] for name in names])[0]]
             way = self.rng.choices(ways, [WAYS[name] for name in ways])[0]
@@ -165,7 +171,9 @@ class Producer:
         self.app = app
         self.history = history
         self.schedule = schedule
-        self.tasks = {spec.mode: cast(DedupTask, app.tasks[spec.task_name]) for spec in MODES}
+        self.tasks = {
+            spec.name: cast(DedupTask, app.tasks[spec.task_name]) for spec in MODES if spec.task_name in app.tasks
+        }
         self.stopping = False
         #: A chained duplicate's own head id: it follows the run, and resolves under this id.
         self.own_head = ""
@@ -179,7 +187,7 @@ class Producer:
 
     def publish(self, batch: list[Call]) -> None:
         first = batch[0]
-        task = self.tasks[first.mode.mode]
+        task = self.tasks[first.mode.name]
         for call in batch:
             self.history.emit("call_start", **self._fields(call, task))
         try:
@@ -227,7 +235,7 @@ class Producer:
                 return [("accepted", sent.id)]
             return [(collapsed if outcome.collapsed else "duplicate", outcome.task_id)]
         if first.way == "chain":
-            tail = (task.s(*first.args) | self.app.tasks["chaos.after"].si(first.call_id)).apply_async()
+            tail = (task.s(*first.args) | self.app.tasks["chaos.after"].s(first.call_id)).apply_async()
             head = str(cast("AsyncResult[Any]", tail.parent).id)
             outcome = celery_dedup.last_outcome()
             if outcome is None or not first.mode.gated or outcome.task_id == head:
@@ -259,7 +267,9 @@ def main(argv: list[str] | None = None) -> None:
     if options.skew:
         skew_clock(app, options.skew)
     prefix = f"p{options.index}.{options.generation}"
-    producer = Producer(app, history, Schedule(options.seed, prefix, options.keys, tuple(options.modes.split(","))))
+    ways = TWO_PHASE_WAYS if app.conf.get("dedup_redis_url") else tuple(WAYS)
+    schedule = Schedule(options.seed, prefix, options.keys, tuple(options.modes.split(",")), ways)
+    producer = Producer(app, history, schedule)
 
     def stop(*_: Any) -> None:
         producer.stopping = True

@@ -57,9 +57,12 @@ class Story:
         self, start: float, end: float | None, task_id: str, *, pid: int = 100, outcome: str = "succeeded", **extra: Any
     ) -> Story:
         common = {"task_id": task_id, "member": extra.pop("member", MEMBER), "call": extra.pop("call", "c")}
-        self.add(start, "body_start", pid=pid, **common)
+        common["tid"] = extra.pop("tid", 0)
+        role = extra.pop("role", "worker-0.1")
+        lock_lost = extra.pop("lock_lost", False)
+        self.add(start, "body_start", pid=pid, role=role, **common, **extra)  # extra: a limited body's group
         if end is not None:
-            self.add(end, "body_end", pid=pid, outcome=outcome, lock_lost=extra.pop("lock_lost", False), **common)
+            self.add(end, "body_end", pid=pid, role=role, outcome=outcome, lock_lost=lock_lost, **common)
         return self
 
     def server(self, member: str, *entries: tuple[float, str, str, str]) -> Story:
@@ -237,6 +240,35 @@ def test_a_chain_whose_run_succeeded_must_go_on(story: Story) -> None:
     assert [(v.invariant, v.message.split()[1]) for v in report.violations] == [("continuation", "head")]
 
 
+def test_a_chain_goes_on_with_its_runs_result(story: Story) -> None:
+    story.call(0, "a", call="head", way="chain").body(1, 2, "a", call="head")
+    report = story.add(2.5, "continued", pid=300, call="head", result="some-other-call").check()
+    assert invariants(report) == ["continuation"]
+    assert "not the result of its run" in report.violations[0].message
+
+
+def replaced_run(story: Story) -> Story:
+    """Run ``a`` replaced itself by a plain task, which ran and returned the run's result; ``follower`` followed it."""
+    story.call(0, "a", call="head", replace="plain").body(1, 1.1, "a", call="head", outcome="replaced")
+    story.server(MEMBER, (0.0, "queued", "a", ""), (1.0, "started", "a", ""), (1.1, "replaced", "a", ""))
+    story.add(1.3, "replacement_ran", pid=300, result="head")
+    story.call(0.5, "a", outcome="duplicate", call="follower", way="chain", own="f")
+    return story.add(1.4, "decision", pid=300, decision="followed", task_id="f", message="resolved as run a ended")
+
+
+def test_a_follower_of_a_run_replaced_by_a_plain_task_must_go_on(story: Story) -> None:
+    report = replaced_run(story).check()
+    assert invariants(report) == ["continuation"]
+    assert "its replacement ran" in report.violations[0].message
+
+
+def test_a_follower_of_a_replaced_run_goes_on_with_the_replacements_result(tmp_path: Path) -> None:
+    good = replaced_run(Story(tmp_path / "good")).add(1.5, "continued", pid=300, call="follower", result="head")
+    assert invariants(good.check()) == []
+    bad = replaced_run(Story(tmp_path / "bad")).add(1.5, "continued", pid=300, call="follower", result="replaced")
+    assert invariants(bad.check()) == ["continuation"]
+
+
 def test_a_chain_goes_on_with_its_next_step(story: Story) -> None:
     story.call(0, "a", call="head", way="chain").body(1, 2, "a", call="head")
     assert invariants(story.add(2.5, "continued", pid=300, call="head").check()) == []
@@ -280,6 +312,84 @@ def test_a_key_held_after_the_quiet_period_with_no_live_run_is_stuck(story: Stor
     held_until = int((T0 + 500) * 1000)
     story.members[MEMBER].update(held=True, record={"task_id": "a", "state": "succeeded", "held_until": held_until})
     assert invariants(story.check()) == ["stuck-key"]
+
+
+LIMITED = "chaos.limit1:g0"
+
+
+def test_more_bodies_of_a_limit_group_than_its_limit_at_once(story: Story) -> None:
+    """Two sibling threads of one process (one pid) in a group of limit 1: what a threads pool did."""
+    group: dict[str, Any] = {"group": LIMITED, "limit": 1}
+    story.call(0, "a", member="chaos.limit1:k0").call(0, "b", member="chaos.limit1:k3")
+    story.body(1, 3, "a", pid=100, tid=1, member="chaos.limit1:k0", **group)
+    report = story.body(2, 4, "b", pid=100, tid=2, member="chaos.limit1:k3", **group).check()
+    assert invariants(report) == ["limit"]
+    assert "2 bodies of a group of limit 1 ran at once" in report.violations[0].message
+
+
+def test_bodies_of_a_limit_group_one_after_another_keep_its_limit(story: Story) -> None:
+    group: dict[str, Any] = {"group": LIMITED, "limit": 1}
+    story.call(0, "a", member="chaos.limit1:k0").call(0, "b", member="chaos.limit1:k3")
+    story.body(1, 2, "a", pid=100, tid=1, member="chaos.limit1:k0", **group)
+    report = story.body(2.5, 4, "b", pid=100, tid=2, member="chaos.limit1:k3", **group).check()
+    assert invariants(report) == []
+    assert report.checked["limit"] == 2
+
+
+def test_a_slot_lost_to_a_sigstop_explains_a_group_over_its_limit(story: Story) -> None:
+    group: dict[str, Any] = {"group": LIMITED, "limit": 1}
+    story.call(0, "a", member="chaos.limit1:k0").call(0, "b", member="chaos.limit1:k3")
+    story.body(1, 9, "a", pid=100, member="chaos.limit1:k0", **group)
+    story.add(1.5, "fault", role="nemesis", kind="stop-worker", pids=[99, 100])
+    story.add(6.5, "slot_lost_log", pid=100, group=LIMITED, message="limit slot lost")
+    report = story.body(6, 7, "b", pid=200, member="chaos.limit1:k3", **group).check()
+    assert invariants(report) == []
+    assert [item.kind for item in report.explained] == ["limit"]
+
+
+def test_a_slot_lost_without_a_fault_is_no_excuse(story: Story) -> None:
+    """The evicted sibling's renewer reports the loss: without a fault to account for it, it is a violation."""
+    group: dict[str, Any] = {"group": LIMITED, "limit": 1}
+    story.call(0, "a", member="chaos.limit1:k0").call(0, "b", member="chaos.limit1:k3")
+    story.body(1, 9, "a", pid=100, tid=1, member="chaos.limit1:k0", **group)
+    story.add(2.5, "slot_lost_log", pid=100, group=LIMITED, message="limit slot lost")
+    report = story.body(2, 3, "b", pid=100, tid=2, member="chaos.limit1:k3", **group).check()
+    assert invariants(report) == ["limit"]
+
+
+def recovery_story(story: Story, *, acks_late: bool = True) -> Story:
+    """Worker-0 (pid 99, child 100) runs run ``a``; worker-1 (pid 199) is ready throughout; worker-0 is killed."""
+    story.add(0, "spawn", role="runner", slot="worker-0", generation=1, process=99, pool="prefork", acks_late=acks_late)
+    story.add(0, "spawn", role="runner", slot="worker-1", generation=1, process=199, pool="threads", acks_late=False)
+    story.add(0.5, "worker_ready", pid=99, node="worker-0.1")
+    story.add(0.5, "worker_ready", pid=199, role="worker-1.1", node="worker-1.1")
+    story.call(1, "a").add(1.5, "received", pid=99, task_id="a").body(1.6, None, "a", pid=100)
+    story.add(2, "fault", role="nemesis", kind="restart-worker", slot="worker-0", pids=[99, 100])
+    return story.add(3, "kill", role="runner", slot="worker-0", pids=[99, 100], why="restart-worker")
+
+
+def test_a_run_killed_with_its_worker_must_be_put_back_before_its_lock_expires(story: Story) -> None:
+    """Its message came back only with the visibility timeout: what a restart under the same node name did."""
+    recovery_story(story).add(8.0, "received", pid=199, role="worker-1.1", task_id="a")
+    report = story.body(8.1, 8.5, "a", pid=199, role="worker-1.1").check()
+    assert invariants(report) == ["recovery"]
+    assert "was not put back within 4s" in report.violations[0].message
+
+
+def test_a_run_put_back_by_a_reaper_pass_keeps_the_promise(story: Story) -> None:
+    recovery_story(story).add(3.8, "recovered", pid=199, role="worker-1.1", task_id="a", message="recovered: ...")
+    report = story.add(3.9, "received", pid=199, role="worker-1.1", task_id="a").check()
+    assert invariants(report) == []
+    assert report.checked["recovery"] == 1
+
+
+def test_an_early_acknowledged_run_or_a_fault_in_between_is_not_held_to_recovery(tmp_path: Path) -> None:
+    early = recovery_story(Story(tmp_path / "early"), acks_late=False).check()
+    assert invariants(early) == [] and early.checked["recovery"] == 0
+    stopped = recovery_story(Story(tmp_path / "stopped"))
+    stopped.add(3.5, "fault", role="nemesis", kind="stop-worker", pids=[199])
+    report = stopped.check()
+    assert invariants(report) == [] and report.checked["recovery"] == 0
 
 
 # --- real runs --------------------------------------------------------------------------------
