@@ -133,7 +133,7 @@ MODES: tuple[ModeSpec, ...] = (
     ),
     ModeSpec(
         "while_executing",
-        {"dedup_ttl": TTL, "limit_key": limit_group, "limit_concurrency": 2},
+        {"limit_key": limit_group, "limit_concurrency": 2},
         label="limit2",
         limit=2,
     ),
