@@ -34,7 +34,7 @@ import celery_dedup
 from celery_dedup.keys import KeySchema
 
 from . import crash_app
-from .conftest import AppFactory, Server, WorkerProcess, queued_messages, wait_for
+from .conftest import AppFactory, Server, WorkerProcess, in_process_worker, queued_messages, wait_for
 
 SCHEMA = KeySchema("dedup")
 #: Execution lock TTL of every worker here (seconds): a dead run frees its key within it.
@@ -491,6 +491,82 @@ def test_followers_of_a_replaced_run_fail_as_lost_when_the_replacements_worker_i
     except AssertionError:
         print(fleet.logs())
         raise
+
+
+@pytest.mark.slow
+def test_followers_of_a_replaced_run_keep_the_replacements_result_when_the_runs_worker_dies_after_it(
+    fleet: Fleet, tasks: crash_app.Tasks, r: redis.Redis
+) -> None:
+    """The replacement ends (its result relayed to the run's followers) before the replaced run recorded
+    ``replaced``; then the run's pool child is SIGKILLed and reported lost.
+
+    Proves: the first outcome settled for the run stands. A follower parked
+    before the kill (a duplicate call while the run is still ``started``)
+    resolves with the replacement's result too, not with ``lost``, and the
+    outcome kept for the run is still the replacement's.
+    """
+    fleet.start(conf=crash_conf(acks_late=False), transport={})
+    build = member("build", "build:1")
+    r.set(crash_app.stall_key("render:1", "after"), 1)
+    result = group(tasks.build.s(1), tasks.build.s(1)).apply_async()
+    assert isinstance(result, GroupResult)
+    first, follower = result.results
+    stalled = int(wait_for(lambda: r.get(crash_app.stalled_key("render:1")) or b"", 20, "the replacement's publish"))
+    try:
+        assert follower.get(timeout=30) == "rendered 1", "premise: the replacement relayed its result"
+        assert record(r, build)["state"] == "started", "premise: the run has not recorded its ending"
+        later = group(tasks.build.s(1), tasks.build.s(1)).apply_async()
+        assert isinstance(later, GroupResult)
+        wait_for(lambda: r.hlen(SCHEMA.followers(build)) >= 2, 10, "the later members parked")
+        os.kill(stalled, signal.SIGKILL)
+        wait_for(lambda: record(r, build).get("state") == "lost", 20, lambda: f"run reported lost: {record(r, build)}")
+        assert [member_.get(timeout=30) for member_ in later.results] == ["rendered 1", "rendered 1"]
+        outcome = json.loads(r.hget(SCHEMA.outcomes(build), first.id) or b"{}")
+        assert outcome.get("state") == "succeeded", outcome
+        assert executions(r, "render:1") == 1
+    except AssertionError:
+        print(fleet.logs())
+        raise
+
+
+@pytest.mark.slow
+def test_followers_of_a_run_declared_lost_keep_that_answer_when_the_run_finishes_after_all(
+    fleet: Fleet, tasks: crash_app.Tasks, r: redis.Redis
+) -> None:
+    """A run's pool child is stopped (SIGSTOP) until the reaper declares the run lost and releases its followers;
+    then it resumes and the run succeeds. The followers' messages wait in a queue no worker reads until then.
+
+    Proves: the first outcome settled for the run stands, so every follower
+    gets the one answer the first of them could have read (lost), not lost or
+    the value depending on when its delivery came.
+    """
+    fleet.start(conf=crash_conf(acks_late=False), transport={}, concurrency=1)
+    key, hang = "hang:1", member("hang", "hang:1")
+    r.set(crash_app.hold_key(key), 1)
+    run = tasks.hang.apply_async((1,))
+    child = started_pid(r, key)
+    followers = group(tasks.hang.s(1), tasks.hang.s(1)).apply_async(queue="later")
+    assert isinstance(followers, GroupResult)
+    wait_for(lambda: r.hlen(SCHEMA.followers(hang)) == 2, 10, "the members parked")
+    os.kill(child, signal.SIGSTOP)
+    try:
+        wait_for(lambda: record(r, hang).get("state") == "lost", LOCK_TTL + SLACK, "the reaper declared the run lost")
+        os.kill(child, signal.SIGCONT)
+        r.delete(crash_app.hold_key(key))
+        assert run.get(timeout=20) == 1
+        wait_for(lambda: record(r, hang).get("state") == "succeeded", 10, "the run recorded its success")
+        with in_process_worker(tasks.hang.app, queues=["later"]):
+            followers.join(timeout=20, propagate=False)
+        states = [(member_.state, str(member_.result)) for member_ in followers.results or ()]
+        assert all(state == "FAILURE" and "lost" in result for state, result in states), states
+        outcome = json.loads(r.hget(SCHEMA.outcomes(hang), run.id) or b"{}")
+        assert outcome.get("state") == "lost", outcome
+    except AssertionError:
+        print(fleet.logs())
+        raise
+    finally:
+        if parent_of(child):
+            os.kill(child, signal.SIGCONT)
 
 
 @pytest.mark.slow

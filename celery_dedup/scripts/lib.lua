@@ -95,13 +95,36 @@ end
 -- How run `run` of M ended, for its followers (start.lua hands it to each):
 -- JSON {state, error, result}, `result` the run's return value as
 -- gate.result_payload serialized it ("" when it was not kept).
+-- The first outcome settled for a run stands: a later ending recorded for it
+-- (a `lost` report after its replacement relayed a success, a copy of a run
+-- declared lost that finishes after all) changes nothing, so its followers,
+-- whenever their deliveries read it, all get one answer. Only an outcome that
+-- waits for a replacement's ending (see settled_outcome) gives way.
 -- Only outcomes someone can still ask for stay: this run's, the run the
 -- record names (a key held after success answers its window's followers with
 -- it), and those of runs whose followers have yet to read them (parked, or
 -- released and on their way). So a key that keeps running keeps at most
 -- max_followers + 2 of them, not one per run.
+
+-- The outcome recorded for `run` of M if it is settled (JSON), else nil: a
+-- `replaced` outcome waits for the replacement.
+local function settled_outcome(prefix, member, run)
+  local entry = redis.call('HGET', prefix .. ':out:' .. member, run)
+  if not entry then
+    return nil
+  end
+  local ok, outcome = pcall(cjson.decode, entry)
+  if ok and type(outcome) == 'table' and outcome.state == 'replaced' then
+    return nil
+  end
+  return entry
+end
+
 local function record_outcome(prefix, member, run, state, err, result, ttl_ms)
   local outcomes = prefix .. ':out:' .. member
+  if settled_outcome(prefix, member, run) then
+    return
+  end
   redis.call('HSET', outcomes, run, cjson.encode({state = state, error = err or '', result = result or ''}))
   redis.call('PEXPIRE', outcomes, ttl_ms)
   if redis.call('HLEN', outcomes) == 1 then
@@ -155,7 +178,7 @@ end
 local function settle_followers(prefix, member, run, state, err, result, ttl_ms)
   if state == 'replaced' then
     local outcomes, followers = prefix .. ':out:' .. member, prefix .. ':fol:' .. member
-    if redis.call('HEXISTS', outcomes, run) == 1 then
+    if settled_outcome(prefix, member, run) then
       release_followers(prefix, member, run)
     elseif redis.call('EXISTS', followers) == 1 then
       record_outcome(prefix, member, run, state, err, '', ttl_ms)

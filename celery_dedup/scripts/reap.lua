@@ -294,7 +294,7 @@ for _, member in ipairs(look[2]) do
     local waiting = run and (r[1] == run and not ENDED[r[2]] and r[2] ~= 'lost' or follower.message and replaced(run))
     if run and follower.message and not waiting and not settled[run] and tonumber(follower.at or 0) <= now - grace_ms then
       settled[run] = true
-      if redis.call('HEXISTS', prefix .. ':out:' .. member, run) == 0 then
+      if not settled_outcome(prefix, member, run) then
         record_outcome(prefix, member, run, 'lost', 'its run ended without settling its followers', '', record_ms)
       end
       release_followers(prefix, member, run)
