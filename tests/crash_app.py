@@ -89,6 +89,8 @@ class Tasks:
     storm: DedupTask
     #: Replaces itself with ``render``, a plain task that hangs like ``hang`` when told to.
     build: DedupTask
+    #: Replaces itself with itself under the same key (``again=False``), which hangs like ``hang`` when told to.
+    redo: DedupTask
 
 
 def register(app: Celery) -> Tasks:
@@ -157,7 +159,17 @@ def register(app: Celery) -> Tasks:
         wait_while_held(key)
         return f"rendered {n}"
 
-    return Tasks(plain_tick, tick, hang, storm, build)
+    @app.task(name="tests.crash_app.redo", base=DedupTask, bind=True, shared=False, dedup_key="redo:{n}")
+    def redo(self: DedupTask, n: int, again: bool = True) -> Any:
+        if again:
+            raise self.replace(redo.s(n, again=False))
+        key = f"redo:{n}"
+        record_execution(key, self.request.id)
+        if counter.decr(hang_key(key)) >= 0:
+            time.sleep(HANG_SECONDS)
+        return f"redone {n}"
+
+    return Tasks(plain_tick, tick, hang, storm, build, redo)
 
 
 def stall_publishes(app: Celery) -> None:
