@@ -240,13 +240,21 @@ _replacements: dict[str, Replacement] = {}
 def replacing(task: KeyedTask, by: str) -> tuple[str, str] | None:
     """Note that the run executing ``task`` replaces itself with ``by`` (called from ``on_replace``).
 
+    The run's record is marked before the replacement is published, so a
+    worker that dies before the run's ending is recorded leaves its followers
+    to the replacement (see ``replacing.lua``); unmarked (the store failed),
+    such a death fails them as lost at once.
     Returns the run's ``(prefix, member)``, None if no run of this process is executing it.
     """
     task_id = task.request.id
     lock = _running.get(task_id) if task_id is not None else None
-    if lock is None:
+    if task_id is None or lock is None:
         return None
     _replacements[lock.token] = Replacement(lock.member, by)
+    try:
+        lock.store.replacing(lock.member, task_id, lock.token, by)
+    except redis.RedisError:
+        logger.exception("%s[%s]: could not mark the run as replacing itself", task.name, task_id)
     return lock.store.schema.prefix, lock.member
 
 

@@ -33,8 +33,10 @@ task name, ``:``, and the business key)::
                 {run, queue, message, at} (message and queue gone once released)
     P:out:M     HASH, how runs of the member that had followers ended:
                 run task id -> JSON {state, error, result} (state `replaced`
-                while the run's replacement has yet to end); only runs a
-                follower may still ask for (see lib.lua's record_outcome)
+                while the run's replacement has yet to end, or `lost` with
+                `relay_until` for a run lost while replacing itself); the
+                first settled outcome stands; only runs a follower may still
+                ask for (see lib.lua's record_outcome)
     P:following SET of members with followers (the reaper's list to look at)
 """
 

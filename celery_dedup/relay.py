@@ -11,6 +11,12 @@ value, or failing them as it failed or was revoked. A replacement that
 replaces itself again passes the header on (:func:`pass_on`), so a chain of
 replacements settles them once, at its end. A replacement under the run's own
 key goes on as the same run and carries no header for it.
+
+The run's record is marked ``replacing`` before the replacement is published
+(``replacing.lua``), so a worker that dies between that publish and the
+``replaced`` ending leaves the followers to the replacement even though the
+run is declared ``lost``; they fail as lost only once the record would have
+expired without a relayed ending. The first ending settled for a run stands.
 """
 
 from __future__ import annotations

@@ -367,6 +367,13 @@ FIELD_DOCS = (
         time=True,
     ),
     FieldDoc(
+        "replacing",
+        "internals",
+        "Replacing",
+        "The run is replacing itself (Task.replace) with this: should it be declared lost before it "
+        "ends replaced, its followers wait for the replacement's ending, until the record would expire.",
+    ),
+    FieldDoc(
         "missing_since",
         "internals",
         "Missing since",

@@ -76,6 +76,7 @@ class Scripts:
         self.purge: Script = client.register_script(load_script("purge"))
         self.settle: Script = client.register_script(load_script("settle"))
         self.annotate: Script = client.register_script(load_script("annotate"))
+        self.replacing: Script = client.register_script(load_script("replacing"))
         self.limit_acquire: Script = client.register_script(load_script("limit_acquire"))
         self.limit_release: Script = client.register_script(load_script("limit_release"))
         self.limit_renew: Script = client.register_script(load_script("limit_renew"))
@@ -670,6 +671,16 @@ class DedupStore:
     def history(self, member: str) -> list[str]:
         """The member's recent transitions, newest first: ``"<ms> <state> <task id> [note]"``."""
         return [_text(entry) for entry in self.client.lrange(self._at(member).history(member), 0, -1)]
+
+    def replacing(self, member: str, task_id: str, token: str, by: str) -> bool:
+        """Mark run ``task_id``, run by the delivery holding lock ``token``, as replacing itself with ``by``.
+
+        So a ``lost`` ending recorded before ``replaced`` leaves its followers
+        waiting for the replacement (see ``replacing.lua``). False, and nothing
+        written, unless that delivery holds the run's lock.
+        """
+        at = self._at(member)
+        return bool(self.scripts.replacing([at.record(member), at.lock(member)], [task_id, token, storable(by)]))
 
     def annotate(self, member: str, task_id: str, note: str) -> bool:
         """Add ``note`` to the history entry run ``task_id``'s publish wrote (see ``annotate.lua``).

@@ -24,7 +24,7 @@ from dataclasses import dataclass
 from typing import Any
 
 import redis
-from celery import Celery, Task
+from celery import Celery, Task, signals
 
 import celery_dedup
 from celery_dedup import DedupTask
@@ -55,6 +55,26 @@ def hang_key(key: str) -> str:
     return f"test:hang:{key}"
 
 
+def stall_key(key: str, when: str) -> str:
+    """Set by the test to N: the next N publishes of ``key``'s replacement stall their process (until killed).
+
+    ``when`` is ``"before"`` (Celery's ``before_task_publish``: nothing is
+    published yet) or ``"after"`` (``after_task_publish``: the replacement is
+    on the broker, and ``Task.replace`` has yet to return).
+    """
+    return f"test:stall:{when}:{key}"
+
+
+def stalled_key(key: str) -> str:
+    """The pid of the process stalled publishing ``key``'s replacement (see :func:`stall_key`)."""
+    return f"test:stalled:{key}"
+
+
+def hold_key(key: str) -> str:
+    """While set, ``key``'s body waits before it returns (the test deletes it to let the body end)."""
+    return f"test:hold:{key}"
+
+
 #: INCRed by every storm execution: the test's progress meter for timing kills.
 STORM_TOTAL = "test:storm:executions"
 
@@ -69,6 +89,8 @@ class Tasks:
     storm: DedupTask
     #: Replaces itself with ``render``, a plain task that hangs like ``hang`` when told to.
     build: DedupTask
+    #: Replaces itself with itself under the same key (``again=False``), which hangs like ``hang`` when told to.
+    redo: DedupTask
 
 
 def register(app: Celery) -> Tasks:
@@ -93,12 +115,18 @@ def register(app: Celery) -> Tasks:
         record_execution(f"tick:{n}", self.request.id)
         return n
 
+    def wait_while_held(key: str) -> None:
+        deadline = time.monotonic() + HANG_SECONDS
+        while counter.exists(hold_key(key)) and time.monotonic() < deadline:
+            time.sleep(0.05)
+
     @app.task(name="tests.crash_app.hang", base=DedupTask, bind=True, shared=False, dedup_key="hang:{n}")
     def hang(self: DedupTask, n: int) -> int:
         key = f"hang:{n}"
         record_execution(key, self.request.id)
         if counter.decr(hang_key(key)) >= 0:
             time.sleep(HANG_SECONDS)
+        wait_while_held(key)
         return n
 
     @app.task(
@@ -128,9 +156,46 @@ def register(app: Celery) -> Tasks:
         record_execution(key, self.request.id)
         if counter.decr(hang_key(key)) >= 0:
             time.sleep(HANG_SECONDS)
+        wait_while_held(key)
         return f"rendered {n}"
 
-    return Tasks(plain_tick, tick, hang, storm, build)
+    @app.task(name="tests.crash_app.redo", base=DedupTask, bind=True, shared=False, dedup_key="redo:{n}")
+    def redo(self: DedupTask, n: int, again: bool = True) -> Any:
+        if again:
+            raise self.replace(redo.s(n, again=False))
+        key = f"redo:{n}"
+        record_execution(key, self.request.id)
+        if counter.decr(hang_key(key)) >= 0:
+            time.sleep(HANG_SECONDS)
+        return f"redone {n}"
+
+    return Tasks(plain_tick, tick, hang, storm, build, redo)
+
+
+def stall_publishes(app: Celery) -> None:
+    """In a worker: a process publishing ``render``'s message stalls where the test says (see :func:`stall_key`).
+
+    ``build`` publishes it inside ``Task.replace``, so the stall holds the
+    replaced run between Celery's publish signals and its ending.
+    """
+    client = redis.Redis.from_url(str(app.conf.broker_url))
+
+    def stall(when: str, body: Any) -> None:
+        key = f"render:{body[0][0]}" if isinstance(body, list | tuple) and body and body[0] else ""
+        if key and client.decr(stall_key(key, when)) >= 0:
+            client.set(stalled_key(key), os.getpid())
+            time.sleep(HANG_SECONDS)
+
+    def before(sender: Any = None, body: Any = None, **_: Any) -> None:
+        if sender == "tests.crash_app.render":
+            stall("before", body)
+
+    def after(sender: Any = None, body: Any = None, **_: Any) -> None:
+        if sender == "tests.crash_app.render":
+            stall("after", body)
+
+    signals.before_task_publish.connect(before, weak=False, dispatch_uid="tests.crash_app.stall_before")
+    signals.after_task_publish.connect(after, weak=False, dispatch_uid="tests.crash_app.stall_after")
 
 
 def build() -> Celery:
@@ -145,6 +210,7 @@ def build() -> Celery:
     crash_app.conf.update(json.loads(os.environ.get("CELERY_DEDUP_CRASH_CONF", "{}")))
     celery_dedup.install(crash_app)
     register(crash_app)
+    stall_publishes(crash_app)
     return crash_app
 
 

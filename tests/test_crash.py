@@ -27,14 +27,14 @@ import kombu
 import pytest
 import redis
 from celery import group
-from celery.result import GroupResult
+from celery.result import AsyncResult, GroupResult
 from kombu.transport import redis as kombu_redis
 
 import celery_dedup
 from celery_dedup.keys import KeySchema
 
 from . import crash_app
-from .conftest import AppFactory, Server, WorkerProcess, queued_messages, wait_for
+from .conftest import AppFactory, Server, WorkerProcess, in_process_worker, queued_messages, wait_for
 
 SCHEMA = KeySchema("dedup")
 #: Execution lock TTL of every worker here (seconds): a dead run frees its key within it.
@@ -491,6 +491,189 @@ def test_followers_of_a_replaced_run_fail_as_lost_when_the_replacements_worker_i
     except AssertionError:
         print(fleet.logs())
         raise
+
+
+#: ``dedup_record_ttl`` (seconds) where a test waits for a record to end.
+RECORD_TTL = 4
+
+
+def replaced_run_killed(
+    fleet: Fleet, r: redis.Redis, tasks: crash_app.Tasks, when: str
+) -> tuple[GroupResult, AsyncResult[Any], AsyncResult[Any]]:
+    """A group member that replaces itself with ``render`` has its pool child SIGKILLed while publishing it.
+
+    ``when``: ``"after"`` the replacement is on the broker, or ``"before"``
+    (see :func:`tests.crash_app.stall_key`). Returns the group, the run and
+    its duplicate member, parked as the run's follower.
+    """
+    r.set(crash_app.stall_key("render:1", when), 1)
+    result = group(tasks.build.s(1), tasks.build.s(1)).apply_async()
+    assert isinstance(result, GroupResult)
+    stalled = int(wait_for(lambda: r.get(crash_app.stalled_key("render:1")) or b"", 20, "the replacement's publish"))
+    os.kill(stalled, signal.SIGKILL)
+    first, follower = result.results
+    return result, first, follower
+
+
+def stored_state(r: redis.Redis, task_id: str) -> str:
+    """The state Celery's result backend holds for ``task_id`` now (read past the publisher's cache)."""
+    meta = r.get(f"celery-task-meta-{task_id}")
+    return str(json.loads(meta)["status"]) if meta else ""
+
+
+@pytest.mark.slow
+def test_followers_of_a_run_killed_after_publishing_its_replacement_get_the_replacements_result(
+    fleet: Fleet, tasks: crash_app.Tasks, r: redis.Redis
+) -> None:
+    """The run's pool child is SIGKILLed after it published its replacement, before its ``replaced`` ending.
+
+    The worker's main process reports the run lost while the replacement
+    (held by the test) has yet to end; the replacement then returns. Proves:
+    the duplicate member, following the run, resolves with the replacement's
+    result, as Celery resolves the run, instead of failing as lost.
+    """
+    fleet.start(conf=crash_conf(acks_late=False), transport={})
+    build = member("build", "build:1")
+    r.set(crash_app.hold_key("render:1"), 1)
+    _, first, follower = replaced_run_killed(fleet, r, tasks, "after")
+    try:
+        wait_for(lambda: record(r, build).get("state") == "lost", 20, lambda: f"run reported lost: {record(r, build)}")
+        wait_for(lambda: executions(r, "render:1"), 20, "the replacement started")
+        time.sleep(LOCK_TTL + 1)  # a reaper pass and a free pool child meanwhile: the follower must still wait
+        assert not follower.ready(), f"the follower resolved before the replacement ended: {follower.result!r}"
+        r.delete(crash_app.hold_key("render:1"))
+        assert follower.get(timeout=30) == "rendered 1"
+        wait_for(lambda: stored_state(r, first.id) == "SUCCESS", 20, "Celery resolves the run with the replacement")
+        assert executions(r, "render:1") == 1
+    except AssertionError:
+        print(fleet.logs())
+        raise
+
+
+@pytest.mark.slow
+def test_followers_of_a_replaced_run_keep_the_replacements_result_when_the_runs_worker_dies_after_it(
+    fleet: Fleet, tasks: crash_app.Tasks, r: redis.Redis
+) -> None:
+    """The replacement ends (its result relayed to the run's followers) before the replaced run recorded
+    ``replaced``; then the run's pool child is SIGKILLed and reported lost.
+
+    Proves: the first outcome settled for the run stands. A follower parked
+    before the kill (a duplicate call while the run is still ``started``)
+    resolves with the replacement's result too, not with ``lost``, and the
+    outcome kept for the run is still the replacement's.
+    """
+    fleet.start(conf=crash_conf(acks_late=False), transport={})
+    build = member("build", "build:1")
+    r.set(crash_app.stall_key("render:1", "after"), 1)
+    result = group(tasks.build.s(1), tasks.build.s(1)).apply_async()
+    assert isinstance(result, GroupResult)
+    first, follower = result.results
+    stalled = int(wait_for(lambda: r.get(crash_app.stalled_key("render:1")) or b"", 20, "the replacement's publish"))
+    try:
+        assert follower.get(timeout=30) == "rendered 1", "premise: the replacement relayed its result"
+        assert record(r, build)["state"] == "started", "premise: the run has not recorded its ending"
+        later = group(tasks.build.s(1), tasks.build.s(1)).apply_async()
+        assert isinstance(later, GroupResult)
+        wait_for(lambda: r.hlen(SCHEMA.followers(build)) >= 2, 10, "the later members parked")
+        os.kill(stalled, signal.SIGKILL)
+        wait_for(lambda: record(r, build).get("state") == "lost", 20, lambda: f"run reported lost: {record(r, build)}")
+        assert [member_.get(timeout=30) for member_ in later.results] == ["rendered 1", "rendered 1"]
+        outcome = json.loads(r.hget(SCHEMA.outcomes(build), first.id) or b"{}")
+        assert outcome.get("state") == "succeeded", outcome
+        assert executions(r, "render:1") == 1
+    except AssertionError:
+        print(fleet.logs())
+        raise
+
+
+@pytest.mark.slow
+def test_followers_of_a_run_killed_before_publishing_its_replacement_fail_as_lost_when_its_record_ends(
+    fleet: Fleet, tasks: crash_app.Tasks, r: redis.Redis
+) -> None:
+    """The run's pool child is SIGKILLed inside ``Task.replace`` before the replacement was published.
+
+    Nothing will relay an ending. Proves: the duplicate member still resolves,
+    failing as lost, at the latest once the run's record would have expired
+    (``dedup_record_ttl``, short here) and a reaper pass; the replacement never ran.
+    """
+    fleet.start(conf={**crash_conf(acks_late=False), "dedup_record_ttl": RECORD_TTL}, transport={})
+    result, first, follower = replaced_run_killed(fleet, r, tasks, "before")
+    try:
+        result.join(timeout=RECORD_TTL + SLACK + 10, propagate=False)
+        assert follower.state == "FAILURE" and "lost" in str(follower.result), follower.result
+        assert first.id in str(follower.result)
+        assert executions(r, "render:1") == 0
+    except AssertionError:
+        print(fleet.logs())
+        raise
+
+
+@pytest.mark.slow
+def test_followers_of_a_run_replaced_under_its_own_key_fail_as_lost_at_once_when_the_replacement_is_killed(
+    fleet: Fleet, tasks: crash_app.Tasks, r: redis.Redis
+) -> None:
+    """A run replaced itself under its own key (it goes on as the same run); that replacement's pool child is
+    SIGKILLed. Nothing else carries the run's id, so nothing will relay an ending.
+
+    Proves: the duplicate member fails as lost when the run is declared lost,
+    instead of waiting (as for a replacement under another key) until the
+    run's record would have expired; the record no longer says ``replacing``.
+    """
+    fleet.start(conf=crash_conf(acks_late=False), transport={})
+    redo = member("redo", "redo:1")
+    r.set(crash_app.hang_key("redo:1"), 1)
+    result = group(tasks.redo.s(1), tasks.redo.s(1)).apply_async()
+    assert isinstance(result, GroupResult)
+    os.kill(started_pid(r, "redo:1"), signal.SIGKILL)
+    try:
+        result.join(timeout=30, propagate=False)
+        first, follower = result.results
+        assert follower.state == "FAILURE" and "lost" in str(follower.result), follower.result
+        assert first.id in str(follower.result)
+        assert "replacing" not in record(r, redo), record(r, redo)
+    except AssertionError:
+        print(fleet.logs())
+        raise
+
+
+@pytest.mark.slow
+def test_followers_of_a_run_declared_lost_keep_that_answer_when_the_run_finishes_after_all(
+    fleet: Fleet, tasks: crash_app.Tasks, r: redis.Redis
+) -> None:
+    """A run's pool child is stopped (SIGSTOP) until the reaper declares the run lost and releases its followers;
+    then it resumes and the run succeeds. The followers' messages wait in a queue no worker reads until then.
+
+    Proves: the first outcome settled for the run stands, so every follower
+    gets the one answer the first of them could have read (lost), not lost or
+    the value depending on when its delivery came.
+    """
+    fleet.start(conf=crash_conf(acks_late=False), transport={}, concurrency=1)
+    key, hang = "hang:1", member("hang", "hang:1")
+    r.set(crash_app.hold_key(key), 1)
+    run = tasks.hang.apply_async((1,))
+    child = started_pid(r, key)
+    followers = group(tasks.hang.s(1), tasks.hang.s(1)).apply_async(queue="later")
+    assert isinstance(followers, GroupResult)
+    wait_for(lambda: r.hlen(SCHEMA.followers(hang)) == 2, 10, "the members parked")
+    os.kill(child, signal.SIGSTOP)
+    try:
+        wait_for(lambda: record(r, hang).get("state") == "lost", LOCK_TTL + SLACK, "the reaper declared the run lost")
+        os.kill(child, signal.SIGCONT)
+        r.delete(crash_app.hold_key(key))
+        assert run.get(timeout=20) == 1
+        wait_for(lambda: record(r, hang).get("state") == "succeeded", 10, "the run recorded its success")
+        with in_process_worker(tasks.hang.app, queues=["later"]):
+            followers.join(timeout=20, propagate=False)
+        states = [(member_.state, str(member_.result)) for member_ in followers.results or ()]
+        assert all(state == "FAILURE" and "lost" in result for state, result in states), states
+        outcome = json.loads(r.hget(SCHEMA.outcomes(hang), run.id) or b"{}")
+        assert outcome.get("state") == "lost", outcome
+    except AssertionError:
+        print(fleet.logs())
+        raise
+    finally:
+        if parent_of(child):
+            os.kill(child, signal.SIGCONT)
 
 
 @pytest.mark.slow

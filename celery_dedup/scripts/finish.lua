@@ -46,7 +46,9 @@
 -- its lock then only releases that lock and, with ARGV[4], its key.
 --
 -- A final ending (not retry or queued) settles the run's followers: their
--- parked messages are pushed, to resolve as the run ended.
+-- parked messages are pushed, to resolve as the run ended. Retry or queued
+-- (a replacement under the run's key goes on as the run) takes away the
+-- record's `replacing` mark (replacing.lua).
 --
 -- Returns {owned, lock_kept, wants_result}: owned is 1 if the record names
 -- this run; lock_kept is 0 if a "run" caller's token no longer held the lock
@@ -178,6 +180,10 @@ if lock_kept == 0 then
 end
 if token ~= '' then
   redis.call('HDEL', record, 'lock')
+end
+if not final then
+  -- A replacement under the run's key goes on as the run: not a replacement to wait for (replacing.lua).
+  redis.call('HDEL', record, 'replacing')
 end
 transition(prefix, record, member, state, now, task_id, note, history_len, current[3], fields)
 local wants_result = 0

@@ -95,14 +95,44 @@ end
 -- How run `run` of M ended, for its followers (start.lua hands it to each):
 -- JSON {state, error, result}, `result` the run's return value as
 -- gate.result_payload serialized it ("" when it was not kept).
+-- The first outcome settled for a run stands: a later ending recorded for it
+-- (a `lost` report after its replacement relayed a success, a copy of a run
+-- declared lost that finishes after all) changes nothing, so its followers,
+-- whenever their deliveries read it, all get one answer. Only an outcome that
+-- waits for a replacement's ending (see settled_outcome) gives way.
 -- Only outcomes someone can still ask for stay: this run's, the run the
 -- record names (a key held after success answers its window's followers with
 -- it), and those of runs whose followers have yet to read them (parked, or
 -- released and on their way). So a key that keeps running keeps at most
 -- max_followers + 2 of them, not one per run.
-local function record_outcome(prefix, member, run, state, err, result, ttl_ms)
+-- `relay_until` (ms, optional): the outcome is `lost` for a run that was
+-- replacing itself (its record's `replacing`), held back until then for its
+-- replacement's ending (see settle_followers and reap.lua's step 5).
+
+-- The outcome recorded for `run` of M if it is settled (JSON), else nil: a
+-- `replaced` outcome, or one held back for a relay, waits for the replacement.
+local function settled_outcome(prefix, member, run)
+  local entry = redis.call('HGET', prefix .. ':out:' .. member, run)
+  if not entry then
+    return nil
+  end
+  local ok, outcome = pcall(cjson.decode, entry)
+  if ok and type(outcome) == 'table' and (outcome.state == 'replaced' or outcome.relay_until) then
+    return nil
+  end
+  return entry
+end
+
+local function record_outcome(prefix, member, run, state, err, result, ttl_ms, relay_until)
   local outcomes = prefix .. ':out:' .. member
-  redis.call('HSET', outcomes, run, cjson.encode({state = state, error = err or '', result = result or ''}))
+  if settled_outcome(prefix, member, run) then
+    return
+  end
+  local outcome = {state = state, error = err or '', result = result or ''}
+  if relay_until then
+    outcome.relay_until = relay_until
+  end
+  redis.call('HSET', outcomes, run, cjson.encode(outcome))
   redis.call('PEXPIRE', outcomes, ttl_ms)
   if redis.call('HLEN', outcomes) == 1 then
     return
@@ -152,18 +182,40 @@ end
 -- record is kept, until its replacement's ending settles them (settle.lua,
 -- relay.py), and the outcome says so meanwhile (the reaper leaves them). If
 -- that ending came first, they are released with it now.
+-- A run `lost` while its record says it was `replacing` itself (the mark is
+-- set before the replacement is published, see replacing.lua) may have
+-- published a replacement carrying its id: its followers wait for that
+-- replacement's ending as after `replaced`, but only until the record would
+-- have expired (`ttl_ms` from now); then the reaper fails them as lost, as
+-- nothing relayed an ending (the worker died before the publish, or the
+-- replacement never ended).
 local function settle_followers(prefix, member, run, state, err, result, ttl_ms)
-  if state == 'replaced' then
-    local outcomes, followers = prefix .. ':out:' .. member, prefix .. ':fol:' .. member
-    if redis.call('HEXISTS', outcomes, run) == 1 then
+  local outcomes, followers = prefix .. ':out:' .. member, prefix .. ':fol:' .. member
+  local relay = false
+  if state == 'lost' then
+    local r = redis.call('HMGET', prefix .. ':rec:' .. member, 'task_id', 'replacing')
+    relay = r[1] == run and r[2] ~= false
+  end
+  if state == 'replaced' or relay then
+    if settled_outcome(prefix, member, run) then
       release_followers(prefix, member, run)
     elseif redis.call('EXISTS', followers) == 1 then
-      record_outcome(prefix, member, run, state, err, '', ttl_ms)
-      redis.call('PEXPIRE', followers, math.max(redis.call('PTTL', followers), ttl_ms))
+      local keep_ms = ttl_ms
+      if relay then
+        -- Kept a record's lifetime past the deadline, for the reaper to fail them.
+        keep_ms = 2 * ttl_ms
+        if not redis.call('HGET', outcomes, run) then
+          err = (err ~= '' and err .. '; ' or '') .. 'nothing carrying its replacement ended it'
+          record_outcome(prefix, member, run, state, err, '', keep_ms, now_ms() + ttl_ms)
+        end
+      else
+        record_outcome(prefix, member, run, state, err, '', keep_ms)
+      end
+      redis.call('PEXPIRE', followers, math.max(redis.call('PTTL', followers), keep_ms))
     end
     return false
   end
-  if result == '' and redis.call('EXISTS', prefix .. ':fol:' .. member) == 0 then
+  if result == '' and redis.call('EXISTS', followers) == 0 then
     return false
   end
   if state == 'succeeded' and result == '' then

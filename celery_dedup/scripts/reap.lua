@@ -52,7 +52,9 @@
 --
 --   5. followers parked longer than ARGV[5] whose run has ended, or lost its
 --      record to another run, are released (SSCAN of P:following, resuming);
---      not those of a run that replaced itself, whose replacement settles them.
+--      not those of a run that replaced itself, whose replacement settles them,
+--      nor, until its outcome's relay_until, those of a run lost while
+--      replacing itself (lib's settle_followers): after it they fail as lost.
 -- Returns {expired holds released, dead runs and unconfirmed publishes marked
 -- lost, index entries removed, vanished messages' runs marked lost, {member,
 -- task id, why, ...} for each run marked lost}.
@@ -282,10 +284,11 @@ for _, member in ipairs(look[2]) do
   end
   local r = redis.call('HMGET', prefix .. ':rec:' .. member, 'task_id', 'state')
   local outcomes = prefix .. ':out:' .. member
-  -- A run that replaced itself: its replacement, not the run, settles them (lib's settle_followers).
+  -- A run that replaced itself: its replacement, not the run, settles them (lib's settle_followers);
+  -- a run lost while replacing itself, only until its outcome's relay_until.
   local function replaced(run)
     local ok, outcome = pcall(cjson.decode, redis.call('HGET', outcomes, run) or '')
-    return ok and outcome.state == 'replaced'
+    return ok and (outcome.state == 'replaced' or tonumber(outcome.relay_until or 0) > now)
   end
   local settled = {}
   for i = 1, #entries, 2 do
@@ -294,8 +297,10 @@ for _, member in ipairs(look[2]) do
     local waiting = run and (r[1] == run and not ENDED[r[2]] and r[2] ~= 'lost' or follower.message and replaced(run))
     if run and follower.message and not waiting and not settled[run] and tonumber(follower.at or 0) <= now - grace_ms then
       settled[run] = true
-      if redis.call('HEXISTS', prefix .. ':out:' .. member, run) == 0 then
-        record_outcome(prefix, member, run, 'lost', 'its run ended without settling its followers', '', record_ms)
+      if not settled_outcome(prefix, member, run) then
+        local ok, held_back = pcall(cjson.decode, redis.call('HGET', outcomes, run) or '')
+        local why = ok and held_back.error or 'its run ended without settling its followers'
+        record_outcome(prefix, member, run, 'lost', why, '', record_ms)
       end
       release_followers(prefix, member, run)
     end

@@ -18,6 +18,9 @@
 -- carries the run's id (relay.py); that ending may come before the run's own
 -- is recorded, and then finish.lua releases later followers with it. A run
 -- with no follower whose record has passed to another run records nothing.
+-- An outcome settled for the run before (lib's record_outcome) stands: the
+-- followers are released with it; only one that waits for the replacement
+-- (`replaced`, or `lost` held back while the run was replacing itself) gives way.
 --
 -- Returns the number of followers released.
 

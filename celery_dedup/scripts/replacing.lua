@@ -1,0 +1,28 @@
+-- replacing: mark a running run as replacing itself (Task.replace), before its
+-- replacement is published.
+--
+-- KEYS[1]  the member's status record (HASH)
+-- KEYS[2]  the member's execution lock
+-- ARGV[1]  task id of the run
+-- ARGV[2]  the running delivery's lock token
+-- ARGV[3]  what replaces it (a task or canvas name), for people
+--
+-- The replacement carries the run's id and relays its ending to the run's
+-- followers (relay.py). Should the run be declared `lost` before it records
+-- `replaced` (its worker died around the publish), the record's `replacing`
+-- tells lib's settle_followers that a replacement may be on its way: its
+-- followers wait for its ending instead of failing at once. A replacement
+-- that goes on as the same run takes the mark away (finish.lua, `queued`).
+--
+-- Only the delivery holding the run's lock marks it, while the record names
+-- the run.
+--
+-- Returns 1 when marked, 0 otherwise.
+
+local record, lock = KEYS[1], KEYS[2]
+local task_id, token, by = ARGV[1], ARGV[2], ARGV[3]
+if redis.call('HGET', record, 'task_id') ~= task_id or redis.call('GET', lock) ~= token then
+  return 0
+end
+redis.call('HSET', record, 'replacing', by)
+return 1
