@@ -69,6 +69,8 @@ class Tasks:
     storm: DedupTask
     #: Replaces itself with ``render``, a plain task that hangs like ``hang`` when told to.
     build: DedupTask
+    #: ``hang`` in mode ``while_executing``: no enqueue gate, only the execution lock.
+    hang_while: DedupTask
 
 
 def register(app: Celery) -> Tasks:
@@ -130,7 +132,22 @@ def register(app: Celery) -> Tasks:
             time.sleep(HANG_SECONDS)
         return f"rendered {n}"
 
-    return Tasks(plain_tick, tick, hang, storm, build)
+    @app.task(
+        name="tests.crash_app.hang_while",
+        base=DedupTask,
+        bind=True,
+        shared=False,
+        dedup_key="hang_while:{n}",
+        dedup_mode="while_executing",
+    )
+    def hang_while(self: DedupTask, n: int) -> int:
+        key = f"hang_while:{n}"
+        record_execution(key, self.request.id)
+        if counter.decr(hang_key(key)) >= 0:
+            time.sleep(HANG_SECONDS)
+        return n
+
+    return Tasks(plain_tick, tick, hang, storm, build, hang_while)
 
 
 def build() -> Celery:
