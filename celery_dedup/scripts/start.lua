@@ -29,7 +29,8 @@
 -- ARGV[17] the token of the main process of the worker that delivered this
 --          delivery (recovery.py judges the run by it), "" if unknown
 -- ARGV[18] this delivery's tag, "" where recovery could not put its message
---          back (the store is not the broker)
+--          back (acknowledged before the body runs, or the store is not the
+--          broker)
 -- ARGV[19] kombu's unacked hash, where that message waits unacknowledged
 --          ARGV[18] and ARGV[19] are recorded (`tag`, `unacked`) unless the
 --          gate recorded where it pushed the run's message (`queue`): so
