@@ -309,6 +309,7 @@ def start(
         on_locked=policy.on_locked,
         keep_payload=records_args(task),
         main=recovery.main_token(),
+        delivery=recovery.delivery(task),
     )
 
 

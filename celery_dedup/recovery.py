@@ -7,9 +7,16 @@ has passed (an hour by default). A process of the same machine can prove
 that both the run's owner (its lock token, see
 :func:`celery_dedup.processes.owner_gone`) and the main process of the worker
 that delivered it (which alone acknowledges, rejects or requeues the message)
-are dead: then the message goes back to the head of its queue at once (on
-the atomic gate's path, where the store is the broker), and its copy takes
+are dead: then the message goes back to the head of its queue at once
+(where the store is the broker: the atomic gate's path), and its copy takes
 the dead owner's lock over (``guard.take_over``).
+
+The record says where the message waits: its delivery tag and kombu's
+unacknowledged hash. The gate writes them at publish, with the queue list it
+pushed to; a run the gate did not route (``while_executing``, or a record
+started by its delivery) gets them from that delivery as it starts
+(:func:`delivery`), and its message goes back where kombu's own restore
+sends it, routed by the exchange and routing key kept beside it.
 
 The run's record names that main process: each delivery writes the token
 its worker's main process took when the worker was built (:func:`incarnate`,
@@ -54,7 +61,8 @@ class Orphan:
     main: str
     tag: str
     unacked: str
-    #: The list its message was pushed to (priority and global key prefix included).
+    #: The list its message was pushed to (priority and global key prefix included);
+    #: "" if the gate did not route it (then it goes where kombu would restore it).
     queue: str
 
 
@@ -95,7 +103,10 @@ def restore(app: Any, store: DedupStore, found: list[Orphan]) -> int:
 
     As kombu's ``QoS.restore_by_tag`` does (one transaction: out of the
     unacknowledged hash and its index, marked redelivered, pushed where the
-    next fetch takes it), on the store's own connection: only where the store
+    next fetch takes it: onto the list the gate pushed it to, or, for a run
+    the gate did not route, the list kombu's restore would route it to by
+    the exchange and routing key kept with it), on the store's own
+    connection: only where the store
     is the broker (the atomic gate), and only for the unacknowledged hash of
     ``app``'s transport options. A message is left alone when its lock now
     belongs to another delivery (a copy runs), when it is no longer
@@ -104,37 +115,91 @@ def restore(app: Any, store: DedupStore, found: list[Orphan]) -> int:
     """
     if not found or not runtime.is_atomic(app):
         return 0
-    options = app.conf.broker_transport_options or {}
-    prefix = str(options.get("global_keyprefix") or "")
-    unacked = prefix + str(options.get("unacked_key") or "unacked")
-    index = prefix + str(options.get("unacked_index_key") or "unacked_index")
+    unacked, index = unacked_keys(app)
     restored = 0
-    for orphan in found:
-        if orphan.unacked != unacked or not orphan.queue:
-            continue
-        holder = store.lock_holder(orphan.member)
-        if holder is not None and holder != orphan.token:
-            continue
-        if _restore(store.client, unacked, index, orphan):
-            restored += 1
-            logger.warning(
-                "recovered: %s[%s] key %r: its process is gone (lock %s); its message is back in its queue",
-                orphan.task,
-                orphan.task_id,
-                orphan.member.partition(":")[2],
-                orphan.token,
-            )
+    with _Router(app) as router:
+        for orphan in found:
+            if orphan.unacked != unacked:
+                continue
+            holder = store.lock_holder(orphan.member)
+            if holder is not None and holder != orphan.token:
+                continue
+            if _restore(store.client, unacked, index, orphan, router):
+                restored += 1
+                logger.warning(
+                    "recovered: %s[%s] key %r: its process is gone (lock %s); its message is back in its queue",
+                    orphan.task,
+                    orphan.task_id,
+                    orphan.member.partition(":")[2],
+                    orphan.token,
+                )
     return restored
 
 
-def _restore(client: redis.Redis, unacked: str, index: str, orphan: Orphan) -> bool:
+def unacked_keys(app: Any) -> tuple[str, str]:
+    """kombu's unacknowledged hash and its index for ``app``'s transport options (global key prefix included)."""
+    options = app.conf.broker_transport_options or {}
+    prefix = str(options.get("global_keyprefix") or "")
+    return (
+        prefix + str(options.get("unacked_key") or "unacked"),
+        prefix + str(options.get("unacked_index_key") or "unacked_index"),
+    )
+
+
+def delivery(task: Any) -> tuple[str, str]:
+    """The delivery tag of the message ``task`` is running and the unacknowledged hash it waits in.
+
+    ``("", "")`` where recovery could not put it back: the message is
+    acknowledged before the body runs (no ``acks_late``), the store is not
+    the broker, or the request carries no tag.
+    """
+    request = task.request
+    tag = (getattr(request, "properties", None) or {}).get("delivery_tag")
+    if not tag or not task.acks_late or not runtime.is_atomic(task.app):
+        return "", ""
+    return str(tag), unacked_keys(task.app)[0]
+
+
+class _Router:
+    """Where kombu's restore sends a message it kept with its exchange and routing key (``Channel._lookup``).
+
+    The channel, on a connection of the app's broker, is opened on first use:
+    only for a message the gate did not route.
+    """
+
+    def __init__(self, app: Any) -> None:
+        self.app = app
+        self.connection: Any = None
+
+    def __enter__(self) -> _Router:
+        return self
+
+    def __exit__(self, *_: object) -> None:
+        if self.connection is not None:
+            self.connection.release()
+
+    def queues(self, message: dict[str, Any], exchange: str, routing_key: str) -> list[str]:
+        """The lists (priority and global key prefix included) kombu would push ``message`` back onto."""
+        if self.connection is None:
+            self.connection = self.app.connection_for_write()
+        channel = self.connection.default_channel
+        priority = channel._get_message_priority(message, reverse=False)
+        prefix = channel.global_keyprefix
+        return [prefix + channel._q_for_pri(queue, priority) for queue in channel._lookup(exchange, routing_key)]
+
+
+def _restore(client: redis.Redis, unacked: str, index: str, orphan: Orphan, router: _Router) -> bool:
     moved = False
 
     def move(pipe: Any) -> None:
         nonlocal moved
         moved = False
-        message = _message(pipe.hget(unacked, orphan.tag))
-        if message is None or str(message["headers"].get("id")) != orphan.task_id:
+        kept = _kept(pipe.hget(unacked, orphan.tag))
+        if kept is None or str(kept[0]["headers"].get("id")) != orphan.task_id:
+            return
+        message, exchange, routing_key = kept
+        queues = [orphan.queue] if orphan.queue else router.queues(message, exchange, routing_key)
+        if not queues:
             return
         message["headers"]["redelivered"] = True
         delivery = message.get("properties", {}).get("delivery_info")
@@ -143,22 +208,25 @@ def _restore(client: redis.Redis, unacked: str, index: str, orphan: Orphan) -> b
         pipe.multi()
         pipe.zrem(index, orphan.tag)
         pipe.hdel(unacked, orphan.tag)
-        pipe.rpush(orphan.queue, dumps(message))
+        for queue in queues:
+            pipe.rpush(queue, dumps(message))
         moved = True
 
     client.transaction(move, unacked)
     return moved
 
 
-def _message(raw: bytes | str | None) -> dict[str, Any] | None:
-    """The message kombu keeps in its unacknowledged hash (``[message, exchange, routing key]``)."""
+def _kept(raw: bytes | str | None) -> tuple[dict[str, Any], str, str] | None:
+    """What kombu keeps in its unacknowledged hash: ``[message, exchange, routing key]``."""
     if raw is None:
         return None
     try:
-        message = loads(raw)[0]
-    except (ValueError, TypeError, KeyError, IndexError):
+        message, exchange, routing_key = loads(raw)
+    except (ValueError, TypeError):
         return None
-    return message if isinstance(message, dict) and isinstance(message.get("headers"), dict) else None
+    if not isinstance(message, dict) or not isinstance(message.get("headers"), dict):
+        return None
+    return message, str(exchange or ""), str(routing_key or "")
 
 
 #: The token of this worker's main process (see :func:`incarnate`); "" outside a worker.

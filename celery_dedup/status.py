@@ -337,10 +337,14 @@ FIELD_DOCS = (
         "tag",
         "internals",
         "Delivery tag",
-        "The message's delivery tag, by which the reaper finds it among the transport's unacknowledged messages.",
+        "The message's delivery tag, by which the reaper and crash recovery find it among the transport's "
+        "unacknowledged messages.",
     ),
     FieldDoc(
-        "unacked", "internals", "Unacked hash", "The transport's hash of unacknowledged messages the reaper looks in."
+        "unacked",
+        "internals",
+        "Unacked hash",
+        "The transport's hash of unacknowledged messages the reaper and crash recovery look in.",
     ),
     FieldDoc(
         "nonce",

@@ -515,12 +515,15 @@ class DedupStore:
         on_locked: str = "skip",
         keep_payload: bool = True,
         main: str = "",
+        delivery: tuple[str, str] = ("", ""),
     ) -> StartDecision:
         """The delivery guard: may this delivery run? If so the lock is taken (one round trip).
 
         ``keep_payload=False`` deletes the record's payload once the delivery runs.
         ``main``: the token of the main process of the worker that delivered
-        it (see ``recovery.py``), "" where unknown.
+        it (see ``recovery.py``), "" where unknown. ``delivery``: its message's
+        delivery tag and kombu's unacknowledged hash (``recovery.delivery``),
+        recorded where the gate recorded none.
         """
         at = self._at(member)
         keys = [at.held, at.record(member), at.lock(member)]
@@ -542,6 +545,7 @@ class DedupStore:
             on_locked,
             "1" if keep_payload else "0",
             main,
+            *delivery,
         ]
         reply = self.scripts.start(keys, args)
         if int(reply[0]) == StartDecision.RUN:  # a refusal takes nothing a lost write could give back

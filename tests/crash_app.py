@@ -91,6 +91,8 @@ class Tasks:
     build: DedupTask
     #: Replaces itself with itself under the same key (``again=False``), which hangs like ``hang`` when told to.
     redo: DedupTask
+    #: ``hang`` in mode ``while_executing``: no enqueue gate, only the execution lock.
+    hang_while: DedupTask
 
 
 def register(app: Celery) -> Tasks:
@@ -169,7 +171,22 @@ def register(app: Celery) -> Tasks:
             time.sleep(HANG_SECONDS)
         return f"redone {n}"
 
-    return Tasks(plain_tick, tick, hang, storm, build, redo)
+    @app.task(
+        name="tests.crash_app.hang_while",
+        base=DedupTask,
+        bind=True,
+        shared=False,
+        dedup_key="hang_while:{n}",
+        dedup_mode="while_executing",
+    )
+    def hang_while(self: DedupTask, n: int) -> int:
+        key = f"hang_while:{n}"
+        record_execution(key, self.request.id)
+        if counter.decr(hang_key(key)) >= 0:
+            time.sleep(HANG_SECONDS)
+        return n
+
+    return Tasks(plain_tick, tick, hang, storm, build, redo, hang_while)
 
 
 def stall_publishes(app: Celery) -> None:

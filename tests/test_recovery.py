@@ -334,6 +334,49 @@ def test_a_delivery_of_an_unknown_worker_leaves_no_earlier_delivery_s_main_proce
     assert record(r, at)["attempts"] == "2"
 
 
+def test_a_delivery_records_its_message_where_the_gate_recorded_none(r: redis.Redis, tasks: crash_app.Tasks) -> None:
+    """Each delivery of an ungated run records its own message; a gated run keeps what the gate recorded.
+
+    Else recovery would look for an earlier delivery's message (a retry's
+    copy has a new tag), or the reaper and recovery would lose the message
+    the gate pushed.
+    """
+    store = runtime.store_for(tasks.hang.app)
+    ungated, gated = member("hang_while", "hang_while:9"), member("hang", "hang:9")
+
+    def start(at: str, task_id: str, gated: bool, tag: str) -> None:
+        decision = store.start(
+            at,
+            task_id,
+            new_token(),
+            lock_ms=60_000,
+            gated=gated,
+            key_mode="lock",
+            hostname="h",
+            pid=1,
+            retries=0,
+            task_name=at.partition(":")[0],
+            record_ms=86_400_000,
+            delivery=(tag, "unacked") if tag else ("", ""),
+        )
+        assert decision.run, decision
+        r.delete(SCHEMA.lock(at))  # that delivery is gone
+
+    start(ungated, "run-9", False, "tag-1")
+    assert (record(r, ungated)["tag"], record(r, ungated)["unacked"]) == ("tag-1", "unacked")
+    start(ungated, "run-9", False, "tag-2")  # a retry: the same run, a new message
+    assert record(r, ungated)["tag"] == "tag-2"
+    start(ungated, "run-9", False, "")  # a delivery whose message recovery could not put back
+    assert "tag" not in record(r, ungated) and "unacked" not in record(r, ungated)
+
+    run = tasks.hang.apply_async((9,))
+    pushed = record(r, gated)
+    assert pushed["task_id"] == run.id and pushed["tag"] and pushed["queue"], "premise: the gate recorded its push"
+    start(gated, run.id, True, "another-tag")
+    fields = ("tag", "unacked", "queue")
+    assert {k: record(r, gated)[k] for k in fields} == {k: pushed[k] for k in fields}
+
+
 # --- takeover and redelivery with real workers -----------------------------------------------------
 
 
@@ -362,19 +405,20 @@ def counter(r: redis.Redis, decision: str) -> int:
     return int(r.hget(SCHEMA.stats, f"{TASK}:{decision}") or 0)
 
 
-def assert_rerun_once_and_succeeded(r: redis.Redis, run_id: str) -> None:
-    wait_for(lambda: record(r, HANG).get("state") == "succeeded", RERUN_WAIT, "the killed run re-ran and succeeded")
-    assert executions(r, "hang:1") == 2, "the work re-ran exactly once"
-    assert run_ids(r, "hang:1") == [run_id, run_id], "the re-run is the same run"
-    final = record(r, HANG)
+def assert_rerun_once_and_succeeded(r: redis.Redis, run_id: str, at: str = HANG) -> None:
+    key = at.partition(":")[2]
+    wait_for(lambda: record(r, at).get("state") == "succeeded", RERUN_WAIT, "the killed run re-ran and succeeded")
+    assert executions(r, key) == 2, "the work re-ran exactly once"
+    assert run_ids(r, key) == [run_id, run_id], "the re-run is the same run"
+    final = record(r, at)
     assert final["task_id"] == run_id
     assert final["attempts"] == "2"
-    assert "lost" in history_states(r, HANG)
-    notes = [entry.decode() for entry in r.lrange(SCHEMA.history(HANG), 0, -1)]
+    assert "lost" in history_states(r, at)
+    notes = [entry.decode() for entry in r.lrange(SCHEMA.history(at), 0, -1)]
     assert any("taken over from" in entry for entry in notes), notes
-    assert counter(r, "taken_over") == 1
-    assert r.get(SCHEMA.lock(HANG)) is None
-    assert not r.sismember(SCHEMA.held, HANG)
+    assert int(r.hget(SCHEMA.stats, f"{at.partition(':')[0]}:taken_over") or 0) == 1
+    assert r.get(SCHEMA.lock(at)) is None
+    assert not r.sismember(SCHEMA.held, at)
 
 
 @pytest.mark.slow
@@ -432,6 +476,73 @@ def test_a_killed_worker_reruns_at_once_after_a_restart_on_the_same_host(
     try:
         assert_rerun_once_and_succeeded(r, run.id)
         assert r.hlen("unacked") == 0
+    except AssertionError:
+        print(fleet.logs())
+        raise
+
+
+@pytest.mark.slow
+def test_a_killed_worker_s_ungated_run_reruns_at_once_after_a_restart(
+    fleet: Fleet, tasks: crash_app.Tasks, r: redis.Redis
+) -> None:
+    """As above, for a ``while_executing`` run: no enqueue gate wrote where its message went.
+
+    Proves: the delivery itself records its message's tag as it starts, so
+    the new worker puts the message back at once, routed as kombu restores
+    it, and the copy takes the lock over and runs once more; its record ends
+    succeeded.
+    """
+    at = member("hang_while", "hang_while:1")
+    conf = recovery_conf(reject_on_worker_lost=True)
+    (worker,) = fleet.start(conf=conf, transport={})
+    r.set(crash_app.hang_key("hang_while:1"), 1)
+    run = tasks.hang_while.apply_async((1,))
+    started_pid(r, "hang_while:1")
+    worker.stop(signal.SIGKILL)
+    assert r.hlen("unacked") == 1, "premise: the message waits, unacknowledged"
+    assert "queue" not in record(r, at), "premise: no gate recorded where the message went"
+    fleet.start(conf=conf, transport={})
+    try:
+        assert_rerun_once_and_succeeded(r, run.id, at)
+        assert r.hlen("unacked") == 0
+        assert not queued_messages(r)
+    except AssertionError:
+        print(fleet.logs())
+        raise
+
+
+@pytest.mark.slow
+def test_an_ungated_run_s_message_goes_back_where_kombu_would_restore_it(
+    fleet: Fleet, tasks: crash_app.Tasks, r: redis.Redis
+) -> None:
+    """A ``while_executing`` run sent with a priority dies with its whole worker; this process recovers it.
+
+    Proves: the message goes back once, redelivered, onto the list of its
+    queue for its priority (as kombu's restore routes it, by the exchange and
+    routing key it kept), out of the unacknowledged hash and its index; a
+    second pass finds nothing more to do; a new worker re-runs it once.
+    """
+    at = member("hang_while", "hang_while:1")
+    conf = recovery_conf(reject_on_worker_lost=True)
+    (worker,) = fleet.start(conf=conf, transport={})
+    r.set(crash_app.hang_key("hang_while:1"), 1)
+    run = tasks.hang_while.apply_async((1,), priority=5)
+    started_pid(r, "hang_while:1")
+    worker.stop(signal.SIGKILL)
+    assert r.hlen("unacked") == 1, "premise: the message waits, unacknowledged"
+    app = tasks.hang_while.app
+    store = runtime.store_for(app)
+    try:
+        assert recovery.recover(app, store) == 1
+        assert recovery.recover(app, store) == 0, "a message was put back twice"
+        assert r.hlen("unacked") == 0 and r.zcard("unacked_index") == 0
+        assert r.llen("celery") == 0
+        (raw,) = r.lrange("celery\x06\x163", 0, -1)  # kombu's list for priorities 3 to 5
+        message = json.loads(raw)
+        assert message["headers"]["id"] == run.id
+        assert message["headers"]["redelivered"] is True
+        fleet.start(conf=conf, transport={})
+        assert_rerun_once_and_succeeded(r, run.id, at)
     except AssertionError:
         print(fleet.logs())
         raise

@@ -28,6 +28,13 @@
 --          (dedup_record_args off: it was kept only to run with); else kept
 -- ARGV[17] the token of the main process of the worker that delivered this
 --          delivery (recovery.py judges the run by it), "" if unknown
+-- ARGV[18] this delivery's tag, "" where recovery could not put its message
+--          back (acknowledged before the body runs, or the store is not the
+--          broker)
+-- ARGV[19] kombu's unacked hash, where that message waits unacknowledged
+--          ARGV[18] and ARGV[19] are recorded (`tag`, `unacked`) unless the
+--          gate recorded where it pushed the run's message (`queue`): so
+--          recovery.py finds the message of a run the gate did not route
 --
 -- Returns {code, detail[, payload]}:
 --   {1, attempts, payload}  run: lock taken, record says started (attempts
@@ -56,6 +63,7 @@ local want_payload = ARGV[14] == '1'
 local on_locked = ARGV[15]
 local keep_payload = ARGV[16] ~= '0'
 local main = ARGV[17] or ''
+local tag, unacked = ARGV[18] or '', ARGV[19] or ''
 
 local followers = prefix .. ':fol:' .. member
 local parked = redis.call('HGET', followers, task_id)
@@ -68,7 +76,8 @@ if parked then
 end
 
 local now = now_ms()
-local current = redis.call('HMGET', record, 'task_id', 'state', 'held_until', 'ended', 'hold_ms', 'queued_at', 'payload')
+local current = redis.call('HMGET', record, 'task_id', 'state', 'held_until', 'ended', 'hold_ms', 'queued_at', 'payload',
+  'queue')
 local owner, state = current[1], current[2]
 
 if owner == task_id and ENDED[state] then
@@ -99,9 +108,10 @@ end
 
 redis.call('SET', lock, token, 'PX', lock_ms)
 -- What this run's record holds already (a record this script starts holds none of it).
-local held_until, hold_ms, queued_at, payload = 0, false, false, ''
+local held_until, hold_ms, queued_at, payload, routed = 0, false, false, '', false
 if owner == task_id then
   held_until, hold_ms, queued_at, payload = tonumber(current[3] or 0), current[5], current[6], current[7] or ''
+  routed = current[8] ~= false
 end
 if owner == task_id and state == 'started' then
   -- Started before, lock gone, never finished: that delivery's worker died.
@@ -126,6 +136,13 @@ if main ~= '' then
   fields[#fields + 1], fields[#fields + 2] = 'main', main
 else
   redis.call('HDEL', record, 'main')  -- an earlier delivery's worker does not answer for this one
+end
+if routed then
+  -- The gate's `tag` and `unacked` name the message it pushed (the reaper's too): kept.
+elseif tag ~= '' and unacked ~= '' then
+  fields[#fields + 1], fields[#fields + 2], fields[#fields + 3], fields[#fields + 4] = 'tag', tag, 'unacked', unacked
+else
+  redis.call('HDEL', record, 'tag', 'unacked')  -- an earlier delivery's message, not this one's
 end
 if hold_ms then
   -- Two-phase gate: the message is out (here it is) though its confirm has not come (or never
