@@ -214,7 +214,7 @@ def test_a_waiter_that_does_not_come_back_loses_its_place(make_app: AppFactory, 
 
 
 def test_a_free_slot_waits_for_the_runs_ahead_only_until_they_are_due(make_app: AppFactory, r: redis.Redis) -> None:
-    """The line holds a free slot for the run ahead while it is expected back; once it is overdue, whoever asks takes it.
+    """The line holds a free slot for the run ahead while it is expected back; once overdue, whoever asks takes it.
 
     The overdue run keeps its place: when it does come back, it is first for
     the next slot that frees.
@@ -598,8 +598,8 @@ def test_free_slots_are_not_held_for_runs_ahead_that_do_not_come_back(
     for n in range(2):  # held elsewhere while the two runs arrive, then given back
         limits.acquire(store, group, f"elsewhere:1:{n}", f"other-{n}", two, lease_ms=60_000, task_name=tasks.job.name)
     for n in range(2):
-        ghost = limits.acquire(store, group, f"gone:1:{n}", f"ahead-{n}", two, lease_ms=60_000, task_name=tasks.job.name)
-        assert isinstance(ghost, Denial) and ghost.wait_ms <= 1000
+        late = limits.acquire(store, group, f"gone:1:{n}", f"ahead-{n}", two, lease_ms=60_000, task_name=tasks.job.name)
+        assert isinstance(late, Denial) and late.wait_ms <= 1000
     for n in range(2):
         limits.release(store, group, f"elsewhere:1:{n}", ran=False)
     with worker(server, concurrency=4) as process:
