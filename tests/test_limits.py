@@ -213,17 +213,21 @@ def test_a_waiter_that_does_not_come_back_loses_its_place(make_app: AppFactory, 
     assert isinstance(_ask(store, "h:1:c", "run-new", one), Grant)
 
 
-def test_a_free_slot_waits_for_the_runs_ahead_only_until_they_are_due(make_app: AppFactory, r: redis.Redis) -> None:
-    """The line holds a free slot for the run ahead while it is expected back; once overdue, whoever asks takes it.
+@pytest.mark.parametrize(
+    "one", [LimitPolicy(None, concurrency=1), LimitPolicy(None, rate=Rate(1, 60_000))], ids=["slot", "start"]
+)
+def test_a_free_slot_waits_for_the_runs_ahead_only_until_they_are_due(
+    make_app: AppFactory, r: redis.Redis, one: LimitPolicy
+) -> None:
+    """The line holds a free slot (or start) for the run ahead while it is expected back; once overdue, anyone takes it.
 
     The overdue run keeps its place: when it does come back, it is first for
-    the next slot that frees.
+    the next one that frees.
     """
     store = store_for(make_app())
-    one = LimitPolicy(None, concurrency=1)
     assert isinstance(_ask(store, "h:1:a", "run-1", one), Grant)
     assert isinstance(_ask(store, "h:1:b", "run-late", one), Denial)
-    limits.release(store, GROUP, "h:1:a", ran=True)
+    limits.release(store, GROUP, "h:1:a", ran=False)
     assert isinstance(_ask(store, "h:1:c", "run-new", one), Denial), "run-late is expected back: the slot is held"
     now = limits_app.server_ms(r)
     # run-late was due back 5 s ago (a countdown message held up), but may still come back within its lease.
@@ -232,7 +236,7 @@ def test_a_free_slot_waits_for_the_runs_ahead_only_until_they_are_due(make_app: 
     assert isinstance(_ask(store, "h:1:c", "run-new", one), Grant), "the free slot went to the one that asked"
     assert r.zrank(SCHEMA.limit_waiting(GROUP), "run-late") == 0, "it keeps its place"
     assert isinstance(_ask(store, "h:1:d", "run-other", one), Denial)
-    limits.release(store, GROUP, "h:1:c", ran=True)
+    limits.release(store, GROUP, "h:1:c", ran=False)
     assert isinstance(_ask(store, "h:1:e", "run-late", one), Grant), "back at last, it is first"
     assert r.zrange(SCHEMA.limit_waiting(GROUP), 0, -1) == [b"run-other"]
 
