@@ -414,7 +414,7 @@ class KeySchema:
         return f"{self.prefix}:lim:due:{group}"
 
     def limit_info(self, group: str) -> str:
-        """HASH of the group's slot start times, mean body time and last limits."""
+        """HASH of the group's slot start times, mean body time, last limits and how long free places are held."""
         return f"{self.prefix}:lim:info:{group}"
 
     @property

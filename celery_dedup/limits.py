@@ -14,7 +14,9 @@ before it runs (``limit_acquire.lua``, on the server clock):
 - a delivery that may not start now keeps its place in the group's waiting
   line (by first arrival) and is re-published to come back when, by the
   best guess, its turn comes (a countdown: no worker slot is held, nothing
-  spins). It is the same run: not a retry, not a duplicate of itself.
+  spins). It is the same run: not a retry, not a duplicate of itself. A
+  free place waits for the runs ahead only while they are due back: a late
+  line never keeps it from a run that is there.
 
 The decision is taken before the execution guard's own: a run that may not
 start has taken nothing else (its key stays held, its record ``queued``,

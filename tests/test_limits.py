@@ -213,6 +213,34 @@ def test_a_waiter_that_does_not_come_back_loses_its_place(make_app: AppFactory, 
     assert isinstance(_ask(store, "h:1:c", "run-new", one), Grant)
 
 
+@pytest.mark.parametrize(
+    "one", [LimitPolicy(None, concurrency=1), LimitPolicy(None, rate=Rate(1, 60_000))], ids=["slot", "start"]
+)
+def test_a_free_slot_waits_for_the_runs_ahead_only_until_they_are_due(
+    make_app: AppFactory, r: redis.Redis, one: LimitPolicy
+) -> None:
+    """The line holds a free slot (or start) for the run ahead while it is expected back; once overdue, anyone takes it.
+
+    The overdue run keeps its place: when it does come back, it is first for
+    the next one that frees.
+    """
+    store = store_for(make_app())
+    assert isinstance(_ask(store, "h:1:a", "run-1", one), Grant)
+    assert isinstance(_ask(store, "h:1:b", "run-late", one), Denial)
+    limits.release(store, GROUP, "h:1:a", ran=False)
+    assert isinstance(_ask(store, "h:1:c", "run-new", one), Denial), "run-late is expected back: the slot is held"
+    now = limits_app.server_ms(r)
+    # run-late was due back 5 s ago (a countdown message held up), but may still come back within its lease.
+    r.zadd(SCHEMA.limit_deadlines(GROUP), {"run-late": now - 5000 + 60_000})
+    r.hdel(SCHEMA.limit_info(GROUP), "held_until")  # as if the slot had freed only now
+    assert isinstance(_ask(store, "h:1:c", "run-new", one), Grant), "the free slot went to the one that asked"
+    assert r.zrank(SCHEMA.limit_waiting(GROUP), "run-late") == 0, "it keeps its place"
+    assert isinstance(_ask(store, "h:1:d", "run-other", one), Denial)
+    limits.release(store, GROUP, "h:1:c", ran=False)
+    assert isinstance(_ask(store, "h:1:e", "run-late", one), Grant), "back at last, it is first"
+    assert r.zrange(SCHEMA.limit_waiting(GROUP), 0, -1) == [b"run-other"]
+
+
 def test_groups_are_listed_with_their_usage(make_app: AppFactory, r: redis.Redis) -> None:
     store = store_for(make_app())
     both = LimitPolicy(None, concurrency=1, rate=Rate(10, 1000))
@@ -555,3 +583,37 @@ def test_two_deliveries_of_one_run_in_one_process_keep_their_own_slots(
         processes.retire(running.token)
     assert limits.current("run-1") is None
     assert r.zcard(SCHEMA.limit_slots("tests.limits_app.job:tenant:T")) == 0
+
+
+@pytest.mark.slow
+def test_free_slots_are_not_held_for_runs_ahead_that_do_not_come_back(
+    server: Server, r: redis.Redis, tasks: limits_app.Tasks
+) -> None:
+    """Two runs ahead in line never come back (their countdown messages held up far beyond their turn).
+
+    They keep their places for their whole lease (60 s), but both slots are
+    free: the group's new runs must not wait behind them that long. Each
+    run's message came back, was refused and re-published in turn; if the
+    line blocked the free slots, none of them would start within the test.
+    """
+    group = "tests.limits_app.job:tenant:G"
+    store = store_for(tasks.job.app)
+    two = LimitPolicy(None, concurrency=2)
+    for n in range(2):  # held elsewhere while the two runs arrive, then given back
+        limits.acquire(store, group, f"elsewhere:1:{n}", f"other-{n}", two, lease_ms=60_000, task_name=tasks.job.name)
+    for n in range(2):
+        late = limits.acquire(store, group, f"gone:1:{n}", f"ahead-{n}", two, lease_ms=60_000, task_name=tasks.job.name)
+        assert isinstance(late, Denial) and late.wait_ms <= 1000
+    for n in range(2):
+        limits.release(store, group, f"elsewhere:1:{n}", ran=False)
+    with worker(server, concurrency=4) as process:
+        for n in range(4):
+            tasks.job.delay(n, "G")
+        wait_for(lambda: r.llen(limits_app.RUNS) >= 4, 20, lambda: f"{r.llen(limits_app.RUNS)} of 4 ran")
+        done = runs(r)
+        output = "".join(process.output)
+    assert Counter(e["key"] for e in done) == Counter({f"job:{n}": 1 for n in range(4)}), output
+    assert most_at_once(done) <= 2
+    assert [m.decode() for m in r.zrange(SCHEMA.limit_waiting(group), 0, -1)] == ["ahead-0", "ahead-1"], (
+        "the runs ahead keep their places until their lease runs out"
+    )

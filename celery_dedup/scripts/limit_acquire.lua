@@ -8,7 +8,8 @@
 -- KEYS[3]  waiting ZSET: run id -> first arrival (ms), the line in arrival order
 -- KEYS[4]  waiting deadlines ZSET: run id -> when it must be back (ms) to keep its place
 -- KEYS[5]  info HASH: "s:<token>" -> slot start (ms); avg_ms (mean body time,
---          exponentially weighted); concurrency, rate, period_ms (the last limits seen)
+--          exponentially weighted); concurrency, rate, period_ms (the last limits seen);
+--          held_until (ms): free places are held for the runs ahead in line until then
 -- KEYS[6]  the shard's group index ZSET: group -> last acquire (ms)
 -- KEYS[7]  the shard's stats HASH (lib.lua's `count` fields)
 -- ARGV[1]  group (namespaced like a member: "<escaped task name>:<group key>")
@@ -22,7 +23,9 @@
 -- ARGV[9..] tokens to evict first: their process is known to be gone
 --
 -- Returns
---   {1, now, waited_ms}   granted (waited_ms: since its first arrival, 0 if it never waited)
+--   {1, now, waited_ms}   granted (waited_ms: since its first arrival, 0 if it never waited);
+--                         a run further back gets a free place once the runs ahead it is
+--                         held for are overdue (see `held_until`)
 --   {0, wait_ms, reason, in_use, position, holder tokens...}
 --                         refused: come back in wait_ms; reason "concurrency" or
 --                         "rate"; in_use: slots (concurrency) or starts in the window
@@ -41,6 +44,8 @@ local MIN_WAIT = 50
 -- Group keys outlive their last use by this much; the index forgets groups idle a day.
 local KEEP = 60000
 local DAY = 86400000
+-- Free places wait for the runs ahead in line until they are due back, and this much longer.
+local LATE = 1000
 
 local clock = redis.call('TIME')
 local now = tonumber(clock[1]) * 1000 + math.floor(tonumber(clock[2]) / 1000)
@@ -89,7 +94,28 @@ local used = rate > 0 and redis.call('ZCARD', starts) or 0
 local free_starts = rate > 0 and rate - used or math.huge
 local keep_ms = math.max(lease, period) + KEEP
 
-if redis.call('ZSCORE', slots, token) or (position < free_slots and position < free_starts) then
+-- Places free now but promised to runs ahead in line are held for them only while they are
+-- expected back (at most one lease from the first refusal): a line whose head is late (its
+-- message held up or lost) must not keep a free place from a run that is here.
+local free = math.min(free_slots, free_starts)
+local passes, hold = false, 0
+if free > 0 and position >= free then
+  hold = tonumber(redis.call('HGET', info, 'held_until') or 0)
+  if hold == 0 then
+    local due = 0
+    for _, id in ipairs(redis.call('ZRANGE', waiting, 0, free - 1)) do
+      due = math.max(due, tonumber(redis.call('ZSCORE', deadlines, id) or 0) - lease)
+    end
+    hold = math.min(due + LATE, now + lease)
+    redis.call('HSET', info, 'held_until', hold)
+  end
+  passes = now >= hold
+else
+  redis.call('HDEL', info, 'held_until')
+end
+
+if redis.call('ZSCORE', slots, token) or (position < free_slots and position < free_starts) or passes then
+  redis.call('HDEL', info, 'held_until')
   if limit > 0 then
     redis.call('ZADD', slots, now + lease, token)
     redis.call('HSETNX', info, 's:' .. token, now)
@@ -149,6 +175,9 @@ if position >= free_starts then
   if rate_wait >= wait then
     wait, reason, count = rate_wait, 'rate', used
   end
+end
+if free > 0 and position < 2 * free then
+  wait = math.min(wait, hold - now)  -- next after the runs ahead: the place is its when the hold ends
 end
 wait = math.max(wait, MIN_WAIT)
 if arrived == 0 then
