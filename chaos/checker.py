@@ -59,7 +59,10 @@ violation is printed with an excerpt of the history around it.
     pass proves the owner and the worker dead and restores the message, so
     the re-run does not wait for ``visibility_timeout``. Checked only when the
     visibility timeout itself cannot bring the message back first, another
-    worker was ready throughout, and no fault in between can have delayed it.
+    worker was ready throughout, no fault in between can have delayed it, and
+    the run still owned its record (``until_executing`` and ``debounce`` pass
+    the record to the next call of the key while the body runs; recovery
+    finds runs by their records).
 ``continuation``
     A chained call (``head | chaos.after``) whose run resolved (it succeeded,
     or replaced itself by a plain task that ran) goes on with its chain,
@@ -143,6 +146,8 @@ WHOLE_WORKER_KILLS = frozenset({"kill-worker", "restart-worker"})
 #: How soon after its worker's SIGKILL a live run must be put back, seconds: before its lock (renewed every
 #: third of its TTL) expires, a reaper pass of another worker (every REAP_INTERVAL) proves the owner dead.
 RECOVERY_BOUND = LOCK_TTL + REAP_INTERVAL
+#: The server history's note for a run whose record went to the next call of its key while it ran.
+PASSED_ON = "key passed to the next run"
 #: Faults that can keep a dead worker's run from being put back in time (they stop, cut or slow the
 #: workers that would restore it, or change the run's record). Workers killed or stopped by a restart
 #: meanwhile only do not count as the live worker that restores it.
@@ -954,6 +959,8 @@ class Checker:
             return  # the visibility timeout can bring it back first, and then there is nothing to restore
         if h.lock_loss(body) or h.loss_cause(body, deadline) or self._recovery_hindrance(body, killed_at, deadline):
             return
+        if any(PASSED_ON in e.note for e in h.entries(body.member, body.task_id) if e.t <= deadline):
+            return  # its record went to the next run of its key: recovery finds runs by their records
         stopping = {
             int(pid)
             for e in h.faults
