@@ -115,12 +115,11 @@ def test_another_machine_or_pid_namespace_is_never_proved_dead() -> None:
     assert processes.token_pid(with_part(token, 3, other)) is None
 
 
-def test_a_token_from_another_pid_namespace_on_this_host_is_not_gone() -> None:
-    """Same kernel, same host name, another process table: its pid 1 is not ours."""
-    code = "from celery_dedup.lock import new_token; print(new_token())"
+def in_a_new_pid_namespace(code: str, *unshare: str) -> str:
+    """What Python ``code`` prints as the first process of a new pid namespace (skips where none can be made)."""
     try:
         made = subprocess.run(
-            ["unshare", "--pid", "--fork", "--mount-proc", sys.executable, "-c", code],
+            ["unshare", "--pid", "--fork", *unshare, sys.executable, "-c", code],
             check=False,
             capture_output=True,
             text=True,
@@ -131,7 +130,13 @@ def test_a_token_from_another_pid_namespace_on_this_host_is_not_gone() -> None:
         pytest.skip(f"cannot make a pid namespace here: {exc}")
     if made.returncode != 0:
         pytest.skip(f"cannot make a pid namespace here: {made.stderr.strip()}")
-    token = made.stdout.strip()
+    return made.stdout
+
+
+def test_a_token_from_another_pid_namespace_on_this_host_is_not_gone() -> None:
+    """Same kernel, same host name, another process table: its pid 1 is not ours."""
+    code = "from celery_dedup.lock import new_token; print(new_token())"
+    token = in_a_new_pid_namespace(code, "--mount-proc").strip()
     owner = processes.owner_of(token)
     assert owner is not None and owner.pid == 1
     ours = processes.owner_of(new_token())
@@ -151,20 +156,7 @@ def test_a_proc_showing_another_pid_namespace_proves_nothing() -> None:
         "import json, os; from celery_dedup import processes; t = processes.token(); o = processes.owner_of(t); "
         "print(json.dumps([t, os.getpid(), processes.owner_gone(t.replace(f':{o.start}:', ':999999:', 1))]))"
     )
-    try:
-        made = subprocess.run(
-            ["unshare", "--pid", "--fork", sys.executable, "-c", code],
-            check=False,
-            capture_output=True,
-            text=True,
-            timeout=60,
-            cwd=ROOT,
-        )
-    except (FileNotFoundError, subprocess.TimeoutExpired) as exc:
-        pytest.skip(f"cannot make a pid namespace here: {exc}")
-    if made.returncode != 0:
-        pytest.skip(f"cannot make a pid namespace here: {made.stderr.strip()}")
-    token, pid, reused_gone = json.loads(made.stdout)
+    token, pid, reused_gone = json.loads(in_a_new_pid_namespace(code))
     assert pid == 1, "premise: the first process of a new pid namespace"
     owner = processes.owner_of(token)
     assert owner is not None and owner.machine == "", token
