@@ -200,11 +200,24 @@ def acquire(
     return Denial(group, int(reply[1]), _text(reply[2]), int(reply[3]), int(reply[4]), holders)
 
 
-def release(store: DedupStore, group: str, token: str, *, ran: bool) -> bool:
-    """Give back what ``token`` took in ``group`` (``limit_release.lua``); ``ran``: the body ran."""
+#: ``limit_release.lua``'s replies: nothing held; a live slot or a start; a slot whose lease had lapsed.
+RELEASED = {0: "none", 1: "held", 2: "lapsed"}
+
+
+def give_back(store: DedupStore, group: str, token: str, *, ran: bool) -> str:
+    """Give back what ``token`` took in ``group`` (``limit_release.lua``); ``ran``: the body ran.
+
+    Returns what it held (:data:`RELEASED`): ``none`` for a delivery that took
+    a slot means its lease lapsed and was taken back, or it was evicted.
+    """
     at = store.schema.shard_of(group)
     keys = [at.limit_slots(group), at.limit_starts(group), at.limit_info(group)]
-    return bool(store.scripts.limit_release(keys, [token, "1" if ran else "0"], client=store.client))
+    return RELEASED[int(store.scripts.limit_release(keys, [token, "1" if ran else "0"], client=store.client))]
+
+
+def release(store: DedupStore, group: str, token: str, *, ran: bool) -> bool:
+    """Give back what ``token`` took in ``group``; whether it held anything."""
+    return give_back(store, group, token, ran=ran) != "none"
 
 
 def note(store: DedupStore, member: str, task_id: str, what: str, detail: str) -> None:
@@ -218,9 +231,20 @@ class SlotLease:
     """One delivery's place in its group (a slot, a start), renewed by the process's renewer with its lock."""
 
     def __init__(
-        self, store: DedupStore, group: str, token: str, run_id: str, ttl_ms: int, grant: Grant, *, now: float
+        self,
+        store: DedupStore,
+        group: str,
+        token: str,
+        run_id: str,
+        ttl_ms: int,
+        grant: Grant,
+        *,
+        now: float,
+        slot: bool = True,
     ) -> None:
         self.store = store
+        #: Whether it holds a slot (a concurrency limit), not only a start in a rate window.
+        self.slot = slot
         #: The group, named as the renewer names what it holds.
         self.member = group
         self.token = token
@@ -336,7 +360,9 @@ def admit(task: KeyedTask, store: DedupStore, member: str | None, token: str) ->
     from .lock import renewer  # noqa: PLC0415 - lock imports this module
 
     keeper = renewer()
-    lease = SlotLease(store, group, token, run_id, lease_ms, grant, now=keeper.clock())
+    lease = SlotLease(
+        store, group, token, run_id, lease_ms, grant, now=keeper.clock(), slot=limit.concurrency is not None
+    )
     _held[token] = lease
     keeper.add(lease)
     return lease
@@ -360,11 +386,22 @@ def leave(lease: SlotLease | None, *, ran: bool) -> None:
     renewer().remove(lease)
     _held.pop(lease.token, None)
     try:
-        release(lease.store, lease.member, lease.token, ran=ran)
+        held = give_back(lease.store, lease.member, lease.token, ran=ran)
     except redis.RedisError:
         logger.exception(
             "could not give back slot %r of group %r; it expires with its lease", lease.token, lease.member
         )
+        return
+    if ran and lease.slot and held != "held":
+        # The body ended before the renewer learnt it: a pause or cut-off past the lease lets another body in.
+        slot_lost(lease, "its lease lapsed before its body ended: the run went on beyond its group's limit")
+
+
+def slot_lost(lease: SlotLease, why: str) -> None:
+    """Report once that ``lease``'s slot was lost while its body ran: another body may have taken it."""
+    if not lease.lost.is_set():
+        lease.lost.set()
+        logger.error("limit slot lost in group %r (%s)", lease.member, why)
 
 
 def wait(task: KeyedTask, store: DedupStore, member: str | None, denial: Denial, limit: LimitPolicy) -> NoReturn:

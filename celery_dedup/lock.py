@@ -20,7 +20,7 @@ import redis
 
 from . import processes
 from .exceptions import store_failure
-from .limits import SlotLease, renew_leases
+from .limits import SlotLease, renew_leases, slot_lost
 from .store import DedupStore, LockRef
 
 logger = logging.getLogger("celery_dedup")
@@ -159,9 +159,7 @@ class Renewer:
 
     def _lose(self, lock: ExecutionLock | SlotLease, why: str) -> None:
         if isinstance(lock, SlotLease):
-            if not lock.lost.is_set():
-                lock.lost.set()
-                logger.error("limit slot lost in group %r (%s)", lock.member, why)
+            slot_lost(lock, why)
             self.remove(lock)
             return
         if not lock.lost.is_set():

@@ -49,9 +49,10 @@ violation is printed with an excerpt of the history around it.
 ``limit``
     Never more than N bodies of a limit group at once (``limit_concurrency=N``),
     across workers and within one process (threads, gevent). Explained: the
-    renewer reported that the older body lost its slot, and a fault can have
-    kept it from renewing the lease (a SIGSTOP, its connections cut or
-    delayed, a server restart, a revoke).
+    library reported that the older body lost its slot (its renewer, or its
+    ending giving back a lapsed slot), and a fault can have kept it from
+    renewing the lease (a SIGSTOP, its connections cut or delayed, a server
+    restart, a revoke).
 ``recovery``
     A run whose whole worker was SIGKILLed on this machine while its body ran
     (``task_acks_late``, its lock live, the store on the broker) is put back
@@ -467,7 +468,7 @@ class History:
         return None
 
     def slot_loss(self, body: Body, until: float) -> str | None:
-        """How ``body`` lost its limit slot to a fault before ``until``: the renewer reported it, and a fault can
+        """How ``body`` lost its limit slot to a fault before ``until``: the library reported it, and a fault can
         have kept the lease from being renewed; else None."""
         reported = next(
             (

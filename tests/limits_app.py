@@ -26,6 +26,8 @@ from celery_dedup import DedupTask, limits
 RUNS = "test:limits:runs"
 #: SET of keys whose next body hangs (until its worker is killed).
 HANG = "test:limits:hang"
+#: SET of keys whose body waits until the test takes its key out.
+HOLD = "test:limits:hold"
 #: How long a tenant job's body runs.
 JOB_SECONDS = 0.5
 #: How long a long body runs: several lock TTLs of the test that runs it.
@@ -57,6 +59,8 @@ def register(app: Celery) -> Tasks:
     def record(task: DedupTask, key: str, group: str, start: int, *, seconds: float) -> None:
         if client.srem(HANG, key):
             time.sleep(HANG_SECONDS)
+        while client.sismember(HOLD, key):
+            time.sleep(0.02)
         time.sleep(seconds)
         grant = limits.current(task.request.id)
         entry = {

@@ -347,6 +347,26 @@ def test_a_slot_lost_to_a_sigstop_explains_a_group_over_its_limit(story: Story) 
     assert [item.kind for item in report.explained] == ["limit"]
 
 
+def test_a_slot_lost_reported_as_its_body_ends_explains_but_a_lost_lock_alone_does_not(tmp_path: Path) -> None:
+    """A body SIGSTOPped past its lease wakes and ends before its renewer runs: the library reports the lost slot as
+    it gives it back, after the newer body started. Its lost lock alone says nothing of its slot: no excuse."""
+
+    def paused(story: Story, *, reported: bool) -> Story:
+        group: dict[str, Any] = {"group": LIMITED, "limit": 1}
+        story.call(0, "a", member="chaos.limit1:k0").call(0, "b", member="chaos.limit1:k3")
+        story.body(1, 8, "a", pid=100, member="chaos.limit1:k0", **group)
+        story.add(1.5, "fault", role="nemesis", kind="stop-worker", pids=[99, 100])
+        lost = "lock_lost: chaos.limit1[a] key 'k0': ended succeeded after losing its execution lock"
+        story.add(8.01, "decision", pid=100, decision="lock_lost", task_id="a", key="k0", message=lost)
+        if reported:
+            story.add(8.02, "slot_lost_log", pid=100, group=LIMITED, message="limit slot lost")
+        return story.body(6, 6.5, "b", pid=200, member="chaos.limit1:k3", **group)
+
+    explained = paused(Story(tmp_path / "reported"), reported=True).check()
+    assert invariants(explained) == [] and [item.kind for item in explained.explained] == ["limit"]
+    assert invariants(paused(Story(tmp_path / "unreported"), reported=False).check()) == ["limit"]
+
+
 def test_a_slot_lost_without_a_fault_is_no_excuse(story: Story) -> None:
     """The evicted sibling's renewer reports the loss: without a fault to account for it, it is a violation."""
     group: dict[str, Any] = {"group": LIMITED, "limit": 1}

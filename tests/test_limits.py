@@ -485,6 +485,34 @@ def test_a_slot_outlives_its_lease_while_its_body_runs(server: Server, r: redis.
     assert "limit slot lost" not in output
 
 
+@pytest.mark.slow
+def test_a_body_that_ends_after_losing_its_slot_reports_the_loss(
+    server: Server, r: redis.Redis, tasks: limits_app.Tasks
+) -> None:
+    """Two runs hold tenant K's slots; one slot is evicted, the other's lease lapses, before either body ends.
+
+    Both bodies end before the renewer's next renewal (a third of the 30 s
+    lease) could learn it: giving the slot back must say that the run went
+    on beyond its group's limit, as a failed renewal does. A SIGSTOP past
+    the lease ends the same way when the body returns first on waking.
+    """
+    group = "tests.limits_app.hanging:tenant:K"
+    slots = SCHEMA.limit_slots(group)
+    r.sadd(limits_app.HOLD, "hang:0", "hang:1")
+    with worker(server, concurrency=2, dedup_lock_ttl=30) as process:
+        tasks.hanging.delay(0, "K")
+        tasks.hanging.delay(1, "K")
+        wait_for(lambda: r.zcard(slots) == 2, 30, "both runs took their slots")
+        evicted, lapsed = (member.decode() for member in r.zrange(slots, 0, -1))
+        r.zrem(slots, evicted)
+        r.zadd(slots, {lapsed: limits_app.server_ms(r) - 1}, xx=True)
+        r.delete(limits_app.HOLD)
+        wait_for(lambda: r.llen(limits_app.RUNS) >= 2, 30, lambda: f"{r.llen(limits_app.RUNS)} of 2 ended")
+        wait_for(lambda: "limit slot lost" in "".join(process.output), 5, "the loss logged")
+        output = "".join(process.output)
+    assert output.count(f"limit slot lost in group {group!r}") == 2, output
+
+
 def test_a_limits_only_run_revoked_while_it_waits_leaves_the_line(make_app: AppFactory, r: redis.Redis) -> None:
     from celery_dedup.guard import settle_elsewhere  # noqa: PLC0415
 

@@ -8,7 +8,9 @@
 --          stays in the rate window); "0" if it did not (a copy refused by the
 --          execution guard, a follower): its start is taken back
 --
--- Returns 1 if the token held a slot or a start, else 0.
+-- Returns 1 if the token held a live slot or a start, 2 if it held a slot whose
+-- lease had lapsed (past its deadline, not yet taken back), else 0 (none: never
+-- taken, or taken back after its lease lapsed, or evicted).
 
 local slots, starts, info = KEYS[1], KEYS[2], KEYS[3]
 local token, ran = ARGV[1], ARGV[2] == '1'
@@ -16,6 +18,7 @@ local token, ran = ARGV[1], ARGV[2] == '1'
 local clock = redis.call('TIME')
 local now = tonumber(clock[1]) * 1000 + math.floor(tonumber(clock[2]) / 1000)
 
+local deadline = tonumber(redis.call('ZSCORE', slots, token) or 0)
 local held = redis.call('ZREM', slots, token)
 local since = tonumber(redis.call('HGET', info, 's:' .. token) or 0)
 redis.call('HDEL', info, 's:' .. token)
@@ -30,6 +33,9 @@ end
 local logged = 0
 if not ran then
   logged = redis.call('ZREM', starts, token)
+end
+if held == 1 and deadline <= now then
+  return 2
 end
 if held == 1 or logged == 1 then
   return 1
