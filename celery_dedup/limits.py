@@ -364,7 +364,8 @@ def admit(task: KeyedTask, store: DedupStore, member: str | None, token: str) ->
         store, group, token, run_id, lease_ms, grant, now=keeper.clock(), slot=limit.concurrency is not None
     )
     _held[token] = lease
-    keeper.add(lease)
+    if lease.slot:  # a rate limit counts starts: it holds no place to renew
+        keeper.add(lease)
     return lease
 
 

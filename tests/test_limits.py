@@ -15,6 +15,7 @@ import os
 import signal
 import subprocess
 import sys
+import time
 from collections import Counter
 from collections.abc import Iterator
 from contextlib import contextmanager
@@ -511,6 +512,21 @@ def test_a_body_that_ends_after_losing_its_slot_reports_the_loss(
         wait_for(lambda: "limit slot lost" in "".join(process.output), 5, "the loss logged")
         output = "".join(process.output)
     assert output.count(f"limit slot lost in group {group!r}") == 2, output
+
+
+def test_a_rate_only_run_holds_no_slot_and_reports_none_lost(
+    server: Server, r: redis.Redis, tasks: limits_app.Tasks
+) -> None:
+    """A rate limit counts starts, it holds no place: a body running past many renewals has nothing to lose."""
+    r.sadd(limits_app.HOLD, "call:0")
+    with worker(server, concurrency=1, dedup_lock_ttl=1) as process:
+        tasks.rated.delay(0)
+        wait_for(lambda: r.exists(SCHEMA.limit_starts("tests.limits_app.rated:api")), 30, "the run started")
+        time.sleep(1.5)  # several renewal passes (every third of the 1 s TTL) while the body is held
+        r.delete(limits_app.HOLD)
+        wait_for(lambda: r.llen(limits_app.RUNS) >= 1, 30, "the run ended")
+        output = "".join(process.output)
+    assert "limit slot lost" not in output, output
 
 
 def test_a_limits_only_run_revoked_while_it_waits_leaves_the_line(make_app: AppFactory, r: redis.Redis) -> None:
