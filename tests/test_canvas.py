@@ -79,8 +79,8 @@ def test_signature_calls_are_gated(make_app: AppFactory, r: redis.Redis) -> None
     assert r.scard(HELD) == 0
 
 
-def test_last_outcome_follows_a_duplicate_answered_before_the_gate(make_app: AppFactory, r: redis.Redis) -> None:
-    """A duplicate of a key seen held lately is answered from the record, before any publish: still the latest outcome."""
+def test_last_outcome_follows_a_duplicate_answered_before_the_gate(make_app: AppFactory) -> None:
+    """A duplicate of a key seen held lately is answered before any publish: still the latest outcome."""
     tasks = Tasks(make_app())
 
     first = tasks.a.delay(1)
