@@ -30,7 +30,7 @@ from .exceptions import (
     server_reply,
     unreachable,
 )
-from .gate import HEADER, UNGATED, GateHeader, Outcome, open_ticket
+from .gate import HEADER, UNGATED, GateHeader, Outcome, open_ticket, report
 from .guard import guarded_call, hand_over, lock_lost, replacing
 from .keyed import DedupResult, TaskPolicy, delay_seconds
 from .keys import KeyOption, KeySpec, member_for, new_nonce, new_task_id, split_member
@@ -407,6 +407,7 @@ class DedupTask(_TaskBase):
         fresh = task_id is None and previous is None and not follows and not policy.mode.parks
         known = self._peek(member) if fresh else None
         if known is not None:
+            report("", Outcome(False, known))  # answered before any gate: no publish of its own to report it
             return self._on_duplicate(policy, business_key, known, options)
         run_id = task_id or new_task_id(business_key)
         delay = delay_seconds(options.get("countdown"), options.get("eta"))
@@ -435,6 +436,7 @@ class DedupTask(_TaskBase):
             if reached is None:  # the store was unreachable, and dedup_on_redis_error answered
                 return self._add_to_parent(answer, add_to_parent)
             outcome, result = reached, answer
+            report(gate.nonce, outcome)  # no transport reports it: the gate ran before the publish
         if not outcome.collapsed:
             runtime.runtime_for(app).recent.saw(member, gate.hold_ms / 1000)
         if not outcome.accepted:
@@ -705,9 +707,11 @@ class DedupTask(_TaskBase):
             raise DedupUnavailableError(self.name, key, exc, published=None) from exc
         if record is not None and gate.nonce in (record.get("nonce"), *record.get("nonces", "").split()):
             logger.info("%s key %r: publish reply lost, but the gate accepted %s", self.name, key, run_id)
+            report(gate.nonce, Outcome(True, run_id))
             return self.AsyncResult(run_id)
         if record is not None and gate.nonce == record.get("joined_nonce"):
             logger.info("%s key %r: publish reply lost; the call joined %s", self.name, key, record["task_id"])
+            report(gate.nonce, Outcome(False, record["task_id"], collapsed=True))
             return self._marked(record["task_id"])
         raise DedupUnavailableError(self.name, key, exc, published=False) from exc
 

@@ -353,9 +353,12 @@ class History:
     def _index_chains(self, events: list[Event]) -> None:
         #: Chained calls whose next step ran, with the result it got (None in a history from before results).
         self.continued: dict[str, str | None] = {}
+        #: When each chained call's next step ran.
+        self.continued_at: dict[str, float] = {}
         for event in events:
             if event["ev"] == "continued":
                 self.continued.setdefault(event["call"], event.get("result"))
+                self.continued_at.setdefault(event["call"], event["t"])
         #: Results replacements returned (a body that replaced itself by a plain task): when, in which process.
         self.replacements: dict[str, tuple[float, int]] = {}
         for event in events:
@@ -1011,11 +1014,27 @@ class Checker:
         ran = {body.call for body in self.h.bodies_by_task.get(call.task_id, [])}
         if result is None or result in ran:
             return
+        if self.h.wiped_between(call.t0 - 1.0, self.h.continued_at[call.call]):
+            # Its parked entry and its run's outcome went with the data: its redelivery is a call of its own again.
+            wiped = f"chain {call.call} went on with {result!r}: the server's data was wiped before"
+            self.explained.append(Explained("wiped", call.member, wiped))
+            return
         message = (
             f"chain {call.call} ({call.outcome} as run {call.task_id} at {self.h.rel(call.t)}) went on with "
             f"{result!r}, which is not the result of its run or of its replacement (its bodies ran {sorted(ran)})"
         )
         self.violation("continuation", call.member, message, t=call.t, ids=(call.task_id,))
+
+    def _first_ending(self, call: Call) -> str | None:
+        """The first ending the server recorded for the run ``call`` followed, or None.
+
+        Not for a run that replaced itself: a loss around its replacement's publish
+        waits for the replacement.
+        """
+        if any(body.outcome.startswith("replaced") for body in self.h.bodies_by_task.get(call.task_id, [])):
+            return None
+        endings = sorted((e.t, e.state) for e in self.h.entries(call.member, call.task_id) if e.state in FATES)
+        return endings[0][1] if endings else None
 
     def _replaced(self, task_id: str) -> tuple[float, int] | None:
         """When and where the plain task that ended run ``task_id`` (``replaced``) returned its result, or None."""
@@ -1043,6 +1062,8 @@ class Checker:
         )
         if not succeeded and replaced is None:
             return None
+        if replaced is None and self._first_ending(call) not in (None, "succeeded"):
+            return None  # its followers got the first ending settled for it (a run declared lost that finished after)
         own = self.h.own_heads.get(call.call, "")
         for event in self.h.decisions.get(own, []):
             if event["decision"] == "followed":

@@ -22,6 +22,7 @@ import pytest
 import redis
 from celery import Celery
 
+import celery_dedup
 from celery_dedup import DedupTask, DedupUnavailableError
 from celery_dedup.gate import GateHeader
 from celery_dedup.keys import KeySchema
@@ -184,6 +185,27 @@ def test_failed_publish_leaves_state_consistent_and_tells_the_truth(
     assert again.deduplicated is (point == "after")
     assert assert_held_iff_enqueued(r) == {member: again.id}
     assert [m["headers"]["id"] for m in queued_messages(r)] == [again.id]
+
+
+def test_last_outcome_names_the_run_a_lost_reply_was_resolved_to(
+    make_app: AppFactory, server: Server, r: redis.Redis, proxy: FaultProxy
+) -> None:
+    """A publish whose gate reply was lost, resolved by reading the record, is the latest outcome.
+
+    ``last_outcome()`` must not still name the previous publish (another key's
+    run): a caller of ``send_task`` or a chain would take this call for a
+    duplicate of that run.
+    """
+    charge = charge_task(make_app(broker_url=proxy.url, result_backend=server.url))
+    before = charge.delay(1)
+    proxy.arm("after")
+
+    result = charge.apply_async((2,), retry=False)
+
+    assert [i.point for i in proxy.incidents] == ["after"]
+    outcome = celery_dedup.last_outcome()
+    assert outcome is not None
+    assert (outcome.accepted, outcome.task_id) == (True, result.id), f"still the outcome of {before.id}"
 
 
 def test_outcome_unknown_is_said_when_the_server_stays_unreachable(

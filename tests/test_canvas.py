@@ -79,6 +79,19 @@ def test_signature_calls_are_gated(make_app: AppFactory, r: redis.Redis) -> None
     assert r.scard(HELD) == 0
 
 
+def test_last_outcome_follows_a_duplicate_answered_before_the_gate(make_app: AppFactory) -> None:
+    """A duplicate of a key seen held lately is answered before any publish: still the latest outcome."""
+    tasks = Tasks(make_app())
+
+    first = tasks.a.delay(1)
+    other = tasks.a.delay(2)
+    again = tasks.a.delay(1)
+    outcome = celery_dedup.last_outcome()
+
+    assert again.deduplicated and other.id != first.id
+    assert outcome is not None and (outcome.accepted, outcome.task_id) == (False, first.id)
+
+
 def test_send_task_by_name_is_gated_by_the_publish_hook(make_app: AppFactory, r: redis.Redis) -> None:
     """``app.send_task`` never calls apply_async; the publish hook still lets only one message through."""
     app = make_app()

@@ -247,6 +247,45 @@ def test_a_chain_goes_on_with_its_runs_result(story: Story) -> None:
     assert "not the result of its run" in report.violations[0].message
 
 
+def test_a_follower_of_a_run_declared_lost_that_finished_after_stops(story: Story) -> None:
+    """The first ending settled for a run stands: its followers fail as lost; its late success changes nothing."""
+    story.call(0, "a").body(1, None, "a", pid=100).add(2, "kill", role="runner", pids=[100])
+    story.call(0.5, "a", outcome="duplicate", call="follower", way="chain", own="f")
+    story.body(4, 5, "a", pid=200)
+    story.server(MEMBER, (0.0, "queued", "a", ""), (1.0, "started", "a", ""), (3.0, "lost", "a", ""))
+    story.server(MEMBER, (4.0, "started", "a", ""), (5.0, "succeeded", "a", ""))
+    assert invariants(story.check()) == []
+
+
+def test_a_follower_of_a_run_that_succeeded_first_still_must_go_on(story: Story) -> None:
+    """A loss recorded only after the success settled nothing: the chain must go on."""
+    story.call(0, "a").body(1, 2, "a", pid=100)
+    story.call(0.5, "a", outcome="duplicate", call="follower", way="chain", own="f")
+    story.server(MEMBER, (0.0, "queued", "a", ""), (1.0, "started", "a", ""), (2.0, "succeeded", "a", ""))
+    story.server(MEMBER, (3.0, "lost", "a", ""))
+    assert invariants(story.check()) == ["continuation"]
+
+
+def test_a_wipe_before_a_follower_went_on_explains_another_runs_result(story: Story) -> None:
+    """Its parked entry went with the server's data: redelivered, it followed the key's next run."""
+    story.call(0, "a", call="first").body(1, 2, "a", call="first")
+    story.call(0.5, "a", outcome="duplicate", call="follower", way="chain", own="f")
+    story.add(2.5, "fault", role="runner", kind="restart", wipe=True)
+    story.call(4, "b", call="second").body(5, 6, "b", call="second")
+    report = story.add(6.5, "continued", pid=300, call="follower", result="second").check()
+    assert invariants(report) == []
+    assert [e.kind for e in report.explained] == ["wiped"]
+
+
+def test_a_wipe_after_a_follower_went_on_explains_nothing(story: Story) -> None:
+    story.call(0, "a", call="first").body(1, 2, "a", call="first")
+    story.call(0.5, "a", outcome="duplicate", call="follower", way="chain", own="f")
+    story.call(4, "b", call="second").body(5, 6, "b", call="second")
+    story.add(6.5, "continued", pid=300, call="follower", result="second")
+    report = story.add(7, "fault", role="runner", kind="restart", wipe=True).check()
+    assert invariants(report) == ["continuation"]
+
+
 def replaced_run(story: Story) -> Story:
     """Run ``a`` replaced itself by a plain task, which ran and returned the run's result; ``follower`` followed it."""
     story.call(0, "a", call="head", replace="plain").body(1, 1.1, "a", call="head", outcome="replaced")

@@ -19,8 +19,9 @@ import redis
 from celery import Celery, chain, chord, group
 from celery.result import GroupResult
 
-from celery_dedup import DedupTask, last_outcome
+from celery_dedup import DedupTask, last_outcome, runtime
 from celery_dedup.exceptions import DedupFollowerLimitError
+from celery_dedup.gate import result_payload
 from celery_dedup.keys import KeySchema, member_for
 
 from .conftest import AppFactory, in_process_worker, queued_messages, wait_for
@@ -153,6 +154,34 @@ def test_a_follower_of_a_lost_run_fails_naming_the_run(make_app: AppFactory, r: 
     [error] = tasks.listed("errors")
     assert "DedupFollowerError" in error and lost.id in error and "lost" in error
     assert tasks.listed("receipts") == [] and tasks.runs("gone") == []
+
+
+def test_the_reaper_leaves_followers_to_the_settle_right_after_their_runs_success(
+    make_app: AppFactory, r: redis.Redis
+) -> None:
+    """Between recording a success and handing its value over, a follower parked long before is not failed as lost.
+
+    The grace counts from the run's ending, not from when the follower was
+    parked: any follower of a run slower than the grace was reaped in that gap.
+    """
+    app = make_app(dedup_reap_grace=0.5)
+    tasks = Tasks(app)
+    run = tasks.sync.delay("slow")
+    assert tasks.sync.apply_async(("slow",), link=tasks.receipt.s()).deduplicated
+    time.sleep(1.0)  # the run took longer than the grace
+    store = runtime.store_for(app)
+    member = member_for(tasks.sync.name, "sync:slow")
+    finished = store.finish(member, run.id, "succeeded", drop=True, record_ms=60_000, role="report")
+    assert finished.wants_result
+
+    runtime.reap(app)
+
+    queued = [m["headers"]["id"] for m in queued_messages(r)]
+    assert queued == [run.id], "the follower was released as lost before its run's value came"
+    assert store.settle(member, run.id, result=result_payload(app, "synced slow"), record_ms=60_000) == 1
+    with in_process_worker(app, pool="threads", concurrency=2):
+        wait_for(lambda: tasks.listed("receipts"), 20, "the follower's callback")
+    assert tasks.listed("receipts") == ["synced slow"]
 
 
 def test_followers_beyond_the_bound_are_refused(make_app: AppFactory, r: redis.Redis) -> None:

@@ -643,3 +643,20 @@ def test_a_retry_publishes_while_the_store_is_unreachable(make_app: AppFactory, 
     assert message["headers"]["id"] == "order:10~run" and message["headers"]["dedup"]["held"] is True
     with pytest.raises(DedupUnavailableError):
         charge.delay(10)
+
+
+def test_last_outcome_names_each_publish_through_the_store_apart(make_app: AppFactory, server: Server) -> None:
+    """With the two-phase gate too, ``last_outcome()`` is the outcome of the latest publish, not a stale one."""
+    charge = build(separate_app(make_app, another_database(server)))
+
+    first = charge.delay(1)
+    accepted = celery_dedup.last_outcome()
+    second = charge.delay(2)
+    other = celery_dedup.last_outcome()
+    again = charge.delay(2)
+    duplicate = celery_dedup.last_outcome()
+
+    assert accepted is not None and (accepted.accepted, accepted.task_id) == (True, first.id)
+    assert other is not None and (other.accepted, other.task_id) == (True, second.id)
+    assert duplicate is not None and (duplicate.accepted, duplicate.task_id) == (False, second.id)
+    assert again.deduplicated

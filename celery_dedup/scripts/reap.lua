@@ -269,10 +269,11 @@ for _, state in ipairs({'queued', 'retry'}) do
   end
   walked(state_index, waiting)
 end
--- 5. Followers still parked a grace after their run ended, or after their
--- run's record passed to another run (its worker died between recording the
--- ending and settling them, or the run's hold ran out): released with the
--- outcome recorded for their run, or as lost when none was.
+-- 5. Followers still parked a grace after their run ended (and after they
+-- were parked), or after their run's record passed to another run (its worker
+-- died between recording the ending and settling them, or the run's hold ran
+-- out): released with the outcome recorded for their run, or as lost when none
+-- was.
 local following = prefix .. ':following'
 local look = redis.call('SSCAN', following, redis.call('GET', cursor_key .. ':following') or '0', 'COUNT', budget)
 redis.call('SET', cursor_key .. ':following', look[1])
@@ -282,7 +283,7 @@ for _, member in ipairs(look[2]) do
   if #entries == 0 then
     redis.call('SREM', following, member)
   end
-  local r = redis.call('HMGET', prefix .. ':rec:' .. member, 'task_id', 'state')
+  local r = redis.call('HMGET', prefix .. ':rec:' .. member, 'task_id', 'state', 'finished_at')
   local outcomes = prefix .. ':out:' .. member
   -- A run that replaced itself: its replacement, not the run, settles them (lib's settle_followers);
   -- a run lost while replacing itself, only until its outcome's relay_until.
@@ -295,7 +296,9 @@ for _, member in ipairs(look[2]) do
     local ok, follower = pcall(cjson.decode, entries[i + 1])
     local run = ok and follower.run
     local waiting = run and (r[1] == run and not ENDED[r[2]] and r[2] ~= 'lost' or follower.message and replaced(run))
-    if run and follower.message and not waiting and not settled[run] and tonumber(follower.at or 0) <= now - grace_ms then
+    -- A grace after the run's ending too: a success hands its value over in the round trip after recording it.
+    local since = math.max(tonumber(follower.at or 0), r[1] == run and tonumber(r[3] or 0) or 0)
+    if run and follower.message and not waiting and not settled[run] and since <= now - grace_ms then
       settled[run] = true
       if not settled_outcome(prefix, member, run) then
         local ok, held_back = pcall(cjson.decode, redis.call('HGET', outcomes, run) or '')
