@@ -21,6 +21,7 @@ import subprocess
 import sys
 import time
 from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
@@ -397,6 +398,16 @@ def counter(r: redis.Redis, decision: str) -> int:
     return int(r.hget(SCHEMA.stats, f"{TASK}:{decision}") or 0)
 
 
+@contextmanager
+def showing_logs(fleet: Fleet) -> Iterator[None]:
+    """Print the workers' logs when an assertion inside fails: what they did is the failure's story."""
+    try:
+        yield
+    except AssertionError:
+        print(fleet.logs())
+        raise
+
+
 def assert_rerun_once_and_succeeded(r: redis.Redis, run_id: str, at: str = HANG) -> None:
     key = at.partition(":")[2]
     wait_for(lambda: record(r, at).get("state") == "succeeded", RERUN_WAIT, "the killed run re-ran and succeeded")
@@ -434,11 +445,8 @@ def test_a_killed_pool_child_reruns_at_once_after_a_restart(
     time.sleep(2)
     worker.stop()
     fleet.start(conf=conf, transport={})
-    try:
+    with showing_logs(fleet):
         assert_rerun_once_and_succeeded(r, run.id)
-    except AssertionError:
-        print(fleet.logs())
-        raise
 
 
 @pytest.mark.slow
@@ -465,12 +473,9 @@ def test_a_killed_worker_reruns_at_once_after_a_restart_on_the_same_host(
         under_the_same_name(fleet, server)
     else:
         fleet.start(conf=conf, transport={})
-    try:
+    with showing_logs(fleet):
         assert_rerun_once_and_succeeded(r, run.id)
         assert r.hlen("unacked") == 0
-    except AssertionError:
-        print(fleet.logs())
-        raise
 
 
 @pytest.mark.slow
@@ -494,13 +499,10 @@ def test_a_killed_worker_s_ungated_run_reruns_at_once_after_a_restart(
     assert r.hlen("unacked") == 1, "premise: the message waits, unacknowledged"
     assert "queue" not in record(r, at), "premise: no gate recorded where the message went"
     fleet.start(conf=conf, transport={})
-    try:
+    with showing_logs(fleet):
         assert_rerun_once_and_succeeded(r, run.id, at)
         assert r.hlen("unacked") == 0
         assert not queued_messages(r)
-    except AssertionError:
-        print(fleet.logs())
-        raise
 
 
 @pytest.mark.slow
@@ -524,7 +526,7 @@ def test_an_ungated_run_s_message_goes_back_where_kombu_would_restore_it(
     assert r.hlen("unacked") == 1, "premise: the message waits, unacknowledged"
     app = tasks.hang_while.app
     store = runtime.store_for(app)
-    try:
+    with showing_logs(fleet):
         assert recovery.recover(app, store) == 1
         assert recovery.recover(app, store) == 0, "a message was put back twice"
         assert r.hlen("unacked") == 0 and r.zcard("unacked_index") == 0
@@ -535,9 +537,6 @@ def test_an_ungated_run_s_message_goes_back_where_kombu_would_restore_it(
         assert message["headers"]["redelivered"] is True
         fleet.start(conf=conf, transport={})
         assert_rerun_once_and_succeeded(r, run.id, at)
-    except AssertionError:
-        print(fleet.logs())
-        raise
 
 
 @pytest.mark.slow
@@ -556,7 +555,7 @@ def test_a_live_owner_is_never_taken_over(fleet: Fleet, tasks: crash_app.Tasks, 
     holder = r.get(SCHEMA.lock(HANG))
     assert holder is not None and holder.decode().split(":")[1] == str(pid)
     fleet.start(conf=conf, transport={})
-    try:
+    with showing_logs(fleet):
         assert r.hlen("unacked") == 1, "the second worker's start-up restored a live run's message"
         (raw,) = r.hvals("unacked")
         payload = json.loads(raw)[0]
@@ -568,9 +567,6 @@ def test_a_live_owner_is_never_taken_over(fleet: Fleet, tasks: crash_app.Tasks, 
         assert counter(r, "taken_over") == 0
         assert processes.owner_of(holder.decode()) is not None
         assert not processes.owner_gone(holder.decode())
-    except AssertionError:
-        print(fleet.logs())
-        raise
 
 
 @pytest.mark.slow
@@ -597,12 +593,9 @@ def test_a_worker_killed_after_a_successor_took_its_name_reruns_at_once(
     old.stop(signal.SIGKILL)
     assert successor.process.poll() is None, "premise: the successor lives on"
     assert r.hlen("unacked") == 1, "premise: the message waits, unacknowledged"
-    try:
+    with showing_logs(fleet):
         assert_rerun_once_and_succeeded(r, run.id)
         assert r.hlen("unacked") == 0
-    except AssertionError:
-        print(fleet.logs())
-        raise
 
 
 @pytest.mark.slow
@@ -632,7 +625,7 @@ def test_a_successor_killed_under_the_same_name_leaves_the_live_worker_s_run_alo
     store = runtime.store_for(app)
     holder = r.get(SCHEMA.lock(HANG))
     assert holder is not None
-    try:
+    with showing_logs(fleet):
         assert recovery.recover(app, store) == 0, "a live run's message was put back"
         os.kill(old.process.pid, signal.SIGSTOP)
         try:
@@ -648,6 +641,3 @@ def test_a_successor_killed_under_the_same_name_leaves_the_live_worker_s_run_alo
         assert executions(r, "hang:1") == 1, "the body ran twice"
         assert not queued_messages(r)
         assert counter(r, "taken_over") == 0
-    except AssertionError:
-        print(fleet.logs())
-        raise
