@@ -179,6 +179,8 @@ def admitted_start(
     if not decision.run:
         limits.leave(lease, ran=False)
         processes.retire(token)
+    elif lease is not None:
+        lease.running = True
     return lease, decision
 
 
@@ -425,11 +427,6 @@ def forget(task_id: str, lock: ExecutionLock) -> None:
     """Drop ``lock`` from the running runs, unless a later delivery of the same run (a replacement) took its place."""
     if _running.get(task_id) is lock:
         del _running[task_id]
-
-
-def running(task_id: str) -> ExecutionLock | None:
-    """The lock of run ``task_id`` executing in this process, if it does."""
-    return _running.get(task_id)
 
 
 def lock_lost(task_id: str | None) -> bool:

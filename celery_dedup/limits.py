@@ -251,6 +251,8 @@ class SlotLease:
         self.run_id = run_id
         self.ttl_ms = ttl_ms
         self.grant = grant
+        #: Set once the guard let its delivery start: of two deliveries of one run here, the one whose body runs.
+        self.running = False
         self.lost = threading.Event()
         self.valid_until = now + ttl_ms / 1000
         self.renew_at = now + ttl_ms / 3000
@@ -291,11 +293,8 @@ def current(task_id: str | None) -> Grant | None:
     if task_id is None:
         return None
     leases = [lease for lease in list(_held.values()) if lease.run_id == task_id]
-    if len(leases) > 1:  # a copy of the run on its way to being refused: the one running holds the lock
-        from .guard import running  # noqa: PLC0415 - guard imports this module
-
-        lock = running(task_id)
-        leases = [lease for lease in leases if lock is not None and lease.token == lock.token] or leases
+    if len(leases) > 1:  # a copy of the run on its way to being refused: its body does not run
+        leases = [lease for lease in leases if lease.running] or leases
     return leases[0].grant if leases else None
 
 

@@ -614,9 +614,11 @@ def test_two_deliveries_of_one_run_in_one_process_keep_their_own_slots(
             leases.append(limits.admit(task, store, None, token))
         finally:
             task.pop_request()
-    running, copy = leases
+    copy, running = leases  # the copy came first: the order the registry keeps must not decide
     assert running is not None and copy is not None
+    running.running = True  # as the guard marks the delivery it lets start
     try:
+        assert limits.current("run-1") is running.grant, "while both hold a slot, the running delivery's grant"
         limits.leave(copy, ran=False)
         processes.retire(copy.token)
         assert limits.current("run-1") == running.grant
