@@ -23,6 +23,8 @@ violation is printed with an excerpt of the history around it.
 ``again-after-end``
     A run whose body succeeded, or failed for good, never executes again
     (Celery's retry is not an ending; a body killed mid-run may run again).
+    A reject without requeue (``Task.retry`` that could not publish the
+    retry) is an ending.
     A restart that wiped the server's data in between explains it.
 ``unresolved-run``
     Every run a call was accepted into (and every run the server's history
@@ -107,12 +109,15 @@ INVARIANTS = (
 ENDED = frozenset({"succeeded", "failed", "revoked", "rejected", "ignored", "skipped", "released", "replaced"})
 FATES = ENDED | {"lost"}
 #: Body outcomes that do not end a run's work: a retry, a replacement under the same key (the run goes on;
-#: one by a plain task ends the run, see REPLACED_BY_PLAIN), a process exiting mid-body (a terminate), no outcome.
+#: one by a plain task ends the run, see REPLACED_BY_PLAIN), a reject that requeues the message (``Reject`` in a
+#: history from before rejects told whether they requeue, but see REJECTED_BY_RETRY), a process exiting mid-body
+#: (a terminate), no outcome.
 NOT_FINAL = frozenset(
     {
         "retry",
         "Retry",
         "replaced",
+        "requeued",
         "Reject",
         "Ignore",
         "SystemExit",
@@ -124,6 +129,9 @@ NOT_FINAL = frozenset(
 )
 #: The outcome of a body that replaced itself by a plain task: its run ended ``replaced`` and freed its key.
 REPLACED_BY_PLAIN = "replaced-by-plain"
+#: The outcome of a body whose ``Task.retry`` could not publish the retry: Celery rejects the message without
+#: requeue, and the run ended ``rejected``.
+REJECTED_BY_RETRY = "rejected"
 #: Decisions that settle a run that never executed.
 SETTLING_DECISIONS = frozenset({"skipped", "reaped", "released"})
 #: Kinds of explained cases, as the report titles them.
@@ -297,6 +305,7 @@ class History:
                 self.sigkilled.setdefault(event["task_id"], event["t"])
         self.bodies = self._bodies()
         self._mark_plain_replacements(events)
+        self._mark_retries_rejected(events)
         self.bodies_by_task: dict[str, list[Body]] = defaultdict(list)
         for body in self.bodies:
             self.bodies_by_task[body.task_id].append(body)
@@ -414,6 +423,15 @@ class History:
         for body in self.bodies:
             if body.outcome == "replaced" and body.call in plain:
                 body.outcome = REPLACED_BY_PLAIN
+
+    def _mark_retries_rejected(self, events: list[Event]) -> None:
+        """In a history from before rejects told whether they requeue, a ``Reject`` from a body told to retry
+        came from ``Task.retry`` failing to publish the retry: without requeue, an ending (nothing else in the
+        workload rejects)."""
+        retrying = {e["call"] for e in events if e["ev"] in ("call_start", "call") and e.get("retry")}
+        for body in self.bodies:
+            if body.outcome == "Reject" and body.call in retrying:
+                body.outcome = REJECTED_BY_RETRY
 
     def _death(self, pid: int, after: float) -> float:
         return min((t for t in self.deaths.get(pid, []) if t >= after), default=self.end)

@@ -21,7 +21,9 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+from celery.exceptions import Reject
 
+from chaos.app import outcome_of
 from chaos.checker import Report, check
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -184,6 +186,25 @@ def test_a_second_run_accepted_while_the_first_is_queued(story: Story) -> None:
 def test_a_second_run_after_the_first_ended_is_fine(story: Story) -> None:
     report = story.call(0, "a").body(1, 2, "a").call(3, "b").body(4, 5, "b").check()
     assert invariants(report) == []
+
+
+def test_a_reject_without_requeue_ends_the_run_and_frees_its_key(tmp_path: Path) -> None:
+    """Celery's retry rejects its message without requeue when it cannot publish the retry: the run ended
+    ``rejected``. A reject with requeue redelivers the message: the first run still holds the key."""
+    assert [outcome_of(Reject("publish failed", requeue=requeue)) for requeue in (False, True)] == [
+        "rejected",
+        "requeued",
+    ], "the body records which it was"
+
+    def rejected(story: Story, outcome: str, *, retry: bool = False) -> Report:
+        story.call(0, "a", call="first", retry=retry).body(1, 2, "a", call="first", outcome=outcome)
+        return story.call(3, "b").body(4, 5, "b").check()
+
+    assert invariants(rejected(Story(tmp_path / "dropped"), "rejected")) == []
+    assert invariants(rejected(Story(tmp_path / "requeued"), "requeued")) == ["double-accept"]
+    # A history from before the two were told apart: a body told to retry raised it from Task.retry.
+    assert invariants(rejected(Story(tmp_path / "retrying"), "Reject", retry=True)) == []
+    assert invariants(rejected(Story(tmp_path / "unknown"), "Reject")) == ["double-accept"]
 
 
 def test_throttle_one_run_per_window_unless_the_first_failed(story: Story) -> None:
