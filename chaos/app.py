@@ -289,11 +289,12 @@ def record_worker_signals(history: History) -> None:
     ``celery_dedup.install``, so this receiver runs before the library's: the
     event is written after the pool killed the body and before its lock can
     be released. ``settled``: ``task_postrun`` runs after ``DedupTask.__call__``
-    returned, so the guard has recorded how the run ended by then.
+    returned, in the process and thread that ran the body, so the guard has
+    recorded how that delivery's run ended by then.
     """
 
     def on_postrun(task_id: str | None = None, state: str | None = None, **_: Any) -> None:
-        history.emit("settled", task_id=task_id, state=state)
+        history.emit("settled", task_id=task_id, state=state, tid=threading.get_ident())
 
     def on_revoked(
         sender: Any = None, request: Any = None, terminated: bool = False, signum: Any = None, **_: Any

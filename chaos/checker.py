@@ -22,9 +22,9 @@ violation is printed with an excerpt of the history around it.
     printed, not a violation.
 ``again-after-end``
     A run whose body succeeded, or failed for good, never executes again
-    (Celery's retry is not an ending; a body killed mid-run may run again).
-    A reject without requeue (``Task.retry`` that could not publish the
-    retry) is an ending.
+    (Celery's retry is not an ending; a body killed mid-run, or before its
+    own process recorded the ending, may run again). A reject without
+    requeue (``Task.retry`` that could not publish the retry) is an ending.
     A restart that wiped the server's data in between explains it.
 ``unresolved-run``
     Every run a call was accepted into (and every run the server's history
@@ -320,13 +320,15 @@ class History:
                 self.decisions[event["task_id"]].append(event)
         self.lock_lost_seen = {(e["pid"], e["task_id"]) for e in events if e["ev"] == "lock_lost_seen"}
         self.revoked: dict[str, float] = {}
-        self.settled: dict[str, list[float]] = defaultdict(list)
+        #: Deliveries whose ``task_postrun`` ran, by task id: (time, pid, thread or 0 if unrecorded, state).
+        self.settled: dict[str, list[tuple[float, int, int, str]]] = defaultdict(list)
         self.finish_failed: set[str] = set()
         for event in events:
             if event["ev"] == "revoked":
                 self.revoked.setdefault(event["task_id"], event["t"])
             elif event["ev"] == "settled":
-                self.settled[event["task_id"]].append(event["t"])
+                settled = (event["t"], int(event["pid"]), int(event.get("tid") or 0), str(event.get("state")))
+                self.settled[event["task_id"]].append(settled)
             elif event["ev"] == "finish_failed":
                 self.finish_failed.add(str(event.get("task_id")))
         self.renewer_losses = [e for e in events if e["ev"] == "lock_lost_log"]
@@ -526,17 +528,30 @@ class History:
 
         A body can return and its process die before the guard records the
         ending: the run has not ended then, and runs again (acks_late). The
-        evidence, in order: the key's server history; the worker's
-        ``task_postrun``; else the body's own end, unless its process died
-        within a second of it or the library said it could not record it.
+        evidence, in order: the key's server history; the ``task_postrun`` of
+        the body's own process and thread, which runs there after the guard
+        recorded the ending (another delivery's says nothing of this body, and
+        a deferred or skipped copy settles ``IGNORED``); in a history that
+        records them, no such ``task_postrun`` means it was never recorded;
+        else the body's own end, unless its process died within a second of
+        it or the library said it could not record it.
         """
         entries = self.entries(body.member)
         for entry in entries:
             if entry.task_id == body.task_id and entry.state in ENDED and entry.t >= body.start - MS:
                 return entry.t
-        settled = [t for t in self.settled.get(body.task_id, []) if t >= body.end]
-        if settled:
-            return min(settled)
+        own = [
+            t
+            for t, pid, tid, state in self.settled.get(body.task_id, [])
+            if pid == body.pid
+            and tid in (0, body.tid)
+            and t >= body.end
+            and (state != "IGNORED" or body.outcome == REPLACED_BY_PLAIN)
+        ]
+        if own:
+            return min(own)
+        if self.settled:
+            return None  # its process never settled it: still recording the ending when it died, or stuck
         if entries and entries[0].t <= body.start:
             return None  # the history covers this body and records no ending
         if body.task_id in self.finish_failed or self._death(body.pid, body.end) <= body.end + 1.0:

@@ -153,6 +153,23 @@ def test_a_retry_or_a_wipe_of_the_server_allows_another_execution(story: Story) 
     assert invariants(report) == []
 
 
+def test_only_the_bodys_own_process_settling_it_records_its_ending(tmp_path: Path) -> None:
+    """Another worker's deferred copy settled (``IGNORED``) while the body's worker, through a server restart,
+    was still recording the ending, and was killed before it did: the run had not ended, its re-run is right."""
+
+    def rerun(story: Story, *, own_settle: bool) -> Report:
+        story.call(0, "a").body(1, 2, "a", pid=100, tid=7)
+        story.add(1.9, "fault", role="runner", kind="restart", wipe=False)
+        if own_settle:
+            story.add(2.5, "settled", pid=100, task_id="a", state="SUCCESS", tid=7)
+        story.add(3, "settled", pid=200, role="worker-1.1", task_id="a", state="IGNORED", tid=1)
+        story.add(3.5, "kill", role="runner", pids=[100], why="kill-worker")
+        return story.body(5, 6, "a", pid=300).check()
+
+    assert invariants(rerun(Story(tmp_path / "unsettled"), own_settle=False)) == []
+    assert invariants(rerun(Story(tmp_path / "settled"), own_settle=True)) == ["again-after-end"]
+
+
 def test_an_accepted_run_that_never_ran_and_left_no_ending_is_unresolved(story: Story) -> None:
     report = story.call(0, "a").call(0.5, "a", outcome="duplicate").check()
     assert sorted(invariants(report)) == ["unresolved-duplicate", "unresolved-run"]
