@@ -47,7 +47,9 @@ violation is printed with an excerpt of the history around it.
 ``debounce-args``
     A debounced run executes with the arguments of its burst's last call as
     the server ordered them: no call of the burst was sent after the one
-    whose arguments ran had returned.
+    whose arguments ran had returned. A restart that wiped the server's data
+    after such a call was sent and before the body started explains it: the
+    arguments the call left in the record went with it.
 ``limit``
     Never more than N bodies of a limit group at once (``limit_concurrency=N``),
     across workers and within one process (threads, gevent). Explained: the
@@ -879,10 +881,18 @@ class Checker:
                 started = self.h.started_at(body)
                 later = [c for c in burst or () if c.t0 > ran.t or (c.t0 == ran.t0 and c.seq > ran.seq)]
                 later = [c for c in later if c.t < started - MS]
-                if later:
+                # A wipe after a call was sent took the arguments it left in the record: the message ran with its own.
+                kept = [c for c in later if not self.h.wiped_between(c.t0, started)]
+                if later and not kept:
+                    message = (
+                        f"run {task_id} executed with call {ran.call}: the server's data was wiped after call "
+                        f"{later[-1].call} of its burst was sent ({self.h.rel(later[-1].t0)}) and before it started"
+                    )
+                    self.explained.append(Explained("wiped", body.member, message))
+                elif kept:
                     message = (
                         f"run {task_id} executed with call {ran.call} (returned {self.h.rel(ran.t)}), but call "
-                        f"{later[-1].call} of its burst was sent after that, at {self.h.rel(later[-1].t0)}"
+                        f"{kept[-1].call} of its burst was sent after that, at {self.h.rel(kept[-1].t0)}"
                     )
                     self.violation("debounce-args", body.member, message, t=body.start, ids=(task_id,))
 

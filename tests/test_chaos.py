@@ -260,6 +260,21 @@ def test_debounce_with_the_last_call_passes(story: Story) -> None:
     assert invariants(story.body(1, 1.1, "r", member=debounced, call="last").check()) == []
 
 
+def test_debounce_a_wipe_between_a_joining_call_and_the_body_explains_older_arguments(tmp_path: Path) -> None:
+    """The joining call's arguments went with the server's record: the worker's copy ran with the ones it carried."""
+    debounced = "chaos.debounce:k1"
+
+    def burst(story: Story, wiped_at: float) -> Report:
+        story.call(0, "r", member=debounced, call="first")
+        story.call(0.2, "r", outcome="collapsed", member=debounced, call="last")
+        story.add(wiped_at, "fault", role="runner", kind="restart", wipe=True)
+        return story.body(1, 1.1, "r", member=debounced, call="first").check()
+
+    explained = burst(Story(tmp_path / "before"), 0.5)
+    assert invariants(explained) == [] and [item.kind for item in explained.explained] == ["wiped"]
+    assert invariants(burst(Story(tmp_path / "after"), 1.5)) == ["debounce-args"]
+
+
 def test_a_run_replaced_by_a_plain_task_frees_its_key(story: Story) -> None:
     story.call(0, "a", call="head", replace="plain").body(1, 1.1, "a", call="head", outcome="replaced")
     assert invariants(story.call(2, "b").body(3, 4, "b").check()) == []
