@@ -25,7 +25,7 @@ from dataclasses import dataclass
 from typing import Any, cast
 
 from celery import Celery, signals
-from celery.exceptions import Ignore, Retry
+from celery.exceptions import Ignore, Reject, Retry
 
 import celery_dedup
 from celery_dedup import DedupTask
@@ -179,6 +179,18 @@ def conclude(task: DedupTask, outcome: str, member: str) -> None:
         raise ChaosFailure(f"{member} told to fail")
 
 
+def outcome_of(exc: BaseException) -> str:
+    """The outcome of a body that raised ``exc`` unasked: its class name, but a ``Reject`` tells whether it requeues.
+
+    Without requeue (what ``Task.retry`` raises when it cannot publish the
+    retry) the message is dropped and the run ended ``rejected``; with
+    requeue it is delivered again and the run goes on (``requeued``).
+    """
+    if isinstance(exc, Reject):
+        return "requeued" if getattr(exc, "requeue", False) else "rejected"
+    return type(exc).__name__
+
+
 def make_body(history: History | None) -> Callable[..., str]:
     """The body every chaos task runs: record its start, sleep (watching the lock), fail or retry, record its end."""
 
@@ -215,7 +227,7 @@ def make_body(history: History | None) -> Callable[..., str]:
         except BaseException as exc:
             expected = {"retry": Retry, "failed": ChaosFailure, "replaced": Ignore}.get(outcome)
             if expected is None or not isinstance(exc, expected):  # a terminate, a soft time limit, a failed retry
-                outcome = type(exc).__name__
+                outcome = outcome_of(exc)
             raise
         finally:
             if history is not None and not ended:
@@ -277,11 +289,12 @@ def record_worker_signals(history: History) -> None:
     ``celery_dedup.install``, so this receiver runs before the library's: the
     event is written after the pool killed the body and before its lock can
     be released. ``settled``: ``task_postrun`` runs after ``DedupTask.__call__``
-    returned, so the guard has recorded how the run ended by then.
+    returned, in the process and thread that ran the body, so the guard has
+    recorded how that delivery's run ended by then.
     """
 
     def on_postrun(task_id: str | None = None, state: str | None = None, **_: Any) -> None:
-        history.emit("settled", task_id=task_id, state=state)
+        history.emit("settled", task_id=task_id, state=state, tid=threading.get_ident())
 
     def on_revoked(
         sender: Any = None, request: Any = None, terminated: bool = False, signum: Any = None, **_: Any

@@ -22,7 +22,9 @@ violation is printed with an excerpt of the history around it.
     printed, not a violation.
 ``again-after-end``
     A run whose body succeeded, or failed for good, never executes again
-    (Celery's retry is not an ending; a body killed mid-run may run again).
+    (Celery's retry is not an ending; a body killed mid-run, or before its
+    own process recorded the ending, may run again). A reject without
+    requeue (``Task.retry`` that could not publish the retry) is an ending.
     A restart that wiped the server's data in between explains it.
 ``unresolved-run``
     Every run a call was accepted into (and every run the server's history
@@ -45,7 +47,9 @@ violation is printed with an excerpt of the history around it.
 ``debounce-args``
     A debounced run executes with the arguments of its burst's last call as
     the server ordered them: no call of the burst was sent after the one
-    whose arguments ran had returned.
+    whose arguments ran had returned. A restart that wiped the server's data
+    after such a call was sent and before the body started explains it: the
+    arguments the call left in the record went with it.
 ``limit``
     Never more than N bodies of a limit group at once (``limit_concurrency=N``),
     across workers and within one process (threads, gevent). Explained: the
@@ -107,12 +111,15 @@ INVARIANTS = (
 ENDED = frozenset({"succeeded", "failed", "revoked", "rejected", "ignored", "skipped", "released", "replaced"})
 FATES = ENDED | {"lost"}
 #: Body outcomes that do not end a run's work: a retry, a replacement under the same key (the run goes on;
-#: one by a plain task ends the run, see REPLACED_BY_PLAIN), a process exiting mid-body (a terminate), no outcome.
+#: one by a plain task ends the run, see REPLACED_BY_PLAIN), a reject that requeues the message (``Reject`` in a
+#: history from before rejects told whether they requeue, but see REJECTED_BY_RETRY), a process exiting mid-body
+#: (a terminate), no outcome.
 NOT_FINAL = frozenset(
     {
         "retry",
         "Retry",
         "replaced",
+        "requeued",
         "Reject",
         "Ignore",
         "SystemExit",
@@ -124,6 +131,9 @@ NOT_FINAL = frozenset(
 )
 #: The outcome of a body that replaced itself by a plain task: its run ended ``replaced`` and freed its key.
 REPLACED_BY_PLAIN = "replaced-by-plain"
+#: The outcome of a body whose ``Task.retry`` could not publish the retry: Celery rejects the message without
+#: requeue, and the run ended ``rejected``.
+REJECTED_BY_RETRY = "rejected"
 #: Decisions that settle a run that never executed.
 SETTLING_DECISIONS = frozenset({"skipped", "reaped", "released"})
 #: Kinds of explained cases, as the report titles them.
@@ -297,6 +307,7 @@ class History:
                 self.sigkilled.setdefault(event["task_id"], event["t"])
         self.bodies = self._bodies()
         self._mark_plain_replacements(events)
+        self._mark_retries_rejected(events)
         self.bodies_by_task: dict[str, list[Body]] = defaultdict(list)
         for body in self.bodies:
             self.bodies_by_task[body.task_id].append(body)
@@ -311,13 +322,15 @@ class History:
                 self.decisions[event["task_id"]].append(event)
         self.lock_lost_seen = {(e["pid"], e["task_id"]) for e in events if e["ev"] == "lock_lost_seen"}
         self.revoked: dict[str, float] = {}
-        self.settled: dict[str, list[float]] = defaultdict(list)
+        #: Deliveries whose ``task_postrun`` ran, by task id: (time, pid, thread or 0 if unrecorded, state).
+        self.settled: dict[str, list[tuple[float, int, int, str]]] = defaultdict(list)
         self.finish_failed: set[str] = set()
         for event in events:
             if event["ev"] == "revoked":
                 self.revoked.setdefault(event["task_id"], event["t"])
             elif event["ev"] == "settled":
-                self.settled[event["task_id"]].append(event["t"])
+                settled = (event["t"], int(event["pid"]), int(event.get("tid") or 0), str(event.get("state")))
+                self.settled[event["task_id"]].append(settled)
             elif event["ev"] == "finish_failed":
                 self.finish_failed.add(str(event.get("task_id")))
         self.renewer_losses = [e for e in events if e["ev"] == "lock_lost_log"]
@@ -415,6 +428,15 @@ class History:
             if body.outcome == "replaced" and body.call in plain:
                 body.outcome = REPLACED_BY_PLAIN
 
+    def _mark_retries_rejected(self, events: list[Event]) -> None:
+        """In a history from before rejects told whether they requeue, a ``Reject`` from a body told to retry
+        came from ``Task.retry`` failing to publish the retry: without requeue, an ending (nothing else in the
+        workload rejects)."""
+        retrying = {e["call"] for e in events if e["ev"] in ("call_start", "call") and e.get("retry")}
+        for body in self.bodies:
+            if body.outcome == "Reject" and body.call in retrying:
+                body.outcome = REJECTED_BY_RETRY
+
     def _death(self, pid: int, after: float) -> float:
         return min((t for t in self.deaths.get(pid, []) if t >= after), default=self.end)
 
@@ -508,17 +530,30 @@ class History:
 
         A body can return and its process die before the guard records the
         ending: the run has not ended then, and runs again (acks_late). The
-        evidence, in order: the key's server history; the worker's
-        ``task_postrun``; else the body's own end, unless its process died
-        within a second of it or the library said it could not record it.
+        evidence, in order: the key's server history; the ``task_postrun`` of
+        the body's own process and thread, which runs there after the guard
+        recorded the ending (another delivery's says nothing of this body, and
+        a deferred or skipped copy settles ``IGNORED``); in a history that
+        records them, no such ``task_postrun`` means it was never recorded;
+        else the body's own end, unless its process died within a second of
+        it or the library said it could not record it.
         """
         entries = self.entries(body.member)
         for entry in entries:
             if entry.task_id == body.task_id and entry.state in ENDED and entry.t >= body.start - MS:
                 return entry.t
-        settled = [t for t in self.settled.get(body.task_id, []) if t >= body.end]
-        if settled:
-            return min(settled)
+        own = [
+            t
+            for t, pid, tid, state in self.settled.get(body.task_id, [])
+            if pid == body.pid
+            and tid in (0, body.tid)
+            and t >= body.end
+            and (state != "IGNORED" or body.outcome == REPLACED_BY_PLAIN)
+        ]
+        if own:
+            return min(own)
+        if self.settled:
+            return None  # its process never settled it: still recording the ending when it died, or stuck
         if entries and entries[0].t <= body.start:
             return None  # the history covers this body and records no ending
         if body.task_id in self.finish_failed or self._death(body.pid, body.end) <= body.end + 1.0:
@@ -846,10 +881,18 @@ class Checker:
                 started = self.h.started_at(body)
                 later = [c for c in burst or () if c.t0 > ran.t or (c.t0 == ran.t0 and c.seq > ran.seq)]
                 later = [c for c in later if c.t < started - MS]
-                if later:
+                # A wipe after a call was sent took the arguments it left in the record: the message ran with its own.
+                kept = [c for c in later if not self.h.wiped_between(c.t0, started)]
+                if later and not kept:
+                    message = (
+                        f"run {task_id} executed with call {ran.call}: the server's data was wiped after call "
+                        f"{later[-1].call} of its burst was sent ({self.h.rel(later[-1].t0)}) and before it started"
+                    )
+                    self.explained.append(Explained("wiped", body.member, message))
+                elif kept:
                     message = (
                         f"run {task_id} executed with call {ran.call} (returned {self.h.rel(ran.t)}), but call "
-                        f"{later[-1].call} of its burst was sent after that, at {self.h.rel(later[-1].t0)}"
+                        f"{kept[-1].call} of its burst was sent after that, at {self.h.rel(kept[-1].t0)}"
                     )
                     self.violation("debounce-args", body.member, message, t=body.start, ids=(task_id,))
 

@@ -28,7 +28,8 @@ Event kinds (field ``ev``) and who writes them:
 - ``recovered``: the library put a dead worker's run back in its queue;
 - ``received`` / ``revoked`` / ``settled``: a worker's ``task_received``
   signal (its consumer took the message), ``task_revoked`` (a terminated
-  body ends here) and ``task_postrun`` (the guard has recorded the ending);
+  body ends here) and ``task_postrun`` (in the body's process and thread,
+  ``tid``: the guard has recorded how that delivery ended);
 - ``fault`` / ``op`` / ``phase``: the nemesis's faults, operator actions, and the
   run's phases (written by the runner).
 """

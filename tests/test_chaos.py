@@ -21,7 +21,9 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+from celery.exceptions import Reject
 
+from chaos.app import outcome_of
 from chaos.checker import Report, check
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -151,6 +153,23 @@ def test_a_retry_or_a_wipe_of_the_server_allows_another_execution(story: Story) 
     assert invariants(report) == []
 
 
+def test_only_the_bodys_own_process_settling_it_records_its_ending(tmp_path: Path) -> None:
+    """Another worker's deferred copy settled (``IGNORED``) while the body's worker, through a server restart,
+    was still recording the ending, and was killed before it did: the run had not ended, its re-run is right."""
+
+    def rerun(story: Story, *, own_settle: bool) -> Report:
+        story.call(0, "a").body(1, 2, "a", pid=100, tid=7)
+        story.add(1.9, "fault", role="runner", kind="restart", wipe=False)
+        if own_settle:
+            story.add(2.5, "settled", pid=100, task_id="a", state="SUCCESS", tid=7)
+        story.add(3, "settled", pid=200, role="worker-1.1", task_id="a", state="IGNORED", tid=1)
+        story.add(3.5, "kill", role="runner", pids=[100], why="kill-worker")
+        return story.body(5, 6, "a", pid=300).check()
+
+    assert invariants(rerun(Story(tmp_path / "unsettled"), own_settle=False)) == []
+    assert invariants(rerun(Story(tmp_path / "settled"), own_settle=True)) == ["again-after-end"]
+
+
 def test_an_accepted_run_that_never_ran_and_left_no_ending_is_unresolved(story: Story) -> None:
     report = story.call(0, "a").call(0.5, "a", outcome="duplicate").check()
     assert sorted(invariants(report)) == ["unresolved-duplicate", "unresolved-run"]
@@ -184,6 +203,25 @@ def test_a_second_run_accepted_while_the_first_is_queued(story: Story) -> None:
 def test_a_second_run_after_the_first_ended_is_fine(story: Story) -> None:
     report = story.call(0, "a").body(1, 2, "a").call(3, "b").body(4, 5, "b").check()
     assert invariants(report) == []
+
+
+def test_a_reject_without_requeue_ends_the_run_and_frees_its_key(tmp_path: Path) -> None:
+    """Celery's retry rejects its message without requeue when it cannot publish the retry: the run ended
+    ``rejected``. A reject with requeue redelivers the message: the first run still holds the key."""
+    assert [outcome_of(Reject("publish failed", requeue=requeue)) for requeue in (False, True)] == [
+        "rejected",
+        "requeued",
+    ], "the body records which it was"
+
+    def rejected(story: Story, outcome: str, *, retry: bool = False) -> Report:
+        story.call(0, "a", call="first", retry=retry).body(1, 2, "a", call="first", outcome=outcome)
+        return story.call(3, "b").body(4, 5, "b").check()
+
+    assert invariants(rejected(Story(tmp_path / "dropped"), "rejected")) == []
+    assert invariants(rejected(Story(tmp_path / "requeued"), "requeued")) == ["double-accept"]
+    # A history from before the two were told apart: a body told to retry raised it from Task.retry.
+    assert invariants(rejected(Story(tmp_path / "retrying"), "Reject", retry=True)) == []
+    assert invariants(rejected(Story(tmp_path / "unknown"), "Reject")) == ["double-accept"]
 
 
 def test_throttle_one_run_per_window_unless_the_first_failed(story: Story) -> None:
@@ -220,6 +258,21 @@ def test_debounce_with_the_last_call_passes(story: Story) -> None:
     story.call(0, "r", member=debounced, call="first")
     story.call(0.2, "r", outcome="collapsed", member=debounced, call="last")
     assert invariants(story.body(1, 1.1, "r", member=debounced, call="last").check()) == []
+
+
+def test_debounce_a_wipe_between_a_joining_call_and_the_body_explains_older_arguments(tmp_path: Path) -> None:
+    """The joining call's arguments went with the server's record: the worker's copy ran with the ones it carried."""
+    debounced = "chaos.debounce:k1"
+
+    def burst(story: Story, wiped_at: float) -> Report:
+        story.call(0, "r", member=debounced, call="first")
+        story.call(0.2, "r", outcome="collapsed", member=debounced, call="last")
+        story.add(wiped_at, "fault", role="runner", kind="restart", wipe=True)
+        return story.body(1, 1.1, "r", member=debounced, call="first").check()
+
+    explained = burst(Story(tmp_path / "before"), 0.5)
+    assert invariants(explained) == [] and [item.kind for item in explained.explained] == ["wiped"]
+    assert invariants(burst(Story(tmp_path / "after"), 1.5)) == ["debounce-args"]
 
 
 def test_a_run_replaced_by_a_plain_task_frees_its_key(story: Story) -> None:
