@@ -647,6 +647,33 @@ def test_copy_of_a_run_that_ended_without_success_is_skipped(make_app: AppFactor
     assert not is_held(r, member) and not lock_exists(r, member)
 
 
+def test_a_copy_of_a_run_whose_record_vanished_while_it_ran_is_skipped_after_its_success(
+    make_app: AppFactory, r: redis.Redis
+) -> None:
+    """The run's record, lock and key vanish while its body runs (a server that lost its data, an operator's
+    purge); the body succeeds; then a copy of its message, fetched before the loss, is delivered.
+
+    Proves: the success is remembered though no record was left to write it
+    to, so the copy is skipped, not run a second time; the key stays free.
+    """
+    app = make_app(dedup_lock_ttl=LOCK_TTL)
+    work = register(app)["guard.work.until_executed"]
+    member = member_for(work.name, "job:gone")
+    run = work.delay("gone", "sleep", 1.0)
+    copy = raw_messages(r)[run.id]
+    with in_process_worker(app, pool="threads", concurrency=2):
+        wait_for(lambda: (record_of(r, member) or {}).get("state") == "started", 10, "the run to start")
+        r.delete(SCHEMA.record(member), SCHEMA.lock(member), SCHEMA.history(member))
+        r.srem(SCHEMA.held, member)
+        assert run.get(timeout=10) == "gone"
+        wait_for(lambda: settled(deliveries(r, run.id)) and not pending_ids(r), 10, "the run's ending")
+        seen = len(deliveries(r, run.id))
+        r.rpush("celery", copy)
+        wait_for(lambda: len(deliveries(r, run.id)) == seen + 2 and not pending_ids(r), 10, "the copy")
+    assert [e["id"] for e in starts(events(r, work.name, "gone"))] == [run.id], "the copy ran the body again"
+    assert not is_held(r, member) and not lock_exists(r, member)
+
+
 def test_copy_refused_just_before_the_run_finishes_is_not_run_again(make_app: AppFactory, r: redis.Redis) -> None:
     """A copy refused while the run holds the lock, whose deferral is published just after the run succeeded.
 
