@@ -24,6 +24,10 @@ HEADER = "dedup"
 UNGATED = "ungated"
 
 
+#: The ``apply_async`` option by which ``guard.defer`` marks its publish a deferred copy.
+DEFERS_OPTION = "dedup_defers"
+
+
 @dataclass(frozen=True)
 class GateHeader:
     """What the gate holds for one message; travels in the message's ``dedup`` header.
@@ -47,6 +51,9 @@ class GateHeader:
     #: This publish continues its run (``Task.retry``, a deferred copy, a
     #: replacement under the same key) rather than being a call of its own.
     continues: bool = False
+    #: A deferred copy of a run (see ``guard.defer``): it continues its run and
+    #: leaves the key as the run left it, free if freed as the run started.
+    defers: bool = False
     #: The call carries something to continue or resolve (its id in a group
     #: or chord, callbacks, a chain): as a duplicate it becomes a follower of
     #: the accepted run, at most this many per run; 0 for any other call.
@@ -73,6 +80,8 @@ class GateHeader:
             encoded["debounce"] = [self.window_ms, self.max_wait_ms, self.latest]
         if self.continues:
             encoded["continues"] = True
+        if self.defers:
+            encoded["defers"] = True
         if self.follow:
             encoded["follow"] = self.follow
         if self.held:
@@ -108,6 +117,7 @@ class GateHeader:
             int(max_wait_ms),
             bool(latest),
             bool(raw.get("continues", False)),
+            bool(raw.get("defers", False)),
             int(raw.get("follow", 0)),
             bool(raw.get("held", False)),
         )

@@ -29,7 +29,7 @@ from kombu.utils.json import loads
 
 from . import decisions, limits, processes, recovery, results, runtime
 from .exceptions import UNREACHABLE, DedupError, DedupFollowerError, DedupStoreError, DedupUnavailableError
-from .gate import GateHeader, call_payload, decode_payload, decode_result, result_payload
+from .gate import DEFERS_OPTION, GateHeader, call_payload, decode_payload, decode_result, result_payload
 from .keyed import KeyedTask
 from .keys import member_for, split_member
 from .lock import ExecutionLock, renewer
@@ -463,7 +463,7 @@ def defer(task: KeyedTask, key: str, lock_pttl_ms: int) -> None:
     request = task.request
     countdown = max(lock_pttl_ms, 0) / 1000 + random.uniform(0.2, 1.0)
     decisions.log("deferred", task.name, key, request.id, f"execution lock held elsewhere; again in {countdown:.1f}s")
-    task.signature_from_request(request, countdown=countdown).apply_async()
+    task.signature_from_request(request, countdown=countdown).apply_async(**{DEFERS_OPTION: True})
 
 
 #: Endings after which an operator may want to run the call again (see operations.requeue).

@@ -364,6 +364,7 @@ class DedupStore:
         payload: str = "",
         debounce: tuple[int, int, bool] | None = None,
         continues: bool = False,
+        defers: bool = False,
         follow: int = 0,
         lease_ms: int = 0,
     ) -> GateCall:
@@ -375,7 +376,9 @@ class DedupStore:
         ``debounce`` is ``(window_ms, max_wait_ms, latest)``: the message is
         parked until due instead of pushed, and calls while held join its run.
         ``continues``: the publish continues run ``task_id`` (a retry, a
-        deferred copy) instead of being a call that names it. ``follow``: as
+        deferred copy) instead of being a call that names it; ``defers``: it
+        is a deferred copy, which does not hold a key its run freed as it
+        started. ``follow``: as
         a duplicate, park the message as one of at most this many followers
         of the accepted run (0: the call has nothing to continue).
         """
@@ -392,7 +395,7 @@ class DedupStore:
             self.history_length,
             storable(argsrepr),
             storable(kwargsrepr),
-            "1" if continues else "0",
+            "2" if defers else "1" if continues else "0",
             follow,
             lease_ms,
         ]

@@ -30,7 +30,7 @@ from .exceptions import (
     server_reply,
     unreachable,
 )
-from .gate import HEADER, UNGATED, GateHeader, Outcome, open_ticket, report
+from .gate import DEFERS_OPTION, HEADER, UNGATED, GateHeader, Outcome, open_ticket, report
 from .guard import guarded_call, hand_over, lock_lost, replacing
 from .keyed import DedupResult, TaskPolicy, delay_seconds
 from .keys import KeyOption, KeySpec, member_for, new_nonce, new_task_id, split_member
@@ -323,14 +323,21 @@ class DedupTask(_TaskBase):
         return lock_lost(self.request.id)
 
     def dedup_gate_header(
-        self, member: str, delay: float = 0.0, *, continues: bool = False, follows: bool = False
+        self,
+        member: str,
+        delay: float = 0.0,
+        *,
+        continues: bool = False,
+        defers: bool = False,
+        follows: bool = False,
     ) -> GateHeader:
         """The ``dedup`` header that gates a publish of ``member``, to run ``delay`` seconds from now.
 
         The key is held for ``dedup_ttl`` past the time the message is due
         (throttle: for ``dedup_window``; debounce: ``dedup_max_wait`` longer).
         ``continues``: the publish continues a run under its id (a retry, a
-        deferred copy) instead of being a new call. ``follows``: the call
+        deferred copy) instead of being a new call; ``defers``: it is a
+        deferred copy (see ``guard.defer``). ``follows``: the call
         carries something to continue (see :func:`carries_continuation`), so
         as a duplicate it becomes a follower of the accepted run.
         """
@@ -354,7 +361,8 @@ class DedupTask(_TaskBase):
             window_ms=window_ms,
             max_wait_ms=max_wait_ms,
             latest=policy.debounce == "latest",
-            continues=continues,
+            continues=continues or defers,
+            defers=defers,
             follow=config.max_followers if follows else 0,
         )
 
@@ -392,6 +400,7 @@ class DedupTask(_TaskBase):
         # gate's answer is known: done below, only for a run this call published.
         add_to_parent = bool(options.pop("add_to_parent", True))
         headers = dict(options.pop("headers", None) or {})
+        defers = bool(options.pop(DEFERS_OPTION, False))
         previous = GateHeader.decode(headers)
         # Task.retry and deferred copies re-publish the run under its id: it
         # keeps its key, even if the arguments changed.
@@ -411,7 +420,7 @@ class DedupTask(_TaskBase):
             return self._on_duplicate(policy, business_key, known, options)
         run_id = task_id or new_task_id(business_key)
         delay = delay_seconds(options.get("countdown"), options.get("eta"))
-        gate = self.dedup_gate_header(member, delay, continues=continues, follows=follows)
+        gate = self.dedup_gate_header(member, delay, continues=continues, defers=defers and continues, follows=follows)
         headers[HEADER] = gate.encode()
 
         def publish(hdrs: dict[str, Any]) -> DedupResult:
@@ -478,6 +487,7 @@ class DedupTask(_TaskBase):
                 argsrepr=saferepr(args) if config.record_args and args else "",
                 kwargsrepr=saferepr(kwargs) if config.record_args and kwargs else "",
                 continues=gate.continues,
+                defers=gate.defers,
                 # Eager calls run inside their publish: nothing can be lost between.
                 lease_ms=0 if eager else int(config.publish_lease * 1000),
             )

@@ -107,6 +107,7 @@ class GatedChannelMixin:
             payload=message_payload(message) if keep_payload else "",
             debounce=(gate.window_ms, gate.max_wait_ms, gate.latest) if gate.debounce else None,
             continues=gate.continues,
+            defers=gate.defers,
             follow=gate.follow,
         )
         return store, call

@@ -469,6 +469,61 @@ def test_late_worker_lost_report_leaves_a_running_redelivered_copy_its_lock(
         raise
 
 
+@pytest.mark.slow
+def test_a_run_that_succeeded_after_losing_its_lock_to_its_own_copy_does_not_run_a_third_time(
+    fleet: Fleet, tasks: crash_app.Tasks, r: redis.Redis
+) -> None:
+    """Delivery A's child is paused past its lock; a redelivered copy B of the same run takes the lock and
+    starts; A resumes and its body succeeds (it reports the lost lock); then B's whole worker is SIGKILLed
+    and one more copy of the message arrives (a prefetched or re-pushed copy).
+
+    Proves: A's success is the run's ending. The record says ``succeeded`` at
+    once, and the last copy is skipped as done, although B's lock expired
+    without an ending: the body ran twice (A, then B beside it, explained by
+    A's lost lock), never a third time.
+    """
+    conf = {**crash_conf(acks_late=True), "worker_prefetch_multiplier": 1}
+    transport = {"visibility_timeout": 2, **RESTORE_EVERY_SECOND}
+    key, hang = "hang:1", member("hang", "hang:1")
+    r.set(crash_app.hold_key(key), 1)  # A waits until the test lets it go
+    tasks.hang.apply_async((1,))
+    (message,) = r.lrange("celery", 0, -1)
+    (first_worker,) = fleet.start(conf=conf, transport=transport, concurrency=1)
+    paused = started_pid(r, key)
+    os.kill(paused, signal.SIGSTOP)
+    r.set(crash_app.hang_key(key), 1)  # the next copy hangs until it is killed
+    try:
+        (second_worker,) = fleet.start(conf=conf, transport=transport, concurrency=1)
+        wait_for(lambda: len(run_ids(r, key)) >= 2, LOCK_TTL + SLACK * 2, "a copy of the run started")
+        copy = int(r.lrange(crash_app.runs_key(key), 1, 1)[0].split()[1])
+        assert parent_of(copy) == second_worker.process.pid, "premise: the copy runs on the second worker"
+        os.kill(paused, signal.SIGCONT)
+        r.delete(crash_app.hold_key(key))
+        wait_for(
+            lambda: any("after losing its execution lock" in line for line in list(first_worker.output)),
+            15,
+            "the paused delivery ended and reported its lost lock",
+        )
+        assert record(r, hang)["state"] == "succeeded", "the body's success is not the run's ending"
+        second_worker.stop(signal.SIGKILL)
+        wait_for(lambda: not r.exists(SCHEMA.lock(hang)), LOCK_TTL + SLACK, "the killed copy's lock expired")
+        r.rpush("celery", message)
+        wait_for(
+            lambda: any("a delivery of a run that already succeeded" in line for line in list(first_worker.output)),
+            SLACK * 2,
+            "the last copy skipped as done",
+        )
+        wait_idle(r, SLACK)
+        assert executions(r, key) == 2, f"the run ran again after its success: {run_ids(r, key)}"
+        assert record(r, hang)["state"] == "succeeded"
+    except AssertionError:
+        print(fleet.logs())
+        raise
+    finally:
+        if parent_of(paused):
+            os.kill(paused, signal.SIGCONT)
+
+
 def test_followers_of_a_replaced_run_fail_as_lost_when_the_replacements_worker_is_killed(
     fleet: Fleet, tasks: crash_app.Tasks, r: redis.Redis
 ) -> None:

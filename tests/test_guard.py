@@ -14,6 +14,7 @@ import os
 import signal
 import threading
 import time
+import uuid
 from collections.abc import Iterator, Mapping
 from dataclasses import dataclass, field
 from typing import Any, TypeVar
@@ -645,6 +646,75 @@ def test_copy_of_a_run_that_ended_without_success_is_skipped(make_app: AppFactor
     assert (record["state"], record["skipped"]) == (ended, "1")
     assert len(starts(events(r, work.name, action))) == ran, "the copy ran the body again"
     assert not is_held(r, member) and not lock_exists(r, member)
+
+
+def test_a_copy_of_a_run_whose_record_vanished_while_it_ran_is_skipped_after_its_success(
+    make_app: AppFactory, r: redis.Redis
+) -> None:
+    """The run's record, lock and key vanish while its body runs (a server that lost its data, an operator's
+    purge); the body succeeds; then a copy of its message, fetched before the loss, is delivered.
+
+    Proves: the success is remembered though no record was left to write it
+    to, so the copy is skipped, not run a second time; the key stays free.
+    """
+    app = make_app(dedup_lock_ttl=LOCK_TTL)
+    work = register(app)["guard.work.until_executed"]
+    member = member_for(work.name, "job:gone")
+    run = work.delay("gone", "sleep", 1.0)
+    copy = raw_messages(r)[run.id]
+    with in_process_worker(app, pool="threads", concurrency=2):
+        wait_for(lambda: (record_of(r, member) or {}).get("state") == "started", 10, "the run to start")
+        r.delete(SCHEMA.record(member), SCHEMA.lock(member), SCHEMA.history(member))
+        r.srem(SCHEMA.held, member)
+        assert run.get(timeout=10) == "gone"
+        wait_for(lambda: settled(deliveries(r, run.id)) and not pending_ids(r), 10, "the run's ending")
+        seen = len(deliveries(r, run.id))
+        r.rpush("celery", copy)
+        wait_for(lambda: len(deliveries(r, run.id)) == seen + 2 and not pending_ids(r), 10, "the copy")
+    assert [e["id"] for e in starts(events(r, work.name, "gone"))] == [run.id], "the copy ran the body again"
+    assert not is_held(r, member) and not lock_exists(r, member)
+
+
+def test_a_deferred_copy_of_a_run_that_freed_its_key_leaves_it_free(make_app: AppFactory, r: redis.Redis) -> None:
+    """until_executing frees the key as the body starts; then a copy of the running run's message arrives,
+    is refused by the run's own lock and deferred (re-published to come back later).
+
+    Proves: the deferral does not hold the key again, so a call made while
+    the body still runs is a run of its own that executes after it (its
+    delivery waits for the lock: ``reschedule``), not a duplicate of a run
+    that began before the call was made.
+    """
+    app = make_app(dedup_lock_ttl=LOCK_TTL)
+    ran = f"test:ran:{uuid.uuid4().hex}"
+
+    @app.task(
+        base=DedupTask,
+        bind=True,
+        shared=False,
+        name="guard.again",
+        dedup_key="again:{k}",
+        dedup_mode="until_executing",
+        dedup_on_locked="reschedule",
+    )
+    def again(self: Any, k: str, seconds: float) -> str:
+        r.rpush(ran, str(self.request.id))
+        time.sleep(seconds)
+        return k
+
+    member = member_for(again.name, "again:k")
+    first = again.delay("k", 2.0)
+    copy = raw_messages(r)[first.id]
+    with in_process_worker(app, pool="threads", concurrency=2):
+        wait_for(lambda: (record_of(r, member) or {}).get("state") == "started", 10, "the run to start")
+        r.rpush("celery", copy)
+        # The deferral's publish passed the gate once the record remembers two publishes.
+        wait_for(lambda: (record_of(r, member) or {}).get("nonces"), 10, "the copy to be deferred")
+        assert not is_held(r, member), "the deferral holds the key again"
+        second = again.delay("k", 0.0)
+        assert not second.deduplicated, f"a call while the body runs was answered as a duplicate of {second.id}"
+        assert second.get(timeout=15) == "k"
+        assert first.get(timeout=15) == "k"
+    assert [entry.decode() for entry in r.lrange(ran, 0, -1)] == [first.id, second.id]
 
 
 def test_copy_refused_just_before_the_run_finishes_is_not_run_again(make_app: AppFactory, r: redis.Redis) -> None:

@@ -40,10 +40,14 @@
 -- ARGV[15] with KEYS[4]: its expiry, seconds; "0" for none
 --
 -- Nothing but a lock named by ARGV[6] is touched unless the record names this
--- run (then only its memory of ended runs, see lib's REMEMBERED, and its
--- followers). A run that has ended is never recorded again (a report that
--- comes after the body settled it changes nothing); the delivery that still held
--- its lock then only releases that lock and, with ARGV[4], its key.
+-- run (then, or for a body's final ending when no record is left at all, only
+-- its memory of ended runs, see lib's REMEMBERED, and its followers). A run
+-- that has ended is never recorded again (a report that comes after the body
+-- settled it changes nothing); the delivery that still held its lock then
+-- only releases that lock and, with ARGV[4], its key. A body whose lock was
+-- taken over by another delivery of its run and that still ends ("run", a
+-- final state) records the run's ending: that delivery keeps the lock and the
+-- key until it is through, as after a "stop".
 --
 -- A final ending (not retry or queued) settles the run's followers: their
 -- parked messages are pushed, to resolve as the run ended. Retry or queued
@@ -89,27 +93,33 @@ if token ~= '' then
 end
 local final = state ~= 'retry' and state ~= 'queued' and state ~= ''
 if current[1] ~= task_id then
-  if current[1] and final then
+  if final and (current[1] or (role == 'run' and record_ms > 0)) then
     -- The record passed to another run meanwhile (while_executing, a key
-    -- released at start, a run declared lost): it remembers that this one
-    -- ended, so a late copy of it is skipped (start.lua).
+    -- released at start, a run declared lost), or is gone (an operator's
+    -- purge, a server that lost its data) while this body ran: it remembers
+    -- that this one ended, so a late copy of it is skipped (start.lua).
     local keep_ms = math.max(record_ms, redis.call('PTTL', record))
     local ended = remember_ended(prefix, member, task_id, redis.call('HGET', record, 'ended'), now_ms(), keep_ms)
     redis.call('HSET', record, 'ended', ended)
+    if not current[1] and redis.call('HLEN', record) == 1 then
+      redis.call('PEXPIRE', record, keep_ms)  -- a record of nothing but that memory
+    end
   end
   -- Only this run's followers are still this call's to settle.
   local wants = final and settle_followers(prefix, member, task_id, state, err, result, record_ms)
   return reply({0, lock_kept, wants and 1 or 0})
 end
 local run_lock = current[2]
-if token ~= '' and run_lock and run_lock ~= token then
-  -- Another delivery of this run took over (after this one lost its lock):
-  -- the record is that delivery's to finish.
-  return reply({1, lock_kept, 0})
+-- Another delivery of this run took over after this one lost its lock.
+local overtaken = token ~= '' and run_lock and run_lock ~= token
+if overtaken and not (role == 'run' and final) then
+  return reply({1, lock_kept, 0})  -- the record is that delivery's to finish
 end
--- A delivery the caller does not speak for still runs this run.
-local running = token == '' and run_lock and redis.call('GET', lock) == run_lock
-if running and role ~= 'stop' then
+-- A delivery the caller does not speak for still runs this run. A body that
+-- ended beside it (overtaken) ended the run all the same: its ending is recorded
+-- now, as a stop's is, and the lock and key stay until that delivery is through.
+local running = (token == '' or overtaken) and run_lock and redis.call('GET', lock) == run_lock
+if running and role ~= 'stop' and not overtaken then
   return reply({1, lock_kept, 0})
 end
 if drop and record_ms == 0 then
@@ -178,7 +188,7 @@ if lock_kept == 0 then
   redis.call('HSETNX', record, 'lock_lost_at', now)
   note = note == '' and 'lock lost' or note .. '; lock lost'
 end
-if token ~= '' then
+if token ~= '' and not running then
   redis.call('HDEL', record, 'lock')
 end
 if not final then

@@ -14,8 +14,10 @@
 -- ARGV[8]  history length
 -- ARGV[9]  argsrepr ("" to record none)
 -- ARGV[10] kwargsrepr ("" to record none)
--- ARGV[11] "1" if this publish continues its run (Task.retry, a deferred copy,
---          a replacement under the same key); "0" for a call
+-- ARGV[11] "1" if this publish continues its run (Task.retry, a replacement
+--          under the same key); "2" for a deferred copy of a run (it continues
+--          the run but does not hold again a key freed as the run started:
+--          calls made while the body runs are new runs); "0" for a call
 -- ARGV[12] followers a run may carry ("0": this call has nothing to continue,
 --          so as a duplicate it is only answered, see "Followers" below)
 -- ARGV[13] publish lease, ms, of the two-phase gate (no KEYS[3]: the message
@@ -79,7 +81,7 @@ local member, task_id, nonce = ARGV[1], ARGV[2], ARGV[3]
 local hold_ms, task_name, grace_ms = tonumber(ARGV[4]), ARGV[5], tonumber(ARGV[6])
 local prefix, history_len = ARGV[7], tonumber(ARGV[8])
 local argsrepr, kwargsrepr = ARGV[9], ARGV[10]
-local continues, max_followers = ARGV[11] == '1', tonumber(ARGV[12])
+local continues, defers, max_followers = ARGV[11] ~= '0', ARGV[11] == '2', tonumber(ARGV[12])
 local lease_ms = tonumber(ARGV[13])
 local message, expires_ms, tag, unacked = ARGV[14], ARGV[15], ARGV[16], ARGV[17]
 local payload = ARGV[18] or ''
@@ -135,6 +137,9 @@ if owner[6] == nonce then
 end
 
 local same_run = owner_id == task_id
+-- A deferred copy of a run that freed its key as it started (until_executing,
+-- debounce) leaves it free: a call made while the body runs is a run of its own.
+local stays_free = same_run and defers and owner_state == 'started' and tonumber(owner[3] or 0) == 0
 if continues and not same_run and owner[7] and has_ended(prefix, member, owner[7], task_id) then
   return {2, task_id}  -- it continues a run that has ended since: nothing left to run
 end
@@ -145,7 +150,9 @@ if same_run then
   if ENDED[owner_state] then
     return {2, task_id}  -- nothing left to run: nothing is pushed
   end
-  redis.call('SADD', held, member)
+  if not stays_free then
+    redis.call('SADD', held, member)
+  end
 else
   local fresh = redis.call('SADD', held, member) == 1
   if not fresh and owner_id and tonumber(owner[3] or 0) > now then
@@ -180,7 +187,7 @@ end
 
 if same_run then
   -- It keeps its state: its ending (retry) records that.
-  local until_ms = math.max(tonumber(owner[3] or 0), now + hold_ms)
+  local until_ms = stays_free and 0 or math.max(tonumber(owner[3] or 0), now + hold_ms)
   redis.call('HSET', record, 'nonce', nonce, 'nonces', remember(owner_nonce, owner_nonces), 'held_until', until_ms)
 else
   -- A key no record names yet (the usual new call) has nothing to retire.
