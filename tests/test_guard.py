@@ -449,6 +449,8 @@ def run_matrix(server: Server, pool: str, endings: tuple[str, ...]) -> dict[tupl
     }
     try:
         with worker_cm:
+            # A broadcast sent before the worker listens for them is lost, and the revokes below are broadcasts.
+            wait_for(lambda: worker_app.control.ping(timeout=0.5, limit=1), 20, "the worker to answer a ping")
             end_runs(r, worker_app, tasks, list(cells.values()))
             for cell in cells.values():
                 observe(r, cell)
