@@ -404,13 +404,29 @@ def celery_done(cell: Cell, pending: set[str]) -> bool:
     return cell.task_id not in pending and (cell.ending == "unknown" or cell.result.ready())
 
 
+def keeps_key(cell: Cell) -> bool:
+    """Whether the key stays held after the run: until_expired's window after a success."""
+    return cell.mode == "until_expired" and FINAL_STATE[cell.ending] == "succeeded"
+
+
 def dedup_done(r: redis.Redis, cell: Cell) -> bool:
-    """The dedup state is final: no transient record state, no lock."""
-    return state_of(r, cell.member) not in TRANSIENT and not lock_exists(r, cell.member)
+    """The dedup state is final: no transient record state, no lock nor a record naming one, the key as kept.
+
+    A stopped child's lock and key outlive its recorded ending until the
+    worker sees the child gone.
+    """
+    record = record_of(r, cell.member) or {}
+    return (
+        record.get("state", "") not in TRANSIENT
+        and "lock" not in record
+        and not lock_exists(r, cell.member)
+        and is_held(r, cell.member) == keeps_key(cell)
+    )
 
 
-#: How long the dedup state may lag behind Celery's (signal receivers run after the result is stored).
-SETTLE_GRACE = 3.0
+#: How long the dedup state may lag behind Celery's (signal receivers run after the result is stored,
+#: a stopped child's lock is freed once it has exited); a cell still not done then fails its checks.
+SETTLE_GRACE = 10.0
 
 
 def run_matrix(server: Server, pool: str, endings: tuple[str, ...]) -> dict[tuple[str, str], Cell]:
@@ -434,6 +450,8 @@ def run_matrix(server: Server, pool: str, endings: tuple[str, ...]) -> dict[tupl
     }
     try:
         with worker_cm:
+            # A broadcast sent before the worker listens for them is lost, and the revokes below are broadcasts.
+            wait_for(lambda: worker_app.control.ping(timeout=0.5, limit=1), 20, "the worker to answer a ping")
             end_runs(r, worker_app, tasks, list(cells.values()))
             for cell in cells.values():
                 observe(r, cell)
@@ -504,9 +522,9 @@ def check_cell(cell: Cell) -> None:
     mode, ending = cell.mode, cell.ending
     assert cell.starts == BODY_STARTS[ending], f"body started {cell.starts} times"
     assert not cell.lock, "an execution lock was left behind"
-    keeps_key = mode == "until_expired" and FINAL_STATE[ending] == "succeeded"
-    assert cell.held == keeps_key, f"key held afterwards: {cell.held}"
-    if keeps_key:
+    kept = keeps_key(cell)
+    assert cell.held == kept, f"key held afterwards: {cell.held}"
+    if kept:
         assert cell.held_until_ms > cell.observed_ms, "until_expired keeps its enqueue deadline after success"
 
     never_recorded = mode == "while_executing" and BODY_STARTS[ending] == 0  # no gate, never started
@@ -529,10 +547,10 @@ def check_cell(cell: Cell) -> None:
             assert cell.record.get("error", "").startswith("RuntimeError: boom"), cell.record
         if ending == "soft_limit":
             assert cell.record.get("error", "").startswith("SoftTimeLimitExceeded"), cell.record
-        if not keeps_key:
+        if not kept:
             assert cell.record["held_until"] == "0", "a released key keeps no deadline"
 
-    if keeps_key:
+    if kept:
         assert cell.new_deduplicated is True and cell.new_id == cell.task_id, "inside the window: a duplicate"
         return
     assert cell.new_deduplicated is False and cell.new_id != cell.task_id, "a new call after the ending is accepted"
@@ -571,6 +589,83 @@ def test_ending_on_prefork(prefork_matrix: dict[tuple[str, str], Cell], mode: st
 def test_ending_in_process(inprocess_matrix: dict[tuple[str, str], Cell], mode: str, ending: str) -> None:
     """The endings that need no process boundary, on the solo and threads pools."""
     check_cell(inprocess_matrix[(mode, ending)])
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("mode", ["until_executed", "while_executing"])
+def test_child_lost_after_its_lock_expired_leaves_no_lock_in_the_record(
+    server: Server, r: redis.Redis, make_app: AppFactory, mode: str
+) -> None:
+    """A pool child dies, and its worker's main process reports it only after the child's lock expired.
+
+    The main process is stopped (SIGSTOP: busy, swapped out) while the child
+    is SIGKILLed and its lock runs out. Proves: the late report records the
+    run lost and frees its key, and the record names no lock any more; the
+    next call of the key runs.
+    """
+    app = make_app(dedup_lock_ttl=LOCK_TTL)
+    work = register(app)[f"guard.work.{mode}"]
+    member = member_for(work.name, "job:late")
+    with guard_worker(server, concurrency=1) as worker:
+        run = work.delay("late", "sleep", 30.0)
+        child = wait_for(lambda: starts(events(r, work.name, "late")), 15, "the run to start")[0]["pid"]
+        os.kill(worker.process.pid, signal.SIGSTOP)
+        try:
+            os.kill(child, signal.SIGKILL)
+            wait_for(lambda: not lock_exists(r, member), 10, "the dead child's lock to expire")
+            assert state_of(r, member) == "started", "premise: the stopped main process has not reported the child"
+        finally:
+            os.kill(worker.process.pid, signal.SIGCONT)
+        wait_for(lambda: state_of(r, member) == "lost", 15, lambda: f"the run recorded lost: {record_of(r, member)}")
+        record = record_of(r, member)
+        assert record is not None and record["task_id"] == run.id
+        assert "lock" not in record, f"the record still names the dead child's expired lock: {record}"
+        assert record["held_until"] == "0" and not is_held(r, member)
+        again = work.delay("late", "ok")
+        assert not again.deduplicated
+        assert again.get(timeout=15) == "late"
+
+
+@pytest.mark.slow
+def test_stopped_child_seen_gone_only_after_its_lock_expired_frees_record_and_key(
+    server: Server, r: redis.Redis, make_app: AppFactory, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A terminated run's child exits, and its worker acts on the exit only after the child's lock expired.
+
+    ``revoke(terminate=True)`` records the run revoked and leaves its lock and
+    key to the child until it exits; here the child is stopped (the revoke's
+    signal is SIGSTOP), then SIGKILLed while the worker's main process is
+    stopped, and resumed only once the lock has expired. Proves: the worker
+    still frees the key, and the record names no lock any more; the next call
+    of the key runs.
+    """
+    monkeypatch.setenv("GUARD_LOCK_TTL", "5")  # the worker waits for the child's exit as long as the lock lives
+    app = make_app(dedup_lock_ttl=5)
+    work = register(app)["guard.work.until_executed"]
+    member = member_for(work.name, "job:gone")
+    with guard_worker(server, concurrency=1) as worker:
+        run = work.delay("gone", "sleep", 60.0)
+        child = wait_for(lambda: starts(events(r, work.name, "gone")), 15, "the run to start")[0]["pid"]
+        app.control.revoke(run.id, terminate=True, signal="SIGSTOP")
+        wait_for(lambda: state_of(r, member) == "revoked", 10, lambda: f"the revoke recorded: {record_of(r, member)}")
+        os.kill(worker.process.pid, signal.SIGSTOP)
+        try:
+            assert lock_exists(r, member) and is_held(r, member), "premise: lock and key wait for the child"
+            os.kill(child, signal.SIGKILL)
+            wait_for(lambda: not lock_exists(r, member), 10, "the dead child's lock to expire")
+        finally:
+            os.kill(worker.process.pid, signal.SIGCONT)
+        wait_for(
+            lambda: not is_held(r, member) and "lock" not in (record_of(r, member) or {}),
+            10,
+            lambda: f"the key freed and the lock gone from the record: {record_of(r, member)}",
+        )
+        record = record_of(r, member)
+        assert record is not None and (record["task_id"], record["state"]) == (run.id, "revoked")
+        assert record["held_until"] == "0"
+        again = work.delay("gone", "ok")
+        assert not again.deduplicated
+        assert again.get(timeout=15) == "gone"
 
 
 # --------------------------------------------------------------------------- 4. delivery guard

@@ -162,9 +162,10 @@ end
 -- (Not after `lost`: a run declared lost may still finish, and then how it
 -- really ended is recorded.)
 if ENDED[current[3]] then
-  if released then
-    -- The delivery that held the run's lock is through after an earlier
-    -- report recorded the ending (a terminate it survived, or outlived).
+  -- The delivery that held the run's lock is through after an earlier report
+  -- recorded the ending (a terminate it survived, or outlived): its lock was
+  -- released here or, for a report, ran out before its exit was acted on.
+  if released or (role ~= 'run' and run_lock and redis.call('GET', lock) ~= run_lock) then
     redis.call('HDEL', record, 'lock')
     settle_key()
   end
@@ -188,7 +189,9 @@ if lock_kept == 0 then
   redis.call('HSETNX', record, 'lock_lost_at', now)
   note = note == '' and 'lock lost' or note .. '; lock lost'
 end
-if token ~= '' and not running then
+if not running then
+  -- The run's lock was released above, or is gone already (it expired before
+  -- this report came): the record names it no more.
   redis.call('HDEL', record, 'lock')
 end
 if not final then
