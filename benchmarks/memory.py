@@ -66,7 +66,7 @@ from celery_dedup.gate import result_payload
 from celery_dedup.keys import KeySchema, member_for, task_namespace
 from celery_dedup.lock import new_token
 from celery_dedup.processes import HOST_CHARS, owner_of
-from celery_dedup.store import DedupStore
+from celery_dedup.store.store import DedupStore
 from celery_dedup.testing import RedisServer
 
 QUEUE = "bench-memory"

@@ -44,7 +44,7 @@ from benchmarks.admin import LIST, TASKS, build_app, configure_django, render
 from celery_dedup import runtime
 from celery_dedup.keys import member_for, new_nonce, new_task_id
 from celery_dedup.lock import new_token
-from celery_dedup.store import GateCall
+from celery_dedup.store.store import GateCall
 from celery_dedup.testing import RedisServer
 
 QUEUE = "bench-scale"

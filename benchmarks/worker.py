@@ -55,7 +55,7 @@ from benchmarks.worker_app import PREFIX, QUEUE, build_app, peer_bases
 from celery_dedup import runtime
 from celery_dedup.keys import member_for, new_nonce, new_task_id
 from celery_dedup.lock import new_token
-from celery_dedup.store import load_script
+from celery_dedup.store.scripts import load_script
 from celery_dedup.testing import RedisServer
 
 STAGING = "bench-worker-staging"

@@ -29,8 +29,8 @@ from .exceptions import (
 from .gate import Outcome, last_outcome
 from .keyed import DedupResult
 from .runtime import reap, stats
-from .status import HistoryEntry, Status
-from .store import Page, ReapReport, Record
+from .store.status import HistoryEntry, Status
+from .store.store import Page, ReapReport, Record
 from .task import DedupTask, check_bound_tasks
 
 __version__ = "0.1.0"
@@ -73,7 +73,7 @@ def records(
 
     Pass ``page.cursor`` back for the next page; it is None on the last.
 
-    Filters: ``state`` (one of ``celery_dedup.store.STATES``: pending,
+    Filters: ``state`` (one of ``celery_dedup.store.status.STATES``: pending,
     publishing, queued, started, retry, succeeded, failed, revoked, rejected,
     ignored, lost, skipped, released, replaced), ``task`` (a task name) and ``prefix``
     (of the business key, e.g. ``"order:4"``; results then come in key order).

@@ -33,7 +33,7 @@ from .exceptions import DedupArgumentError, DedupStoreError, DedupUnavailableErr
 from .gate import HEADER, GateHeader
 from .keyed import DedupResult, KeyedTask, delay_seconds
 from .keys import member_for, new_nonce, new_task_id, split_member
-from .store import DedupStore, GateCall
+from .store.store import DedupStore, GateCall
 from .transport import GatedChannelMixin
 
 #: kombu's delivery modes by name (``kombu.entity.DELIVERY_MODES``, untyped there).

@@ -19,7 +19,7 @@ from redis.cluster import RedisCluster
 
 from . import runtime
 from .exceptions import DedupError
-from .store import masked_url
+from .store.connection import masked_url
 from .task import DedupTask
 
 #: kombu's Redis transport redelivers an unacknowledged message after this many seconds by default.

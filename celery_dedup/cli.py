@@ -48,8 +48,8 @@ from .checks import run_checks
 from .decisions import DECISIONS
 from .exceptions import DedupError
 from .keys import member_for, split_member, task_from_namespace
-from .status import FIELD_DOC, FIELD_DOCS, HistoryEntry, Status, from_ms
-from .store import ENDED_STATES, STATES, KeyDetail, ReleaseResult
+from .store.status import ENDED_STATES, FIELD_DOC, FIELD_DOCS, STATES, HistoryEntry, Status, from_ms
+from .store.store import KeyDetail, ReleaseResult
 from .task import DedupTask
 
 OK, USAGE, NOT_FOUND, REFUSED, CHECK_FAILED, NOT_HELD = 0, 1, 2, 3, 4, 5

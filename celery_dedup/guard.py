@@ -34,7 +34,7 @@ from .keyed import KeyedTask
 from .keys import member_for, split_member
 from .lock import ExecutionLock, renewer
 from .processes import exit_watcher, owner_gone, token_pid
-from .store import BackendResult, DedupStore, Finished, StartDecision
+from .store.store import BackendResult, DedupStore, Finished, StartDecision
 
 logger = logging.getLogger("celery_dedup")
 

@@ -41,7 +41,7 @@ from . import decisions, processes, runtime
 from .exceptions import DedupConfigError, DedupError
 from .gate import GateHeader
 from .keys import KeyOption, KeySchema, KeySpec, member_for, split_member, task_namespace
-from .store import DedupStore, _text
+from .store.store import DedupStore, _text
 
 if TYPE_CHECKING:
     import inspect

@@ -21,7 +21,7 @@ import redis
 from . import processes
 from .exceptions import store_failure
 from .limits import SlotLease, renew_leases, slot_lost
-from .store import DedupStore, LockRef
+from .store.store import DedupStore, LockRef
 
 logger = logging.getLogger("celery_dedup")
 

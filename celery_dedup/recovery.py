@@ -41,7 +41,7 @@ from kombu.utils.json import dumps, loads
 
 from . import runtime
 from .processes import owner_gone, owner_of, token
-from .store import DedupStore
+from .store.store import DedupStore
 
 logger = logging.getLogger("celery_dedup")
 

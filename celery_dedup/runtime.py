@@ -29,7 +29,8 @@ from . import decisions
 from .config import DedupConfig
 from .exceptions import DedupArgumentError, DedupConfigError
 from .keys import split_member, task_from_namespace
-from .store import DedupStore, ReapReport, broker_client, client_from_url, cluster_seeds, masked_options, masked_url
+from .store.connection import broker_client, client_from_url, cluster_seeds, masked_options, masked_url
+from .store.store import DedupStore, ReapReport
 
 logger = logging.getLogger("celery_dedup")
 

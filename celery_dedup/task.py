@@ -35,8 +35,8 @@ from .guard import guarded_call, hand_over, lock_lost, replacing
 from .keyed import DedupResult, TaskPolicy, delay_seconds
 from .keys import KeyOption, KeySpec, member_for, new_nonce, new_task_id, split_member
 from .modes import MODES, Mode
-from .status import Status
-from .store import DedupStore
+from .store.status import Status
+from .store.store import DedupStore
 
 logger = logging.getLogger("celery_dedup")
 

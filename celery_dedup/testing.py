@@ -64,7 +64,7 @@ from redis.crc import key_slot
 
 from . import install, runtime
 from .keys import member_for
-from .status import Status
+from .store.status import Status
 from .task import DedupTask
 
 #: A running server to use instead of starting one; its database is emptied before each test that uses it.

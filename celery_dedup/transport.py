@@ -17,7 +17,8 @@ from kombu.utils.json import dumps
 
 from .exceptions import DedupRoutingError
 from .gate import GateHeader, message_payload, report
-from .store import DedupStore, GateCall, Scripts
+from .store.scripts import Scripts
+from .store.store import DedupStore, GateCall
 
 
 class GatedChannelMixin:

@@ -31,7 +31,7 @@ from celery_dedup import DedupTask, ReapReport, guard, limits, processes
 from celery_dedup import runtime as dedup_runtime
 from celery_dedup.keys import KeySchema, member_for, task_namespace
 from celery_dedup.lock import RENEW_FRACTION
-from celery_dedup.store import load_script
+from celery_dedup.store.scripts import load_script
 from chaos.proxy import FaultProxy
 
 from .conftest import AppFactory, Server, WorkerProcess, in_process_worker, new_app, queued_messages, wait_for

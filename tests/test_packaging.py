@@ -35,7 +35,7 @@ README = ROOT / "README.md"
 README_BROKER = "redis://127.0.0.1:6379/0"
 PACKAGE_DATA = (
     "celery_dedup/py.typed",
-    "celery_dedup/scripts/*.lua",
+    "celery_dedup/store/lua/*.lua",
     "celery_dedup/contrib/django/templates/**/*.html",
 )
 #: What a working tree accumulates besides its sources (see .gitignore).

@@ -28,7 +28,7 @@ from kombu.messaging import Producer
 import celery_dedup
 from celery_dedup import DedupTask, runtime
 from celery_dedup.keys import KeySchema
-from celery_dedup.status import Status
+from celery_dedup.store.status import Status
 from celery_dedup.testing import RabbitMQNode
 
 from . import rabbitmq_app

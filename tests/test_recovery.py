@@ -31,7 +31,7 @@ import redis
 from celery_dedup import processes, recovery, runtime
 from celery_dedup.keys import KeySchema
 from celery_dedup.lock import new_token
-from celery_dedup.store import DedupStore
+from celery_dedup.store.store import DedupStore
 
 from . import crash_app
 from .conftest import ROOT, AppFactory, Server, WorkerProcess, queued_messages, wait_for

@@ -42,8 +42,9 @@ from celery_dedup.exceptions import (
 )
 from celery_dedup.gate import decode_payload
 from celery_dedup.keys import split_member, task_from_namespace
-from celery_dedup.status import STATE_HELP
-from celery_dedup.store import ENDED_STATES, STATES, KeyDetail, ReleaseResult, masked_url
+from celery_dedup.store.connection import masked_url
+from celery_dedup.store.status import ENDED_STATES, STATE_HELP, STATES
+from celery_dedup.store.store import KeyDetail, ReleaseResult
 
 from .conf import celery_app, store_url
 from .detail import groups_of
