@@ -62,9 +62,9 @@ from celery import Celery
 import celery_dedup
 from benchmarks import harness
 from celery_dedup import DedupTask, runtime
-from celery_dedup.gate import result_payload
 from celery_dedup.keys import KeySchema, member_for, task_namespace
 from celery_dedup.lock import new_token
+from celery_dedup.payloads import result_payload
 from celery_dedup.processes import HOST_CHARS, owner_of
 from celery_dedup.store.store import DedupStore
 from celery_dedup.testing import RedisServer

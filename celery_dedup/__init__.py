@@ -26,11 +26,11 @@ from .exceptions import (
     DedupUnavailableError,
     DuplicateTaskError,
 )
-from .gate import Outcome, last_outcome
-from .keyed import DedupResult
+from .publish.result import DedupResult
+from .publish.ticket import last_outcome
 from .runtime import reap, stats
 from .store.status import HistoryEntry, Status
-from .store.store import Page, ReapReport, Record
+from .store.store import Outcome, Page, ReapReport, Record
 from .task import DedupTask, check_bound_tasks
 
 __version__ = "0.1.0"

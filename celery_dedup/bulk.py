@@ -30,9 +30,11 @@ from kombu.exceptions import OperationalError
 
 from . import runtime
 from .exceptions import DedupArgumentError, DedupStoreError, DedupUnavailableError, DuplicateTaskError, server_reply
-from .gate import HEADER, GateHeader
-from .keyed import DedupResult, KeyedTask, delay_seconds
+from .header import HEADER, GateHeader
+from .keyed import KeyedTask
 from .keys import member_for, new_nonce, new_task_id, split_member
+from .publish.delay import delay_seconds
+from .publish.result import DedupResult
 from .store.store import DedupStore, GateCall
 from .transport import GatedChannelMixin
 

@@ -42,12 +42,12 @@ from celery.bin.base import CLIContext
 
 import celery_dedup
 
-from . import limits as limit_groups
 from . import operations, runtime
 from .checks import run_checks
 from .decisions import DECISIONS
 from .exceptions import DedupError
 from .keys import member_for, split_member, task_from_namespace
+from .store import limits as limit_groups
 from .store.status import ENDED_STATES, FIELD_DOC, FIELD_DOCS, STATES, HistoryEntry, Status, from_ms
 from .store.store import KeyDetail, ReleaseResult
 from .task import DedupTask

@@ -29,10 +29,11 @@ from kombu.utils.json import loads
 
 from . import decisions, limits, processes, recovery, results, runtime
 from .exceptions import UNREACHABLE, DedupError, DedupFollowerError, DedupStoreError, DedupUnavailableError
-from .gate import DEFERS_OPTION, GateHeader, call_payload, decode_payload, decode_result, result_payload
+from .header import DEFERS_OPTION, GateHeader
 from .keyed import KeyedTask
 from .keys import member_for, split_member
 from .lock import ExecutionLock, renewer
+from .payloads import call_payload, decode_payload, decode_result, result_payload
 from .processes import exit_watcher, owner_gone, token_pid
 from .store.store import BackendResult, DedupStore, Finished, StartDecision
 

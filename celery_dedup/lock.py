@@ -20,7 +20,8 @@ import redis
 
 from . import processes
 from .exceptions import store_failure
-from .limits import SlotLease, renew_leases, slot_lost
+from .limits import SlotLease, slot_lost
+from .store.limits import renew_leases
 from .store.store import DedupStore, LockRef
 
 logger = logging.getLogger("celery_dedup")

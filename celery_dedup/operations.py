@@ -12,8 +12,8 @@ from typing import Any
 
 from . import decisions, runtime
 from .exceptions import DedupArgumentError, DedupOperationError
-from .gate import decode_payload
 from .keys import split_member, task_from_namespace
+from .payloads import decode_payload
 from .store.status import ENDED_STATES
 from .store.store import KeyDetail, PurgeReport, ReleaseResult
 from .task import DedupTask

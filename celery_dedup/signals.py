@@ -20,10 +20,11 @@ from celery.exceptions import Reject, TimeLimitExceeded
 from kombu.utils.imports import symbol_by_name
 
 from . import relay, runtime
-from .gate import HEADER, GateHeader, Ticket, open_ticket
 from .guard import FAILED, LOST, REJECTED, REVOKED, settle_elsewhere
-from .keyed import delay_seconds
+from .header import HEADER, GateHeader
 from .keys import member_for
+from .publish.delay import delay_seconds
+from .publish.ticket import Ticket, open_ticket
 from .task import DedupTask, carries_continuation
 
 logger = logging.getLogger("celery_dedup")

@@ -16,7 +16,7 @@ from celery import Task
 from celery.utils.saferepr import saferepr
 from kombu.exceptions import OperationalError
 
-from . import decisions, limits, relay, runtime
+from . import decisions, relay, runtime
 from .bulk import apply_async_many
 from .config import check_debounce, check_mode, check_on_duplicate, check_on_locked, check_ttl
 from .exceptions import (
@@ -30,13 +30,17 @@ from .exceptions import (
     server_reply,
     unreachable,
 )
-from .gate import DEFERS_OPTION, HEADER, UNGATED, GateHeader, Outcome, open_ticket, report
 from .guard import guarded_call, hand_over, lock_lost, replacing
-from .keyed import DedupResult, TaskPolicy, delay_seconds
+from .header import DEFERS_OPTION, HEADER, UNGATED, GateHeader
 from .keys import KeyOption, KeySpec, member_for, new_nonce, new_task_id, split_member
 from .modes import MODES, Mode
+from .policy import LimitPolicy, TaskPolicy
+from .policy import resolve as resolve_limits
+from .publish.delay import delay_seconds
+from .publish.result import DedupResult
+from .publish.ticket import open_ticket, report
 from .store.status import Status
-from .store.store import DedupStore
+from .store.store import DedupStore, Outcome
 
 logger = logging.getLogger("celery_dedup")
 
@@ -191,12 +195,12 @@ class DedupTask(_TaskBase):
         )
 
     @classmethod
-    def _resolve_limits(cls, signature: inspect.Signature, max_key_length: int) -> limits.LimitPolicy | None:
+    def _resolve_limits(cls, signature: inspect.Signature, max_key_length: int) -> LimitPolicy | None:
         """``limit_key``, ``limit_concurrency`` and ``limit_rate``, validated (see :mod:`celery_dedup.limits`)."""
         key = cls.__dict__.get("limit_key", cls.limit_key)
         if isinstance(key, staticmethod):
             key = key.__func__
-        return limits.resolve(cls.name, key, cls.limit_concurrency, cls.limit_rate, signature, max_key_length)
+        return resolve_limits(cls.name, key, cls.limit_concurrency, cls.limit_rate, signature, max_key_length)
 
     @classmethod
     def _refuse_unknown_options(cls) -> None:

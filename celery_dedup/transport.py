@@ -16,7 +16,9 @@ from kombu.transport import redis as kombu_redis
 from kombu.utils.json import dumps
 
 from .exceptions import DedupRoutingError
-from .gate import GateHeader, message_payload, report
+from .header import GateHeader
+from .payloads import message_payload
+from .publish.ticket import report
 from .store.scripts import Scripts
 from .store.store import DedupStore, GateCall
 

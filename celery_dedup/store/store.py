@@ -12,7 +12,6 @@ from redis.cluster import RedisCluster
 from redis.crc import key_slot
 
 from ..exceptions import DedupArgumentError
-from ..gate import Outcome
 from ..keys import CLUSTER_SHARDS, KeySchema, split_member, task_namespace
 from .scripts import Scripts
 from .status import ENDED_STATES, STATES, Status
@@ -84,6 +83,22 @@ class ReapReport:
     vanished: int = 0
     #: ``(member, task id, why)`` of each run this call marked lost.
     runs: tuple[tuple[str, str, str], ...] = ()
+
+
+@dataclass(frozen=True)
+class Outcome:
+    """What the gate decided: ``task_id`` is the accepted run's id either way."""
+
+    accepted: bool
+    task_id: str
+    #: Not accepted, but joined the accepted run's burst (debounce): its
+    #: arguments may be the ones that run.
+    collapsed: bool = False
+    #: Not accepted, but parked as a follower of the accepted run: its own
+    #: message is delivered once that run ends, and resolves as it ended.
+    followed: bool = False
+    #: Not accepted, and not parked: the run has ``dedup_max_followers`` already.
+    refused: bool = False
 
 
 @dataclass(frozen=True)

@@ -30,7 +30,6 @@ from kombu.exceptions import OperationalError
 
 import celery_dedup
 from celery_dedup import DedupTask, operations, runtime
-from celery_dedup import limits as limit_groups
 from celery_dedup.decisions import DECISIONS
 from celery_dedup.exceptions import (
     STORE_ERRORS,
@@ -40,8 +39,9 @@ from celery_dedup.exceptions import (
     DedupStoreError,
     DedupUnavailableError,
 )
-from celery_dedup.gate import decode_payload
 from celery_dedup.keys import split_member, task_from_namespace
+from celery_dedup.payloads import decode_payload
+from celery_dedup.store import limits as limit_groups
 from celery_dedup.store.connection import masked_url
 from celery_dedup.store.status import ENDED_STATES, STATE_HELP, STATES
 from celery_dedup.store.store import KeyDetail, ReleaseResult
