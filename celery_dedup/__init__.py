@@ -15,7 +15,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from . import runtime, signals, steps
+from . import runtime
 from .exceptions import (
     DedupArgumentError,
     DedupConfigError,
@@ -26,12 +26,14 @@ from .exceptions import (
     DedupUnavailableError,
     DuplicateTaskError,
 )
+from .publish import sender
 from .publish.result import DedupResult
 from .publish.ticket import last_outcome
 from .runtime import reap, stats
 from .store.status import HistoryEntry, Status
 from .store.store import Outcome, Page, ReapReport, Record
 from .task import DedupTask, check_bound_tasks
+from .worker import bootsteps, signals
 
 __version__ = "0.1.0"
 
@@ -96,6 +98,7 @@ def install(app: Any) -> None:
     """
     runtime.install(app)
     check_bound_tasks(app)
-    signals.connect(app)
-    app.steps["worker"].add(steps.ReaperStep)
-    app.steps["worker"].add(steps.DispatchStep)
+    sender.gate_send_task(app)
+    signals.connect()
+    app.steps["worker"].add(bootsteps.ReaperStep)
+    app.steps["worker"].add(bootsteps.DispatchStep)

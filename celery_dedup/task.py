@@ -16,7 +16,7 @@ from celery import Task
 from celery.utils.saferepr import saferepr
 from kombu.exceptions import OperationalError
 
-from . import decisions, relay, runtime
+from . import decisions, runtime
 from .bulk import apply_async_many
 from .config import check_debounce, check_mode, check_on_duplicate, check_on_locked, check_ttl
 from .exceptions import (
@@ -30,7 +30,6 @@ from .exceptions import (
     server_reply,
     unreachable,
 )
-from .guard import guarded_call, hand_over, lock_lost, replacing
 from .header import DEFERS_OPTION, HEADER, UNGATED, GateHeader
 from .keys import KeyOption, KeySpec, member_for, new_nonce, new_task_id, split_member
 from .modes import MODES, Mode
@@ -41,6 +40,8 @@ from .publish.result import DedupResult
 from .publish.ticket import open_ticket, report
 from .store.status import Status
 from .store.store import DedupStore, Outcome
+from .worker import relay
+from .worker.guard import guarded_call, hand_over, lock_lost, replacing
 
 logger = logging.getLogger("celery_dedup")
 
@@ -126,7 +127,7 @@ class DedupTask(_TaskBase):
     - ``dedup_on_locked``: ``skip`` (default; ``reschedule`` for debounce) or
       ``reschedule`` a run that finds another run of its key executing.
     - ``limit_concurrency``, ``limit_rate`` (``"30/m"``), ``limit_key``: at most
-      N bodies at once, R starts per period, per group (see :mod:`celery_dedup.limits`).
+      N bodies at once, R starts per period, per group (see :mod:`celery_dedup.worker.limits`).
 
     Example:
         >>> @app.task(base=DedupTask, dedup_key="order:{order_id}")
@@ -196,7 +197,7 @@ class DedupTask(_TaskBase):
 
     @classmethod
     def _resolve_limits(cls, signature: inspect.Signature, max_key_length: int) -> LimitPolicy | None:
-        """``limit_key``, ``limit_concurrency`` and ``limit_rate``, validated (see :mod:`celery_dedup.limits`)."""
+        """``limit_key``, ``limit_concurrency`` and ``limit_rate``, validated (see :mod:`celery_dedup.policy`)."""
         key = cls.__dict__.get("limit_key", cls.limit_key)
         if isinstance(key, staticmethod):
             key = key.__func__
@@ -298,7 +299,7 @@ class DedupTask(_TaskBase):
         return runtime.store_for(self.app).status(member)
 
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
-        """Run the body under the execution guard (see :mod:`celery_dedup.guard`).
+        """Run the body under the execution guard (see :mod:`celery_dedup.worker.guard`).
 
         The key is settled here, before Celery stores the result: a caller who
         sees the result and calls again starts a new run, never the finished one.
@@ -311,7 +312,7 @@ class DedupTask(_TaskBase):
         The run's lock is handed over and its record set back to ``queued``, so
         the replacement starts at once and the key stays held; a replacement
         under another key (or a plain task) ends this run as ``replaced``, and
-        its followers then resolve as the replacement ends (see :mod:`celery_dedup.relay`).
+        its followers then resolve as the replacement ends (see :mod:`celery_dedup.worker.relay`).
         """
         own = replacing(self, getattr(sig, "name", None) or type(sig).__name__)
         relay.carry(self.request, sig, own)

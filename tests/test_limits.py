@@ -1,7 +1,7 @@
 """Per-group concurrency and rate limits (``limit_key``, ``limit_concurrency``, ``limit_rate``).
 
 Three tiers: option parsing and validation (no server); the group scripts on
-the real server (``celery_dedup.limits`` against the store); and real prefork
+the real server (``celery_dedup.worker.limits`` against the store); and real prefork
 workers (``celery -A tests.limits_app worker``) whose bodies record their
 start and end on the server's clock, from which the limits are checked as
 properties: never more than N of a group at once, never more than R starts
@@ -25,13 +25,14 @@ from urllib.parse import urlparse
 import pytest
 import redis
 
-from celery_dedup import DedupTask, limits, processes
+from celery_dedup import DedupTask
 from celery_dedup.exceptions import DedupConfigError
 from celery_dedup.keys import KeySchema
 from celery_dedup.policy import LimitPolicy, Rate, parse_rate
 from celery_dedup.runtime import store_for
 from celery_dedup.store import limits as store_limits
 from celery_dedup.store.limits import Denial, Grant
+from celery_dedup.worker import limits, processes
 from chaos.proxy import FaultProxy
 
 from . import limits_app
@@ -413,7 +414,7 @@ def test_limits_combine_with_every_dedup_mode(server: Server, r: redis.Redis, ta
 
 def test_a_run_revoked_while_it_waits_leaves_the_line(make_app: AppFactory, r: redis.Redis) -> None:
     """An ending reported from outside the body (here a revoke) takes the run out of its group's waiting line."""
-    from celery_dedup.guard import settle_elsewhere  # noqa: PLC0415
+    from celery_dedup.worker.guard import settle_elsewhere  # noqa: PLC0415
 
     app = make_app("limits_app")
     tasks = limits_app.register(app)
@@ -534,7 +535,7 @@ def test_a_rate_only_run_holds_no_slot_and_reports_none_lost(
 
 
 def test_a_limits_only_run_revoked_while_it_waits_leaves_the_line(make_app: AppFactory, r: redis.Redis) -> None:
-    from celery_dedup.guard import settle_elsewhere  # noqa: PLC0415
+    from celery_dedup.worker.guard import settle_elsewhere  # noqa: PLC0415
 
     app = make_app("limits_app")
     task = limits_app.register(app).by_mode["off"]

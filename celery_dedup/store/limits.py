@@ -1,7 +1,7 @@
 """A limit group's state in Redis: places taken and given back, slot leases renewed, groups read for operators.
 
 The delivery side (who asks, when a run waits, what a lost slot means) is
-``celery_dedup.limits``; see there for how limits work.
+``celery_dedup.worker.limits``; see there for how limits work.
 """
 
 from __future__ import annotations

@@ -28,27 +28,32 @@ from __future__ import annotations
 import logging
 import random
 import threading
-from typing import TYPE_CHECKING, Any, NoReturn
+from collections.abc import Hashable
+from typing import TYPE_CHECKING, Any, ClassVar, NoReturn
 
 import redis
 from celery.exceptions import Ignore
 
-from . import decisions, processes, runtime
-from .exceptions import DedupError
-from .header import GateHeader
-from .keys import member_for, split_member
-from .policy import LimitPolicy
-from .store.limits import Denial, Grant, acquire, give_back, note, release
-from .store.store import DedupStore
+from .. import decisions, runtime
+from ..exceptions import DedupError
+from ..header import GateHeader
+from ..keys import member_for, split_member
+from ..policy import LimitPolicy
+from ..store.limits import Denial, Grant, acquire, give_back, note, release, renew_leases
+from ..store.store import DedupStore
+from . import processes
+from .lock import renewer
 
 if TYPE_CHECKING:
-    from .keyed import KeyedTask
+    from ..keyed import KeyedTask
 
 logger = logging.getLogger("celery_dedup")
 
 
 class SlotLease:
     """One delivery's place in its group (a slot, a start), renewed by the process's renewer with its lock."""
+
+    gone: ClassVar[str] = "expired or evicted: the run goes on beyond its group's limit"
 
     def __init__(
         self,
@@ -80,6 +85,15 @@ class SlotLease:
     def __repr__(self) -> str:
         return f"<SlotLease {self.member!r} token={self.token!r} lost={self.lost.is_set()}>"
 
+    def batch(self) -> Hashable:
+        return SlotLease, id(self.store.client), self.ttl_ms
+
+    def renew(self, batch: list[SlotLease]) -> list[SlotLease]:
+        return renew_leases(batch, lease_ms=self.ttl_ms)
+
+    def lose(self, why: str) -> None:
+        slot_lost(self, why)
+
 
 #: The leases this process holds, by delivery (token): two deliveries of one run may both hold one a moment.
 _held: dict[str, SlotLease] = {}
@@ -99,7 +113,7 @@ def current(task_id: str | None) -> Grant | None:
 
 
 def owner_gone(token: str) -> bool:
-    """Whether the delivery that took slot ``token`` provably runs no more (:func:`~celery_dedup.processes.ended`).
+    """Whether the delivery that took slot ``token`` provably runs no more (:func:`.processes.ended`).
 
     A sibling delivery of this process is alive from before it asked for the
     slot until it gave the slot back; another machine's is never judged dead.
@@ -129,7 +143,7 @@ def admit(task: KeyedTask, store: DedupStore, member: str | None, token: str) ->
 
     Returns the lease to renew and give back (None: the task has no limits).
     ``member``: the run's dedup member, whose record says that it waits.
-    ``token``: the delivery's, claimed (:func:`~celery_dedup.processes.claim`)
+    ``token``: the delivery's, claimed (:func:`~celery_dedup.worker.processes.claim`)
     until the lease is given back.
     """
     request = task.request
@@ -156,8 +170,6 @@ def admit(task: KeyedTask, store: DedupStore, member: str | None, token: str) ->
             note(store, member, run_id, "granted", str(grant.waited_ms))
         except redis.RedisError:
             logger.exception("%s[%s]: could not record its wait", task.name, run_id)
-    from .lock import renewer  # noqa: PLC0415 - lock imports this module
-
     keeper = renewer()
     lease = SlotLease(
         store, group, token, run_id, lease_ms, grant, now=keeper.clock(), slot=limit.concurrency is not None
@@ -181,8 +193,6 @@ def leave(lease: SlotLease | None, *, ran: bool) -> None:
     """Give back a lease (``ran``: its body ran); store errors are logged: its expiry frees it."""
     if lease is None:
         return
-    from .lock import renewer  # noqa: PLC0415 - lock imports this module
-
     renewer().remove(lease)
     _held.pop(lease.token, None)
     try:
