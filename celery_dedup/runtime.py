@@ -37,9 +37,9 @@ logger = logging.getLogger("celery_dedup")
 _ATTR = "_celery_dedup_runtime"
 #: URL scheme -> the gated transport kombu resolves it to once installed.
 TRANSPORTS = {
-    "redis": "celery_dedup.transport:Transport",
-    "rediss": "celery_dedup.transport:Transport",
-    "sentinel": "celery_dedup.transport:SentinelTransport",
+    "redis": "celery_dedup.transports.redis:Transport",
+    "rediss": "celery_dedup.transports.redis:Transport",
+    "sentinel": "celery_dedup.transports.redis:SentinelTransport",
 }
 
 

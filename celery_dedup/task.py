@@ -17,7 +17,6 @@ from celery.utils.saferepr import saferepr
 from kombu.exceptions import OperationalError
 
 from . import decisions, runtime
-from .bulk import apply_async_many
 from .config import check_debounce, check_mode, check_on_duplicate, check_on_locked, check_ttl
 from .exceptions import (
     STORE_ERRORS,
@@ -35,6 +34,7 @@ from .keys import KeyOption, KeySpec, member_for, new_nonce, new_task_id, split_
 from .modes import MODES, Mode
 from .policy import LimitPolicy, TaskPolicy
 from .policy import resolve as resolve_limits
+from .publish.bulk import apply_async_many
 from .publish.delay import delay_seconds
 from .publish.result import DedupResult
 from .publish.ticket import open_ticket, report
@@ -547,7 +547,7 @@ class DedupTask(_TaskBase):
         """Enqueue many ``(args, kwargs)`` calls, each gated atomically, in pipelined round trips.
 
         One result per call, in order; duplicates (held before, or repeated in
-        the batch) are marked ``deduplicated``. See :mod:`celery_dedup.bulk`.
+        the batch) are marked ``deduplicated``. See :mod:`celery_dedup.publish.bulk`.
 
         Example:
             >>> results = notify.apply_async_many([((customer_id,), {}) for customer_id in customers])

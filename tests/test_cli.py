@@ -25,8 +25,9 @@ import redis
 from celery.bin.celery import celery as celery_cli
 from click.testing import CliRunner, Result
 
-from celery_dedup import checks, cli, runtime, testing
+from celery_dedup import runtime, testing
 from celery_dedup.keys import KeySchema, member_for
+from celery_dedup.ops import checks, cli
 
 from ._records import Records
 from .conftest import ROOT, Server, WorkerProcess, wait_for
