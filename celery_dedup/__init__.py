@@ -26,14 +26,13 @@ from .exceptions import (
     DedupUnavailableError,
     DuplicateTaskError,
 )
-from .publish import sender
+from .installer import install
 from .publish.result import DedupResult
 from .publish.ticket import last_outcome
 from .runtime import reap, stats
 from .store.status import HistoryEntry, Status
 from .store.store import Outcome, Page, ReapReport, Record
-from .task import DedupTask, check_bound_tasks
-from .worker import bootsteps, signals
+from .task import DedupTask
 
 __version__ = "0.1.0"
 
@@ -88,17 +87,3 @@ def records(
     """
     store = runtime.store_for(app)
     return store.records(state=state, task=task, prefix=prefix, cursor=cursor, limit=limit)
-
-
-def install(app: Any) -> None:
-    """Set ``app`` up for DedupTask: validate settings, gate the broker, connect hooks.
-
-    Call once, after the app's configuration is loaded and before it connects
-    to the broker. Raises :class:`DedupConfigError` for a bad setting.
-    """
-    runtime.install(app)
-    check_bound_tasks(app)
-    sender.gate_send_task(app)
-    signals.connect()
-    app.steps["worker"].add(bootsteps.ReaperStep)
-    app.steps["worker"].add(bootsteps.DispatchStep)
