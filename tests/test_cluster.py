@@ -24,7 +24,7 @@ from celery_dedup import DedupStoreError, DedupTask, DedupUnavailableError, runt
 from celery_dedup.keys import CLUSTER_SHARDS, KeySchema, member_for
 from celery_dedup.ops import checks
 from celery_dedup.store.connection import masked_url
-from celery_dedup.testing import RedisCluster
+from tests.servers import RedisCluster
 
 from .conftest import AppFactory, in_process_worker, queued_messages, wait_for
 
