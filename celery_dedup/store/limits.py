@@ -117,6 +117,15 @@ def note(store: DedupStore, member: str, task_id: str, what: str, detail: str) -
     store.scripts.limit_note(keys, [task_id, what, detail, store.history_length], client=store.client)
 
 
+def leave_line(store: DedupStore, group: str, run_id: str) -> None:
+    """Take run ``run_id`` out of ``group``'s waiting line."""
+    at = store.schema.shard_of(group)
+    with store.client.pipeline(transaction=False) as pipe:
+        pipe.zrem(at.limit_waiting(group), run_id)
+        pipe.zrem(at.limit_deadlines(group), run_id)
+        pipe.execute()
+
+
 class Lease(Protocol):
     """A delivery's place in a group (``SlotLease``), as renewing it needs it."""
 

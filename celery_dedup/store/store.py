@@ -584,6 +584,10 @@ class DedupStore:
         args: list[str | int] = [member, run_id, result, storable(unkept), at.prefix, record_ms, state]
         return int(self.scripts.settle([at.followers(member)], args))
 
+    def is_follower(self, member: str, run_id: str) -> bool:
+        """Whether run ``run_id`` is parked as a follower of ``member``'s run (``gate.lua`` parks them)."""
+        return bool(self.client.hexists(self._at(member).followers(member), run_id))
+
     def unclaim(self, member: str, task_id: str) -> bool:
         """Undo a hold whose message was never published (owner only, and only before its run began)."""
         return self.finish(member, task_id, "", drop=True, record_ms=0, role="report")[0]

@@ -39,7 +39,7 @@ from ..exceptions import DedupError
 from ..header import GateHeader
 from ..keys import member_for, split_member
 from ..policy import LimitPolicy
-from ..store.limits import Denial, Grant, acquire, give_back, note, release, renew_leases
+from ..store.limits import Denial, Grant, acquire, give_back, leave_line, note, release, renew_leases
 from ..store.store import DedupStore
 from . import processes
 from .lock import renewer
@@ -185,8 +185,7 @@ def _follower(store: DedupStore, member: str, run_id: str, headers: Any) -> bool
     gate = GateHeader.decode(headers)
     if gate is None or not gate.follow:
         return False
-    at = store.with_prefix(gate.prefix).schema.shard_of(member)
-    return bool(store.client.hexists(at.followers(member), run_id))
+    return store.with_prefix(gate.prefix).is_follower(member, run_id)
 
 
 def leave(lease: SlotLease | None, *, ran: bool) -> None:
@@ -246,12 +245,8 @@ def reported_ending(
     group = group_of(task, args, kwargs, member)
     if group is None:
         return
-    at = store.schema.shard_of(group)
     try:
-        with store.client.pipeline(transaction=False) as pipe:
-            pipe.zrem(at.limit_waiting(group), run_id)
-            pipe.zrem(at.limit_deadlines(group), run_id)
-            pipe.execute()
+        leave_line(store, group, run_id)
         if token:
             release(store, group, token, ran=True)
     except redis.RedisError:
