@@ -49,8 +49,8 @@ import celery_dedup
 from benchmarks import harness
 from celery_dedup import DedupTask, runtime
 from celery_dedup.keys import member_for, new_nonce, new_task_id
-from celery_dedup.lock import new_token
 from celery_dedup.testing import RedisServer
+from celery_dedup.worker.lock import new_token
 
 LIST = "/admin/celery_dedup/record/"
 TASKS = ("shop.charge", "shop.refund")

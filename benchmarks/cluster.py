@@ -32,8 +32,9 @@ import redis
 
 from benchmarks import harness
 from celery_dedup.keys import member_for, new_nonce, new_task_id
-from celery_dedup.store import DedupStore
-from celery_dedup.testing import RedisCluster, RedisServer
+from celery_dedup.store.store import DedupStore
+from celery_dedup.testing import RedisServer
+from tests.servers import RedisCluster
 
 HOLD_MS, GRACE_MS, LEASE_MS = 3_600_000, 86_400_000, 30_000
 

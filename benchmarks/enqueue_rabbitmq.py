@@ -1,7 +1,7 @@
 """Enqueue cost on a RabbitMQ broker: a plain Celery task against a DedupTask, with and without publisher confirms.
 
 What it measures: calls per second and the p50/p99 latency of ``apply_async``
-on a private RabbitMQ node (``celery_dedup.testing.RabbitMQNode``), the dedup
+on a private RabbitMQ node (``tests.servers.RabbitMQNode``), the dedup
 store on a private Redis-compatible server (``dedup_redis_url``), for
 
 - ``plain, no confirms``: an ordinary task, Celery's default publish;
@@ -50,7 +50,8 @@ from kombu import Connection
 import celery_dedup
 from benchmarks import harness
 from celery_dedup import DedupTask
-from celery_dedup.testing import RabbitMQNode, RabbitMQNotFound, RedisServer
+from celery_dedup.testing import RedisServer
+from tests.servers import RabbitMQNode, RabbitMQNotFound
 
 QUEUE = "bench-enqueue-rabbitmq"
 DUPLICATE_ORDER = 0  # new-key calls count up from 1, so they never meet the held key

@@ -62,12 +62,12 @@ from celery import Celery
 import celery_dedup
 from benchmarks import harness
 from celery_dedup import DedupTask, runtime
-from celery_dedup.gate import result_payload
 from celery_dedup.keys import KeySchema, member_for, task_namespace
-from celery_dedup.lock import new_token
-from celery_dedup.processes import HOST_CHARS, owner_of
-from celery_dedup.store import DedupStore
+from celery_dedup.payloads import result_payload
+from celery_dedup.store.store import DedupStore
 from celery_dedup.testing import RedisServer
+from celery_dedup.worker.lock import new_token
+from celery_dedup.worker.processes import HOST_CHARS, owner_of
 
 QUEUE = "bench-memory"
 TASK = "shop.orders.charge"
@@ -125,7 +125,7 @@ def build_app(url: str, variant: Variant) -> tuple[Celery, Any]:
 
 
 def token_for(hostname: str) -> str:
-    """A lock token as ``celery_dedup.lock.new_token`` makes it, for pid ``DEFAULT_PID`` on host ``hostname``."""
+    """A lock token as ``celery_dedup.worker.lock.new_token`` makes it, for pid ``DEFAULT_PID`` on host ``hostname``."""
     real = new_token()  # this process's start time and machine: the other parts' real lengths
     owner = owner_of(real)
     if owner is None:

@@ -43,9 +43,9 @@ from benchmarks import harness
 from benchmarks.admin import LIST, TASKS, build_app, configure_django, render
 from celery_dedup import runtime
 from celery_dedup.keys import member_for, new_nonce, new_task_id
-from celery_dedup.lock import new_token
-from celery_dedup.store import GateCall
+from celery_dedup.store.store import GateCall
 from celery_dedup.testing import RedisServer
+from celery_dedup.worker.lock import new_token
 
 QUEUE = "bench-scale"
 HOLD_MS = 86_400_000

@@ -54,9 +54,9 @@ from benchmarks.harness import CommandLog, WorkerProcess, commandstats
 from benchmarks.worker_app import PREFIX, QUEUE, build_app, peer_bases
 from celery_dedup import runtime
 from celery_dedup.keys import member_for, new_nonce, new_task_id
-from celery_dedup.lock import new_token
-from celery_dedup.store import load_script
+from celery_dedup.store.scripts import load_script
 from celery_dedup.testing import RedisServer
+from celery_dedup.worker.lock import new_token
 
 STAGING = "bench-worker-staging"
 UNACKED = "unacked"  # kombu's Redis transport default

@@ -15,7 +15,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from . import runtime, signals, steps
+from . import runtime
 from .exceptions import (
     DedupArgumentError,
     DedupConfigError,
@@ -26,12 +26,13 @@ from .exceptions import (
     DedupUnavailableError,
     DuplicateTaskError,
 )
-from .gate import Outcome, last_outcome
-from .keyed import DedupResult
+from .installer import install
+from .publish.result import DedupResult
+from .publish.ticket import last_outcome
 from .runtime import reap, stats
-from .status import HistoryEntry, Status
-from .store import Page, ReapReport, Record
-from .task import DedupTask, check_bound_tasks
+from .store.status import HistoryEntry, Status
+from .store.store import Outcome, Page, ReapReport, Record
+from .task import DedupTask
 
 __version__ = "0.1.0"
 
@@ -73,7 +74,7 @@ def records(
 
     Pass ``page.cursor`` back for the next page; it is None on the last.
 
-    Filters: ``state`` (one of ``celery_dedup.store.STATES``: pending,
+    Filters: ``state`` (one of ``celery_dedup.store.status.STATES``: pending,
     publishing, queued, started, retry, succeeded, failed, revoked, rejected,
     ignored, lost, skipped, released, replaced), ``task`` (a task name) and ``prefix``
     (of the business key, e.g. ``"order:4"``; results then come in key order).
@@ -86,16 +87,3 @@ def records(
     """
     store = runtime.store_for(app)
     return store.records(state=state, task=task, prefix=prefix, cursor=cursor, limit=limit)
-
-
-def install(app: Any) -> None:
-    """Set ``app`` up for DedupTask: validate settings, gate the broker, connect hooks.
-
-    Call once, after the app's configuration is loaded and before it connects
-    to the broker. Raises :class:`DedupConfigError` for a bad setting.
-    """
-    runtime.install(app)
-    check_bound_tasks(app)
-    signals.connect(app)
-    app.steps["worker"].add(steps.ReaperStep)
-    app.steps["worker"].add(steps.DispatchStep)

@@ -27,8 +27,8 @@ task name, ``:``, and the business key)::
     P:rec:M     HASH, the member's status record (owner task id, state, times)
     P:lock:M    STRING, the execution lock: the running delivery's token
     P:hist:M    LIST, the member's recent transitions, newest first
-    P:idx...    indexes over the records (see scripts/lib.lua)
-    P:reaper:*  where the reaper stands in its walks (see scripts/reap.lua)
+    P:idx...    indexes over the records (see store/lua/lib.lua)
+    P:reaper:*  where the reaper stands in its walks (see store/lua/reap.lua)
     P:fol:M     HASH, the member's followers: follower task id -> JSON
                 {run, queue, message, at} (message and queue gone once released)
     P:out:M     HASH, how runs of the member that had followers ended:

@@ -16,8 +16,7 @@ from celery import Task
 from celery.utils.saferepr import saferepr
 from kombu.exceptions import OperationalError
 
-from . import decisions, limits, relay, runtime
-from .bulk import apply_async_many
+from . import decisions, runtime
 from .config import check_debounce, check_mode, check_on_duplicate, check_on_locked, check_ttl
 from .exceptions import (
     STORE_ERRORS,
@@ -30,13 +29,19 @@ from .exceptions import (
     server_reply,
     unreachable,
 )
-from .gate import DEFERS_OPTION, HEADER, UNGATED, GateHeader, Outcome, open_ticket, report
-from .guard import guarded_call, hand_over, lock_lost, replacing
-from .keyed import DedupResult, TaskPolicy, delay_seconds
+from .header import DEFERS_OPTION, HEADER, UNGATED, GateHeader
 from .keys import KeyOption, KeySpec, member_for, new_nonce, new_task_id, split_member
 from .modes import MODES, Mode
-from .status import Status
-from .store import DedupStore
+from .policy import LimitPolicy, TaskPolicy
+from .policy import resolve as resolve_limits
+from .publish.bulk import apply_async_many
+from .publish.delay import delay_seconds
+from .publish.result import DedupResult
+from .publish.ticket import open_ticket, report
+from .store.status import Status
+from .store.store import DedupStore, Outcome
+from .worker import relay
+from .worker.guard import guarded_call, hand_over, lock_lost, replacing
 
 logger = logging.getLogger("celery_dedup")
 
@@ -122,7 +127,7 @@ class DedupTask(_TaskBase):
     - ``dedup_on_locked``: ``skip`` (default; ``reschedule`` for debounce) or
       ``reschedule`` a run that finds another run of its key executing.
     - ``limit_concurrency``, ``limit_rate`` (``"30/m"``), ``limit_key``: at most
-      N bodies at once, R starts per period, per group (see :mod:`celery_dedup.limits`).
+      N bodies at once, R starts per period, per group (see :mod:`celery_dedup.worker.limits`).
 
     Example:
         >>> @app.task(base=DedupTask, dedup_key="order:{order_id}")
@@ -191,12 +196,12 @@ class DedupTask(_TaskBase):
         )
 
     @classmethod
-    def _resolve_limits(cls, signature: inspect.Signature, max_key_length: int) -> limits.LimitPolicy | None:
-        """``limit_key``, ``limit_concurrency`` and ``limit_rate``, validated (see :mod:`celery_dedup.limits`)."""
+    def _resolve_limits(cls, signature: inspect.Signature, max_key_length: int) -> LimitPolicy | None:
+        """``limit_key``, ``limit_concurrency`` and ``limit_rate``, validated (see :mod:`celery_dedup.policy`)."""
         key = cls.__dict__.get("limit_key", cls.limit_key)
         if isinstance(key, staticmethod):
             key = key.__func__
-        return limits.resolve(cls.name, key, cls.limit_concurrency, cls.limit_rate, signature, max_key_length)
+        return resolve_limits(cls.name, key, cls.limit_concurrency, cls.limit_rate, signature, max_key_length)
 
     @classmethod
     def _refuse_unknown_options(cls) -> None:
@@ -294,7 +299,7 @@ class DedupTask(_TaskBase):
         return runtime.store_for(self.app).status(member)
 
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
-        """Run the body under the execution guard (see :mod:`celery_dedup.guard`).
+        """Run the body under the execution guard (see :mod:`celery_dedup.worker.guard`).
 
         The key is settled here, before Celery stores the result: a caller who
         sees the result and calls again starts a new run, never the finished one.
@@ -307,7 +312,7 @@ class DedupTask(_TaskBase):
         The run's lock is handed over and its record set back to ``queued``, so
         the replacement starts at once and the key stays held; a replacement
         under another key (or a plain task) ends this run as ``replaced``, and
-        its followers then resolve as the replacement ends (see :mod:`celery_dedup.relay`).
+        its followers then resolve as the replacement ends (see :mod:`celery_dedup.worker.relay`).
         """
         own = replacing(self, getattr(sig, "name", None) or type(sig).__name__)
         relay.carry(self.request, sig, own)
@@ -542,7 +547,7 @@ class DedupTask(_TaskBase):
         """Enqueue many ``(args, kwargs)`` calls, each gated atomically, in pipelined round trips.
 
         One result per call, in order; duplicates (held before, or repeated in
-        the batch) are marked ``deduplicated``. See :mod:`celery_dedup.bulk`.
+        the batch) are marked ``deduplicated``. See :mod:`celery_dedup.publish.bulk`.
 
         Example:
             >>> results = notify.apply_async_many([((customer_id,), {}) for customer_id in customers])

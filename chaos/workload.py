@@ -30,7 +30,7 @@ from celery import Celery
 from celery.result import AsyncResult
 
 import celery_dedup
-import celery_dedup.keyed
+import celery_dedup.publish.delay
 from celery_dedup import DedupTask
 
 from . import app as chaos_app
@@ -147,7 +147,7 @@ class SkewedDatetime(datetime.datetime):
 def skew_clock(app: Celery, seconds: float) -> None:
     """Run this process's publishing on a clock ``seconds`` off (see the module docstring).
 
-    Where the library reads the client clock (``keyed.delay_seconds``) and where
+    Where the library reads the client clock (``publish.delay.delay_seconds``) and where
     Celery turns a countdown into an ETA (``app.now``). Checked after
     patching: if the library reads the clock somewhere else one day, this
     says so instead of silently testing nothing.
@@ -155,11 +155,11 @@ def skew_clock(app: Celery, seconds: float) -> None:
     SkewedDatetime.skew = seconds
     skewed = types.ModuleType("datetime")
     skewed.__dict__.update(vars(datetime), datetime=SkewedDatetime)
-    vars(celery_dedup.keyed)["datetime"] = skewed  # the module the library reads the client clock from
+    vars(celery_dedup.publish.delay)["datetime"] = skewed  # the module the library reads the client clock from
     real_now = app.now
     app.now = lambda: real_now() + datetime.timedelta(seconds=seconds)  # type: ignore[method-assign]
     eta = app.now() + datetime.timedelta(seconds=5)
-    seen = celery_dedup.keyed.delay_seconds(None, eta)
+    seen = celery_dedup.publish.delay.delay_seconds(None, eta)
     if not math.isclose(seen, 5.0, abs_tol=0.5):
         raise RuntimeError(f"skew_clock: the library computed a delay of {seen:.1f}s for a 5s ETA; update chaos")
 

@@ -8,9 +8,9 @@ from typing import Any
 from celery import Celery
 
 from celery_dedup import DedupTask, runtime
-from celery_dedup.guard import kept_payload
 from celery_dedup.keys import member_for
-from celery_dedup.lock import new_token
+from celery_dedup.worker.guard import kept_payload
+from celery_dedup.worker.lock import new_token
 
 
 @dataclass(frozen=True)

@@ -39,14 +39,8 @@ from kombu.utils.json import loads
 
 import celery_dedup
 from celery_dedup import testing
-from celery_dedup.testing import (
-    ClusterNotSupported,
-    RabbitMQNode,
-    RabbitMQNotFound,
-    RedisCluster,
-    RedisServer,
-    ServerNotFound,
-)
+from celery_dedup.testing import RedisServer, ServerNotFound
+from tests.servers import ClusterNotSupported, RabbitMQNode, RabbitMQNotFound, RedisCluster
 
 ROOT = Path(__file__).resolve().parent.parent
 #: Debian's Chromium, for the browser tests (the ``chromium`` fixture).

@@ -20,7 +20,8 @@ import redis
 from celery import Celery
 
 import celery_dedup
-from celery_dedup import DedupTask, limits
+from celery_dedup import DedupTask
+from celery_dedup.worker import limits
 
 #: LIST of JSON ``{"task", "key", "group", "id", "pid", "start", "end", "granted"}`` per body run.
 RUNS = "test:limits:runs"

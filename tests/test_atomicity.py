@@ -24,9 +24,9 @@ from celery import Celery
 
 import celery_dedup
 from celery_dedup import DedupTask, DedupUnavailableError
-from celery_dedup.gate import GateHeader
+from celery_dedup.header import GateHeader
 from celery_dedup.keys import KeySchema
-from celery_dedup.store import load_script
+from celery_dedup.store.scripts import load_script
 from chaos.proxy import FaultProxy, Point
 
 from .conftest import AppFactory, Server, queued_messages

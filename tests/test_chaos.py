@@ -529,10 +529,10 @@ def run_chaos(tmp_path: Path, *args: str, timeout: float = 240) -> tuple[int, st
 
 
 def broken_copy(tmp_path: Path, script: str, line: str, replacement: str) -> Path:
-    """A copy of the package with one line of ``scripts/<script>`` replaced (asserting the line is there)."""
+    """A copy of the package with one line of ``store/lua/<script>`` replaced (asserting the line is there)."""
     copy = tmp_path / "broken"
     shutil.copytree(ROOT / "celery_dedup", copy / "celery_dedup", ignore=shutil.ignore_patterns("__pycache__"))
-    path = copy / "celery_dedup" / "scripts" / script
+    path = copy / "celery_dedup" / "store" / "lua" / script
     source = path.read_text()
     assert source.count(line) == 1, f"{script} no longer has the line {line!r}: update this mutation"
     path.write_text(source.replace(line, replacement))

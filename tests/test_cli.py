@@ -25,8 +25,9 @@ import redis
 from celery.bin.celery import celery as celery_cli
 from click.testing import CliRunner, Result
 
-from celery_dedup import checks, cli, runtime, testing
+from celery_dedup import runtime, testing
 from celery_dedup.keys import KeySchema, member_for
+from celery_dedup.ops import checks, cli
 
 from ._records import Records
 from .conftest import ROOT, Server, WorkerProcess, wait_for
@@ -323,10 +324,11 @@ def test_list_fits_a_default_width_when_its_output_is_no_terminal(apps: ModuleTy
 
 
 def test_limits_fits_long_group_keys_to_the_terminal(apps: ModuleType, dedup: Invoke) -> None:
-    from celery_dedup import limits  # noqa: PLC0415 - only this test reads groups
+    from celery_dedup.policy import LimitPolicy  # noqa: PLC0415 - only this test reads groups
+    from celery_dedup.store import limits  # noqa: PLC0415
 
     store = runtime.store_for(apps.app)
-    policy = limits.LimitPolicy(None, concurrency=2)
+    policy = LimitPolicy(None, concurrency=2)
     for group in ("tenant:acme", "tenant:" + "y" * 300):
         limits.acquire(store, f"cli.report:{group}", "h:1:1", "r1", policy, lease_ms=60_000, task_name="x")
 
@@ -770,11 +772,12 @@ def test_human_time_shows_local_time_and_age() -> None:
 
 
 def test_limits_lists_each_groups_usage(apps: ModuleType, dedup: Invoke) -> None:
-    from celery_dedup import limits  # noqa: PLC0415 - only this test reads groups
+    from celery_dedup.policy import LimitPolicy, Rate  # noqa: PLC0415 - only this test reads groups
+    from celery_dedup.store import limits  # noqa: PLC0415
 
     assert dedup("limits").stdout == "no limit groups used in the last day\n"
     store = runtime.store_for(apps.app)
-    policy = limits.LimitPolicy(None, concurrency=2, rate=limits.Rate(30, 60_000))
+    policy = LimitPolicy(None, concurrency=2, rate=Rate(30, 60_000))
     for n in range(3):
         limits.acquire(store, "cli.report:tenant:acme", f"h:1:{n}", f"r{n}", policy, lease_ms=60_000, task_name="x")
     (group,) = as_json(dedup("limits", "--json"))

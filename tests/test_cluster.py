@@ -20,10 +20,11 @@ import pytest
 import redis
 from celery import Celery
 
-from celery_dedup import DedupStoreError, DedupTask, DedupUnavailableError, checks, runtime
+from celery_dedup import DedupStoreError, DedupTask, DedupUnavailableError, runtime
 from celery_dedup.keys import CLUSTER_SHARDS, KeySchema, member_for
-from celery_dedup.store import masked_url
-from celery_dedup.testing import RedisCluster
+from celery_dedup.ops import checks
+from celery_dedup.store.connection import masked_url
+from tests.servers import RedisCluster
 
 from .conftest import AppFactory, in_process_worker, queued_messages, wait_for
 

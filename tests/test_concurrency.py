@@ -23,7 +23,7 @@ import pytest
 import redis
 
 from celery_dedup import DedupResult
-from celery_dedup.gate import GateHeader
+from celery_dedup.header import GateHeader
 from celery_dedup.keys import KeySchema, split_member
 
 from .conftest import Server, WorkerProcess, queued_messages

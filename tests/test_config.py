@@ -24,7 +24,7 @@ from celery_dedup.keys import KeySchema
 from celery_dedup.modes import MODES
 from celery_dedup.runtime import config_for, runtime_for
 from celery_dedup.task import TASK_OPTIONS
-from celery_dedup.transport import SentinelTransport, Transport
+from celery_dedup.transports.redis import SentinelTransport, Transport
 
 from .conftest import AppFactory, queued_messages
 

@@ -28,11 +28,12 @@ from django.test import Client, override_settings  # noqa: E402
 from django.test.utils import setup_test_environment, teardown_test_environment  # noqa: E402
 from django.utils.html import escape  # noqa: E402
 
-from celery_dedup import DedupTask, operations, runtime  # noqa: E402
+from celery_dedup import DedupTask, runtime  # noqa: E402
 from celery_dedup.contrib.django.conf import celery_app  # noqa: E402
 from celery_dedup.exceptions import DedupConfigError  # noqa: E402
 from celery_dedup.keys import KeySchema, member_for, new_nonce, new_task_id  # noqa: E402
-from celery_dedup.status import FIELD_DOC  # noqa: E402
+from celery_dedup.ops import operations  # noqa: E402
+from celery_dedup.store.status import FIELD_DOC  # noqa: E402
 
 from ._records import Records, keyed_tasks  # noqa: E402
 from .conftest import AppFactory, Server, in_process_worker, wait_for  # noqa: E402
@@ -792,10 +793,11 @@ def test_decision_counters_page_shows_what_the_gate_counted(
 
 
 def test_limit_groups_page_shows_each_groups_usage(app: Celery, users: dict[str, User]) -> None:
-    from celery_dedup import limits  # noqa: PLC0415 - only this test reads groups
+    from celery_dedup.policy import LimitPolicy, Rate  # noqa: PLC0415 - only this test reads groups
+    from celery_dedup.store import limits  # noqa: PLC0415
 
     store = runtime.store_for(app)
-    policy = limits.LimitPolicy(None, concurrency=2, rate=limits.Rate(30, 60_000))
+    policy = LimitPolicy(None, concurrency=2, rate=Rate(30, 60_000))
     for n in range(3):
         limits.acquire(
             store, "shop.report:tenant:acme", f"h:1:{n}", f"run-{n}", policy, lease_ms=60_000, task_name="shop.report"

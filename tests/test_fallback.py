@@ -16,7 +16,7 @@ from kombu.exceptions import OperationalError
 from kombu.transport import memory
 
 from celery_dedup import DedupResult, DedupTask, DedupUnavailableError, runtime
-from celery_dedup.gate import GateHeader
+from celery_dedup.header import GateHeader
 from celery_dedup.keys import KeySchema, member_for
 from celery_dedup.testing import free_port
 

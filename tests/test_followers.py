@@ -21,8 +21,8 @@ from celery.result import GroupResult
 
 from celery_dedup import DedupTask, last_outcome, runtime
 from celery_dedup.exceptions import DedupFollowerLimitError
-from celery_dedup.gate import result_payload
 from celery_dedup.keys import KeySchema, member_for
+from celery_dedup.payloads import result_payload
 
 from .conftest import AppFactory, in_process_worker, queued_messages, wait_for
 

@@ -27,11 +27,12 @@ from celery.result import AsyncResult
 from kombu.utils.json import loads
 
 import celery_dedup
-from celery_dedup import DedupTask, ReapReport, guard, limits, processes
+from celery_dedup import DedupTask, ReapReport
 from celery_dedup import runtime as dedup_runtime
 from celery_dedup.keys import KeySchema, member_for, task_namespace
-from celery_dedup.lock import RENEW_FRACTION
-from celery_dedup.store import load_script
+from celery_dedup.store.scripts import load_script
+from celery_dedup.worker import guard, limits, processes
+from celery_dedup.worker.lock import RENEW_FRACTION
 from chaos.proxy import FaultProxy
 
 from .conftest import AppFactory, Server, WorkerProcess, in_process_worker, new_app, queued_messages, wait_for

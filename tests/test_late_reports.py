@@ -22,7 +22,7 @@ from celery import Celery, signals
 
 from celery_dedup import DedupTask
 from celery_dedup.keys import KeySchema, member_for
-from celery_dedup.store import load_script
+from celery_dedup.store.scripts import load_script
 from chaos.proxy import FaultProxy
 
 from .conftest import AppFactory, Server, WorkerProcess, in_process_worker, new_app, wait_for

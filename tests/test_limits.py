@@ -1,7 +1,7 @@
 """Per-group concurrency and rate limits (``limit_key``, ``limit_concurrency``, ``limit_rate``).
 
 Three tiers: option parsing and validation (no server); the group scripts on
-the real server (``celery_dedup.limits`` against the store); and real prefork
+the real server (``celery_dedup.worker.limits`` against the store); and real prefork
 workers (``celery -A tests.limits_app worker``) whose bodies record their
 start and end on the server's clock, from which the limits are checked as
 properties: never more than N of a group at once, never more than R starts
@@ -25,11 +25,14 @@ from urllib.parse import urlparse
 import pytest
 import redis
 
-from celery_dedup import DedupTask, limits, processes
+from celery_dedup import DedupTask
 from celery_dedup.exceptions import DedupConfigError
 from celery_dedup.keys import KeySchema
-from celery_dedup.limits import Denial, Grant, LimitPolicy, Rate
+from celery_dedup.policy import LimitPolicy, Rate, parse_rate
 from celery_dedup.runtime import store_for
+from celery_dedup.store import limits as store_limits
+from celery_dedup.store.limits import Denial, Grant
+from celery_dedup.worker import limits, processes
 from chaos.proxy import FaultProxy
 
 from . import limits_app
@@ -45,7 +48,7 @@ SCHEMA = KeySchema("dedup")
     [("30/m", Rate(30, 60_000)), ("5/s", Rate(5, 1000)), (" 2 / h ", Rate(2, 3_600_000)), ("100000/s", None)],
 )
 def test_rates_parse(text: str, rate: Rate | None) -> None:
-    parsed = limits.parse_rate(text)
+    parsed = parse_rate(text)
     assert parsed == (rate or Rate(100_000, 1000))
     assert str(parsed) == text.replace(" ", "")
 
@@ -53,7 +56,7 @@ def test_rates_parse(text: str, rate: Rate | None) -> None:
 @pytest.mark.parametrize("bad", ["0/s", "5/d", "5", "five/s", "5/s/s", "-1/s", "100001/s", 5, None, b"5/s", ""])
 def test_bad_rates_are_refused(bad: Any) -> None:
     with pytest.raises(DedupConfigError) as info:
-        limits.parse_rate(bad, task="shop.t")
+        parse_rate(bad, task="shop.t")
     assert (info.value.setting, info.value.value, info.value.task) == ("limit_rate", bad, "shop.t")
 
 
@@ -123,7 +126,7 @@ GROUP = "shop.limited:tenant:a"
 
 
 def _ask(store: Any, token: str, run: str, policy: LimitPolicy, *, lease_ms: int = 60_000, **kw: Any) -> Grant | Denial:
-    return limits.acquire(store, GROUP, token, run, policy, lease_ms=lease_ms, task_name="shop.limited", **kw)
+    return store_limits.acquire(store, GROUP, token, run, policy, lease_ms=lease_ms, task_name="shop.limited", **kw)
 
 
 def test_slots_are_given_in_arrival_order(make_app: AppFactory, r: redis.Redis) -> None:
@@ -138,14 +141,14 @@ def test_slots_are_given_in_arrival_order(make_app: AppFactory, r: redis.Redis) 
     assert late.position == 1
     assert set(early.holders) == {"h:1:a", "h:1:b"}
     assert early.wait_ms > 0
-    assert limits.release(store, GROUP, "h:1:a", ran=True)
+    assert store_limits.release(store, GROUP, "h:1:a", ran=True)
     # A slot is free, but run-3 came first: run-4 (another delivery, another token) still waits.
     assert isinstance(_ask(store, "h:1:e", "run-4", two), Denial)
     granted = _ask(store, "h:1:f", "run-3", two)
     assert isinstance(granted, Grant) and granted.waited_ms >= 0
     assert r.zcard(SCHEMA.limit_waiting(GROUP)) == 1
     # Releasing twice, or a token that holds nothing, changes nothing.
-    assert not limits.release(store, GROUP, "h:1:a", ran=True)
+    assert not store_limits.release(store, GROUP, "h:1:a", ran=True)
     assert r.zcard(SCHEMA.limit_slots(GROUP)) == 2
     counts = store.stats()["shop.limited"]
     assert counts["limited"] == 3
@@ -162,10 +165,10 @@ def test_rate_counts_starts_in_a_sliding_window_and_takes_back_unused_ones(
     assert isinstance(refused, Denial) and (refused.reason, refused.in_use) == ("rate", 3)
     assert 0 < refused.wait_ms <= 60_000
     # A start whose body never ran (a copy the execution guard refused) is taken back ...
-    assert limits.release(store, GROUP, "h:1:1", ran=False)
+    assert store_limits.release(store, GROUP, "h:1:1", ran=False)
     assert isinstance(_ask(store, "h:1:y", "run-x", three), Grant)
     # ... one whose body ran stays in the window.
-    assert not limits.release(store, GROUP, "h:1:0", ran=True)
+    assert not store_limits.release(store, GROUP, "h:1:0", ran=True)
     assert isinstance(_ask(store, "h:1:z", "run-z", three), Denial)
 
 
@@ -175,11 +178,11 @@ def test_a_lease_nobody_renews_expires_and_renewal_keeps_one(make_app: AppFactor
     grant = _ask(store, "h:1:old", "run-1", one, lease_ms=300)
     assert isinstance(grant, Grant)
     kept = limits.SlotLease(store, GROUP, "h:1:old", "run-old", 300, grant, now=0.0)
-    assert limits.renew_leases([kept], lease_ms=60_000) == []
+    assert store_limits.renew_leases([kept], lease_ms=60_000) == []
     assert isinstance(_ask(store, "h:1:new", "run-2", one), Denial)
     r.zadd(SCHEMA.limit_slots(GROUP), {"h:1:old": 1})  # its deadline passed (as if not renewed)
     assert isinstance(_ask(store, "h:1:new", "run-2", one), Grant)
-    assert limits.renew_leases([kept], lease_ms=60_000) == [kept]
+    assert store_limits.renew_leases([kept], lease_ms=60_000) == [kept]
 
 
 def token_of(pid: int) -> str:
@@ -208,7 +211,7 @@ def test_a_waiter_that_does_not_come_back_loses_its_place(make_app: AppFactory, 
     one = LimitPolicy(None, concurrency=1)
     assert isinstance(_ask(store, "h:1:a", "run-1", one), Grant)
     assert isinstance(_ask(store, "h:1:b", "run-gone", one), Denial)
-    limits.release(store, GROUP, "h:1:a", ran=True)
+    store_limits.release(store, GROUP, "h:1:a", ran=True)
     assert isinstance(_ask(store, "h:1:c", "run-new", one), Denial), "run-gone is ahead"
     r.zadd(SCHEMA.limit_deadlines(GROUP), {"run-gone": 1})  # it was due back long ago
     assert isinstance(_ask(store, "h:1:c", "run-new", one), Grant)
@@ -228,7 +231,7 @@ def test_a_free_slot_waits_for_the_runs_ahead_only_until_they_are_due(
     store = store_for(make_app())
     assert isinstance(_ask(store, "h:1:a", "run-1", one), Grant)
     assert isinstance(_ask(store, "h:1:b", "run-late", one), Denial)
-    limits.release(store, GROUP, "h:1:a", ran=False)
+    store_limits.release(store, GROUP, "h:1:a", ran=False)
     assert isinstance(_ask(store, "h:1:c", "run-new", one), Denial), "run-late is expected back: the slot is held"
     now = limits_app.server_ms(r)
     # run-late was due back 5 s ago (a countdown message held up), but may still come back within its lease.
@@ -237,7 +240,7 @@ def test_a_free_slot_waits_for_the_runs_ahead_only_until_they_are_due(
     assert isinstance(_ask(store, "h:1:c", "run-new", one), Grant), "the free slot went to the one that asked"
     assert r.zrank(SCHEMA.limit_waiting(GROUP), "run-late") == 0, "it keeps its place"
     assert isinstance(_ask(store, "h:1:d", "run-other", one), Denial)
-    limits.release(store, GROUP, "h:1:c", ran=False)
+    store_limits.release(store, GROUP, "h:1:c", ran=False)
     assert isinstance(_ask(store, "h:1:e", "run-late", one), Grant), "back at last, it is first"
     assert r.zrange(SCHEMA.limit_waiting(GROUP), 0, -1) == [b"run-other"]
 
@@ -247,7 +250,7 @@ def test_groups_are_listed_with_their_usage(make_app: AppFactory, r: redis.Redis
     both = LimitPolicy(None, concurrency=1, rate=Rate(10, 1000))
     _ask(store, "h:1:a", "run-1", both)
     _ask(store, "h:1:b", "run-2", both)
-    (state,) = limits.groups(store)
+    (state,) = store_limits.groups(store)
     assert (state.task, state.key, state.concurrency, state.in_use, state.waiting) == (
         "shop.limited",
         "tenant:a",
@@ -411,7 +414,7 @@ def test_limits_combine_with_every_dedup_mode(server: Server, r: redis.Redis, ta
 
 def test_a_run_revoked_while_it_waits_leaves_the_line(make_app: AppFactory, r: redis.Redis) -> None:
     """An ending reported from outside the body (here a revoke) takes the run out of its group's waiting line."""
-    from celery_dedup.guard import settle_elsewhere  # noqa: PLC0415
+    from celery_dedup.worker.guard import settle_elsewhere  # noqa: PLC0415
 
     app = make_app("limits_app")
     tasks = limits_app.register(app)
@@ -419,9 +422,11 @@ def test_a_run_revoked_while_it_waits_leaves_the_line(make_app: AppFactory, r: r
     group = "tests.limits_app.job:tenant:Z"
     two = LimitPolicy(None, concurrency=2)
     for n in range(2):  # held by deliveries on another host: alive as far as anyone here can tell
-        limits.acquire(store, group, f"elsewhere:1:{n}", f"other-{n}", two, lease_ms=60_000, task_name=tasks.job.name)
+        store_limits.acquire(
+            store, group, f"elsewhere:1:{n}", f"other-{n}", two, lease_ms=60_000, task_name=tasks.job.name
+        )
     run = tasks.job.delay(1, "Z")
-    refused = limits.acquire(store, group, "h:1:x", run.id, two, lease_ms=60_000, task_name=tasks.job.name)
+    refused = store_limits.acquire(store, group, "h:1:x", run.id, two, lease_ms=60_000, task_name=tasks.job.name)
     assert isinstance(refused, Denial) and r.zscore(SCHEMA.limit_waiting(group), run.id) is not None
     assert settle_elsewhere(tasks.job, "revoked", run.id, None, [1, "Z"], {}, stopping=False)
     assert r.zscore(SCHEMA.limit_waiting(group), run.id) is None
@@ -458,7 +463,7 @@ def test_prometheus_exposes_refusals_and_waited_seconds(make_app: AppFactory, r:
     _ask(store, "h:1:a", "run-1", one)
     _ask(store, "h:1:b", "run-2", one)
     r.zadd(SCHEMA.limit_waiting(GROUP), {"run-2": 1})  # it arrived long ago
-    limits.release(store, GROUP, "h:1:a", ran=True)
+    store_limits.release(store, GROUP, "h:1:a", ran=True)
     granted = _ask(store, "h:1:c", "run-2", one)
     assert isinstance(granted, Grant) and granted.waited_ms > 1000
     registry = CollectorRegistry()
@@ -530,16 +535,18 @@ def test_a_rate_only_run_holds_no_slot_and_reports_none_lost(
 
 
 def test_a_limits_only_run_revoked_while_it_waits_leaves_the_line(make_app: AppFactory, r: redis.Redis) -> None:
-    from celery_dedup.guard import settle_elsewhere  # noqa: PLC0415
+    from celery_dedup.worker.guard import settle_elsewhere  # noqa: PLC0415
 
     app = make_app("limits_app")
     task = limits_app.register(app).by_mode["off"]
     store = store_for(app)
     group = f"{task.name}:group:g"
     one = LimitPolicy(None, concurrency=1)
-    limits.acquire(store, group, "elsewhere:1:0", "other", one, lease_ms=60_000, task_name=task.name)
+    store_limits.acquire(store, group, "elsewhere:1:0", "other", one, lease_ms=60_000, task_name=task.name)
     run = task.delay(1, "g")
-    assert isinstance(limits.acquire(store, group, "h:1:x", run.id, one, lease_ms=60_000, task_name=task.name), Denial)
+    assert isinstance(
+        store_limits.acquire(store, group, "h:1:x", run.id, one, lease_ms=60_000, task_name=task.name), Denial
+    )
     assert not settle_elsewhere(task, "revoked", run.id, None, [1, "g"], {}, stopping=False)
     assert r.zscore(SCHEMA.limit_waiting(group), run.id) is None
     assert r.keys("dedup:rec:*") == [], "a limits-only task has no record"
@@ -646,12 +653,16 @@ def test_free_slots_are_not_held_for_runs_ahead_that_do_not_come_back(
     store = store_for(tasks.job.app)
     two = LimitPolicy(None, concurrency=2)
     for n in range(2):  # held elsewhere while the two runs arrive, then given back
-        limits.acquire(store, group, f"elsewhere:1:{n}", f"other-{n}", two, lease_ms=60_000, task_name=tasks.job.name)
+        store_limits.acquire(
+            store, group, f"elsewhere:1:{n}", f"other-{n}", two, lease_ms=60_000, task_name=tasks.job.name
+        )
     for n in range(2):
-        late = limits.acquire(store, group, f"gone:1:{n}", f"ahead-{n}", two, lease_ms=60_000, task_name=tasks.job.name)
+        late = store_limits.acquire(
+            store, group, f"gone:1:{n}", f"ahead-{n}", two, lease_ms=60_000, task_name=tasks.job.name
+        )
         assert isinstance(late, Denial) and late.wait_ms <= 1000
     for n in range(2):
-        limits.release(store, group, f"elsewhere:1:{n}", ran=False)
+        store_limits.release(store, group, f"elsewhere:1:{n}", ran=False)
     with worker(server, concurrency=4) as process:
         for n in range(4):
             tasks.job.delay(n, "G")

@@ -13,7 +13,7 @@ import pytest
 import redis
 
 from celery_dedup.keys import KeySchema
-from celery_dedup.store import DedupStore, StartDecision
+from celery_dedup.store.store import DedupStore, StartDecision
 
 SCHEMA = KeySchema("dedup")
 MEMBER = "own.task:k"

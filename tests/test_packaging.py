@@ -35,7 +35,7 @@ README = ROOT / "README.md"
 README_BROKER = "redis://127.0.0.1:6379/0"
 PACKAGE_DATA = (
     "celery_dedup/py.typed",
-    "celery_dedup/scripts/*.lua",
+    "celery_dedup/store/lua/*.lua",
     "celery_dedup/contrib/django/templates/**/*.html",
 )
 #: What a working tree accumulates besides its sources (see .gitignore).
@@ -167,7 +167,7 @@ def test_wheel_holds_the_package_data_and_entry_points(built: Built) -> None:
         assert files, f"{pattern} matches nothing in the checkout"
         assert not set(files) - names, f"the wheel lacks {sorted(set(files) - names)}"
     assert not [name for name in names if name.startswith("tests/")], "the wheel installs a top-level tests package"
-    assert "dedup = celery_dedup.cli:dedup" in entry_points
+    assert "dedup = celery_dedup.ops.cli:dedup" in entry_points
     assert "celery_dedup = celery_dedup.testing" in entry_points
 
 
@@ -179,7 +179,7 @@ def test_every_module_imports_with_only_the_declared_dependencies(built: Built, 
             if name.startswith("celery_dedup/") and name.endswith(".py")
         )
     plain = [m for m in modules if not any(m == e or m.startswith(e + ".") for e in NEEDS_EXTRA)]
-    assert "celery_dedup.transport" in plain and "celery_dedup.cli" in plain, plain
+    assert "celery_dedup.transports.redis" in plain and "celery_dedup.ops.cli" in plain, plain
     # kombu's Redis transport is imported only when a connection is made: import it as a publish would.
     script = "import importlib, sys\nfor name in sys.argv[1:]:\n    importlib.import_module(name)\n"
     run([fresh_venv / "bin" / "python", "-c", script, "kombu.transport.redis", *plain], timeout=60, env=clean_env())

@@ -18,7 +18,8 @@ import redis
 from kombu import Connection
 from kombu.transport.native_delayed_delivery import MAX_LEVEL, level_name
 
-from celery_dedup.testing import RabbitMQNode, assert_deduplicated, assert_published, assert_state
+from celery_dedup.testing import assert_deduplicated, assert_published, assert_state
+from tests.servers import RabbitMQNode
 
 from . import rabbitmq_app
 from .conftest import RabbitApps, Server, WorkerProcess, amqp_message_count, in_process_worker

@@ -28,8 +28,8 @@ from kombu.messaging import Producer
 import celery_dedup
 from celery_dedup import DedupTask, runtime
 from celery_dedup.keys import KeySchema
-from celery_dedup.status import Status
-from celery_dedup.testing import RabbitMQNode
+from celery_dedup.store.status import Status
+from tests.servers import RabbitMQNode
 
 from . import rabbitmq_app
 from .conftest import RabbitApps, Server, WorkerProcess, amqp_message_count, in_process_worker, wait_for

@@ -23,7 +23,7 @@ from celery_dedup import DedupTask
 from celery_dedup import runtime as dedup_runtime
 from celery_dedup.exceptions import DedupArgumentError
 from celery_dedup.keys import KeySchema, member_for
-from celery_dedup.store import DedupStore
+from celery_dedup.store.store import DedupStore
 
 from .conftest import AppFactory, wait_for
 

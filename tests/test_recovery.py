@@ -1,6 +1,6 @@
 """Crash recovery: a lock whose owner is provably dead is taken over at once, and its message comes back.
 
-Unit tests prove :func:`celery_dedup.processes.owner_gone` on real processes
+Unit tests prove :func:`celery_dedup.worker.processes.owner_gone` on real processes
 (a live one, a dead one, a zombie, a reused pid, another pid namespace).
 Integration tests run ``celery -A tests.crash_app worker`` subprocesses
 (prefork), SIGKILL a pool child or a whole worker mid-task, restart the
@@ -28,10 +28,11 @@ from typing import Any
 import pytest
 import redis
 
-from celery_dedup import processes, recovery, runtime
+from celery_dedup import runtime
 from celery_dedup.keys import KeySchema
-from celery_dedup.lock import new_token
-from celery_dedup.store import DedupStore
+from celery_dedup.store.store import DedupStore
+from celery_dedup.worker import processes, recovery
+from celery_dedup.worker.lock import new_token
 
 from . import crash_app
 from .conftest import ROOT, AppFactory, Server, WorkerProcess, queued_messages, wait_for
@@ -63,7 +64,9 @@ def tasks(make_app: AppFactory) -> crash_app.Tasks:
 
 def child_token() -> subprocess.Popen[str]:
     """A Python process that prints a lock token of its own and then waits for its stdin to close."""
-    code = "import sys; from celery_dedup.lock import new_token; print(new_token(), flush=True); sys.stdin.read()"
+    code = (
+        "import sys; from celery_dedup.worker.lock import new_token; print(new_token(), flush=True); sys.stdin.read()"
+    )
     return subprocess.Popen(
         [sys.executable, "-c", code], stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True, cwd=ROOT
     )
@@ -136,7 +139,7 @@ def in_a_new_pid_namespace(code: str, *unshare: str) -> str:
 
 def test_a_token_from_another_pid_namespace_on_this_host_is_not_gone() -> None:
     """Same kernel, same host name, another process table: its pid 1 is not ours."""
-    code = "from celery_dedup.lock import new_token; print(new_token())"
+    code = "from celery_dedup.worker.lock import new_token; print(new_token())"
     token = in_a_new_pid_namespace(code, "--mount-proc").strip()
     owner = processes.owner_of(token)
     assert owner is not None and owner.pid == 1
@@ -154,7 +157,7 @@ def test_a_proc_showing_another_pid_namespace_proves_nothing() -> None:
     id, so its tokens prove nothing, even of the judge's own live process.
     """
     code = (
-        "import json, os; from celery_dedup import processes; t = processes.token(); o = processes.owner_of(t); "
+        "import json, os; from celery_dedup.worker import processes; t = processes.token(); o = processes.owner_of(t); "
         "print(json.dumps([t, os.getpid(), processes.owner_gone(t.replace(f':{o.start}:', ':999999:', 1))]))"
     )
     token, pid, reused_gone = json.loads(in_a_new_pid_namespace(code))
@@ -167,7 +170,7 @@ def test_a_proc_showing_another_pid_namespace_proves_nothing() -> None:
 #: Loads processes.py alone (the standard library only: readable by any user) and prints owner_gone of each token.
 BLIND_JUDGE = """
 import importlib.util, json, os, sys
-spec = importlib.util.spec_from_file_location("judge", "celery_dedup/processes.py")
+spec = importlib.util.spec_from_file_location("judge", "celery_dedup/worker/processes.py")
 judge = importlib.util.module_from_spec(spec)
 sys.modules["judge"] = judge
 spec.loader.exec_module(judge)

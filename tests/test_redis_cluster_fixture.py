@@ -11,13 +11,8 @@ import pytest
 import redis
 from redis.exceptions import AskError, MovedError
 
-from celery_dedup.testing import (
-    HASH_SLOTS,
-    ClusterNotSupported,
-    RedisCluster,
-    parse_cluster_nodes,
-)
 from tests.conftest import wait_for
+from tests.servers import HASH_SLOTS, ClusterNotSupported, RedisCluster, parse_cluster_nodes
 
 
 def keys_in_slots(slots: set[int], per_slot: int) -> list[str]:

@@ -13,7 +13,7 @@ from celery import Celery
 from celery_dedup import DedupResult, DedupTask, runtime
 from celery_dedup.keys import KeySchema, member_for
 from celery_dedup.testing import RedisServer
-from celery_dedup.transport import SentinelChannel, SentinelTransport
+from celery_dedup.transports.redis import SentinelChannel, SentinelTransport
 
 from .conftest import AppFactory, in_process_worker, queued_messages
 

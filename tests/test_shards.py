@@ -17,7 +17,7 @@ from redis.crc import key_slot
 
 from celery_dedup.exceptions import DedupArgumentError
 from celery_dedup.keys import CLUSTER_SHARDS, KeySchema, new_nonce
-from celery_dedup.store import DedupStore
+from celery_dedup.store.store import DedupStore
 
 TASKS = ("shop.charge", "shop.refund")
 

@@ -26,7 +26,7 @@ from kombu.transport import redis as kombu_redis
 import celery_dedup
 from celery_dedup import DedupTask, DedupUnavailableError, runtime
 from celery_dedup.keys import KeySchema, member_for
-from celery_dedup.status import Status
+from celery_dedup.store.status import Status
 from celery_dedup.testing import RedisServer, free_port
 
 from .conftest import AppFactory, Server, in_process_worker, queued_messages, wait_for

@@ -320,7 +320,7 @@ def check_facts(run: Run) -> str:
         if not str(facts.get("redis_transport", "")).startswith("kombu."):
             return f"redis:// resolved to {facts.get('redis_transport')} in the plain run"
         return ""
-    if facts.get("redis_transport") != "celery_dedup.transport:Transport":
+    if facts.get("redis_transport") != "celery_dedup.transports.redis:Transport":
         return f"redis:// resolved to {facts.get('redis_transport')}, not the gated transport"
     installed = facts.get("installed_apps", {})
     if run.suite.project == "celery" and not {"celery_app", "celery_session_app"} <= installed.keys():

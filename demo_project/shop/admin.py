@@ -6,7 +6,7 @@ from django.contrib import admin
 from django.utils.html import format_html, format_html_join
 from django.utils.safestring import SafeString
 
-from celery_dedup.status import Status
+from celery_dedup.store.status import Status
 
 from .dedup_links import DedupRecord, dedup_record
 from .models import Charge, EmailLog, InventorySync, Order, OrderLine, SalesReport

@@ -11,7 +11,7 @@ from django.urls import NoReverseMatch, reverse
 
 from celery_dedup import DedupTask
 from celery_dedup.keys import member_for
-from celery_dedup.status import Status
+from celery_dedup.store.status import Status
 
 DEDUP_APP = "celery_dedup.contrib.django"
 DEDUP_LABEL = "celery_dedup"

@@ -10,7 +10,7 @@ from django.conf import settings
 
 from celery_dedup import runtime
 from celery_dedup.exceptions import DedupConfigError
-from celery_dedup.store import masked_url
+from celery_dedup.store.connection import masked_url
 
 SETTING = "CELERY_DEDUP_APP"
 

@@ -5,7 +5,7 @@ from __future__ import annotations
 import datetime
 from dataclasses import dataclass, field
 
-from celery_dedup.status import FIELD_DOC, GROUPS, Status, from_ms
+from celery_dedup.store.status import FIELD_DOC, GROUPS, Status, from_ms
 
 
 @dataclass(frozen=True)
@@ -39,7 +39,7 @@ SUMMARY = ("state", "task")
 
 
 def groups_of(status: Status) -> list[Group]:
-    """The fields ``status``'s record holds, in :data:`~celery_dedup.status.GROUPS`; unknown fields are internals.
+    """The fields ``status``'s record holds, in :data:`~celery_dedup.store.status.GROUPS`; unknown fields are internals.
 
     The page's summary shows state and task, so the groups leave them out; empty groups are left out.
     """

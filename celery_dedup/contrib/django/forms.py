@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from django import forms
 
-from celery_dedup.store import ENDED_STATES
+from celery_dedup.store.status import ENDED_STATES
 
 
 class ReleaseForm(forms.Form):

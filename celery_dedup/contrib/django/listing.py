@@ -11,8 +11,8 @@ from dataclasses import dataclass, field
 from typing import Any
 from urllib.parse import urlencode
 
-from celery_dedup.status import Status
-from celery_dedup.store import Page
+from celery_dedup.store.status import Status
+from celery_dedup.store.store import Page
 
 PAGE_SIZE = 100
 #: Earlier cursors kept for "previous"; older pages are reached from the first.

@@ -10,7 +10,7 @@ from django.utils.dateformat import format as format_date
 from django.utils.html import escape, format_html
 from django.utils.safestring import SafeString, mark_safe
 
-from celery_dedup.status import to_ms
+from celery_dedup.store.status import to_ms
 
 register = template.Library()
 

@@ -5,6 +5,10 @@ extends every lock it holds in one Redis call at a fraction of the shortest
 TTL. A lock is *lost* when renewal finds it expired or taken over, or cannot
 reach Redis before the lock's TTL would have run out; the task sees that
 through ``lock.lost`` (an Event; tasks ask ``self.dedup_lock_lost``).
+
+The renewer keeps alive whatever is :class:`Renewable`: execution locks, and
+the limit slots' leases of ``limits``, which it renews with the locks but
+knows only through that protocol.
 """
 
 from __future__ import annotations
@@ -14,14 +18,14 @@ import os
 import threading
 import time
 from collections import defaultdict
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Collection, Hashable, Sequence
+from typing import ClassVar, Protocol, TypeVar
 
 import redis
 
+from ..exceptions import store_failure
+from ..store.store import DedupStore, LockRef
 from . import processes
-from .exceptions import store_failure
-from .limits import SlotLease, renew_leases, slot_lost
-from .store import DedupStore, LockRef
 
 logger = logging.getLogger("celery_dedup")
 
@@ -29,10 +33,41 @@ logger = logging.getLogger("celery_dedup")
 RENEW_FRACTION = 1 / 3
 
 
+_R = TypeVar("_R", bound="Renewable")
+
+
+class Renewable(Protocol):
+    """What the renewer keeps alive: an :class:`ExecutionLock`, a limit slot's lease (``limits.SlotLease``).
+
+    Those of one :meth:`batch` are renewed together, in one call of
+    :meth:`renew` on any of them.
+    """
+
+    ttl_ms: int
+    #: Local (monotonic) time until which it is surely still held.
+    valid_until: float
+    #: When the renewer should extend it next.
+    renew_at: float
+    #: Why one that a renewal no longer finds is lost.
+    gone: ClassVar[str]
+
+    def batch(self) -> Hashable:
+        """What it is renewed with: those of its kind on its server, with its TTLs."""
+        ...
+
+    def renew(self: _R, batch: list[_R]) -> Collection[_R]:
+        """Extend ``batch`` (this one among them) in one call; returns those no longer held."""
+        ...
+
+    def lose(self, why: str) -> None:
+        """Mark it lost for ``why``, and say so once."""
+        ...
+
+
 def new_token() -> str:
     """A token unique to one delivery: the process that runs it, what proves its death, and a random part.
 
-    See :func:`celery_dedup.processes.token`. Short on purpose: the record
+    See :func:`celery_dedup.worker.processes.token`. Short on purpose: the record
     keeps it, and a record value over the server's ``hash-max-listpack-value``
     (64 bytes) makes the whole record twice as big.
     """
@@ -41,6 +76,8 @@ def new_token() -> str:
 
 class ExecutionLock:
     """One delivery's hold on a key's execution."""
+
+    gone: ClassVar[str] = "taken over or expired"
 
     def __init__(self, store: DedupStore, member: str, token: str, ttl_ms: int, record_ms: int, *, now: float) -> None:
         self.store = store
@@ -58,6 +95,18 @@ class ExecutionLock:
     def __repr__(self) -> str:
         return f"<ExecutionLock {self.member!r} token={self.token!r} lost={self.lost.is_set()}>"
 
+    def batch(self) -> Hashable:
+        return ExecutionLock, id(self.store.client), self.ttl_ms, self.record_ms
+
+    def renew(self, batch: list[ExecutionLock]) -> list[ExecutionLock]:
+        lost = set(self.store.renew([lock.ref for lock in batch], lock_ms=self.ttl_ms, record_ms=self.record_ms))
+        return [lock for lock in batch if lock.ref in lost]
+
+    def lose(self, why: str) -> None:
+        if not self.lost.is_set():
+            self.lost.set()
+            logger.error("execution lock lost for key %r (%s): another delivery may run it now", self.member, why)
+
 
 class Renewer:
     """Keeps every lock of this process alive; one daemon thread, started on first use.
@@ -67,7 +116,7 @@ class Renewer:
 
     def __init__(self, clock: Callable[[], float] = time.monotonic) -> None:
         self.clock = clock
-        self._locks: set[ExecutionLock | SlotLease] = set()
+        self._locks: set[Renewable] = set()
         self._cond = threading.Condition()
         self._thread: threading.Thread | None = None
         #: When the thread wakes next at the latest (clock time), and how long it sleeps when idle: the
@@ -75,7 +124,7 @@ class Renewer:
         self._wake_at = 0.0
         self._idle_wait = 60.0
 
-    def add(self, lock: ExecutionLock | SlotLease) -> None:
+    def add(self, lock: Renewable) -> None:
         with self._cond:
             self._locks.add(lock)
             self._idle_wait = min(self._idle_wait, lock.ttl_ms / 1000 * RENEW_FRACTION)
@@ -86,7 +135,7 @@ class Renewer:
                 # Waking the thread costs a switch per task: only when this lock is due before it wakes anyway.
                 self._cond.notify()
 
-    def remove(self, lock: ExecutionLock | SlotLease) -> None:
+    def remove(self, lock: Renewable) -> None:
         with self._cond:
             self._locks.discard(lock)
 
@@ -108,47 +157,26 @@ class Renewer:
                     continue
             self.renew(due)
 
-    def renew(self, locks: list[ExecutionLock | SlotLease]) -> None:
-        """Renew ``locks`` (and limit slot leases) now (grouped per server and TTL: one call each)."""
-        groups: dict[tuple[int, int, int], list[ExecutionLock]] = defaultdict(list)
-        leases: dict[tuple[int, int], list[SlotLease]] = defaultdict(list)
+    def renew(self, locks: list[Renewable]) -> None:
+        """Renew ``locks`` (and limit slot leases) now, one call per :meth:`~Renewable.batch`."""
+        batches: dict[Hashable, list[Renewable]] = defaultdict(list)
         for lock in locks:
-            if isinstance(lock, SlotLease):
-                leases[(id(lock.store.client), lock.ttl_ms)].append(lock)
-            else:
-                groups[(id(lock.store.client), lock.ttl_ms, lock.record_ms)].append(lock)
-        for (_, ttl_ms), batch in leases.items():
-            self._renew_leases(batch, ttl_ms)
-        for (_, ttl_ms, record_ms), group in groups.items():
+            batches[lock.batch()].append(lock)
+        for batch in batches.values():
             started = self.clock()
             try:
-                lost = group[0].store.renew([lock.ref for lock in group], lock_ms=ttl_ms, record_ms=record_ms)
+                lost = set(batch[0].renew(batch))
             except redis.RedisError as exc:
-                self._unreachable(group, exc)
+                self._unreachable(batch, exc)
                 continue
-            lost_refs = set(lost)
-            for lock in group:
-                if lock.ref in lost_refs:
-                    self._lose(lock, "taken over or expired")
+            for lock in batch:
+                if lock in lost:
+                    self._lose(lock, lock.gone)
                 else:
-                    lock.valid_until = started + ttl_ms / 1000
-                    lock.renew_at = started + ttl_ms / 1000 * RENEW_FRACTION
+                    lock.valid_until = started + lock.ttl_ms / 1000
+                    lock.renew_at = started + lock.ttl_ms / 1000 * RENEW_FRACTION
 
-    def _renew_leases(self, group: list[SlotLease], ttl_ms: int) -> None:
-        started = self.clock()
-        try:
-            lost = set(renew_leases(group, lease_ms=ttl_ms))
-        except redis.RedisError as exc:
-            self._unreachable(group, exc)
-            return
-        for lease in group:
-            if lease in lost:
-                self._lose(lease, "expired or evicted: the run goes on beyond its group's limit")
-            else:
-                lease.valid_until = started + ttl_ms / 1000
-                lease.renew_at = started + ttl_ms / 1000 * RENEW_FRACTION
-
-    def _unreachable(self, group: Sequence[ExecutionLock | SlotLease], exc: Exception) -> None:
+    def _unreachable(self, group: Sequence[Renewable], exc: Exception) -> None:
         now = self.clock()
         for lock in group:
             if now >= lock.valid_until:
@@ -157,14 +185,8 @@ class Renewer:
                 lock.renew_at = now + min(0.5, (lock.valid_until - now) / 2)  # retry soon, before it expires
                 logger.warning("could not renew %r, retrying: %s", lock, exc)
 
-    def _lose(self, lock: ExecutionLock | SlotLease, why: str) -> None:
-        if isinstance(lock, SlotLease):
-            slot_lost(lock, why)
-            self.remove(lock)
-            return
-        if not lock.lost.is_set():
-            lock.lost.set()
-            logger.error("execution lock lost for key %r (%s): another delivery may run it now", lock.member, why)
+    def _lose(self, lock: Renewable, why: str) -> None:
+        lock.lose(why)
         self.remove(lock)
 
 

@@ -15,9 +15,12 @@ import redis
 from kombu.transport import redis as kombu_redis
 from kombu.utils.json import dumps
 
-from .exceptions import DedupRoutingError
-from .gate import GateHeader, message_payload, report
-from .store import DedupStore, GateCall, Scripts
+from ..exceptions import DedupRoutingError
+from ..header import GateHeader
+from ..payloads import message_payload
+from ..publish.ticket import report
+from ..store.scripts import Scripts
+from ..store.store import DedupStore, GateCall
 
 
 class GatedChannelMixin:

@@ -1,86 +1,22 @@
-"""The only code that runs Lua or reads dedup state in Redis."""
+"""DedupStore: every read and write of dedup state, each a Lua script or a read, and what they return."""
 
 from __future__ import annotations
 
 import logging
-from collections.abc import Callable, Iterable, Mapping, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
-from importlib import resources
 from typing import Any, NamedTuple, cast
-from urllib.parse import parse_qsl, unquote, urlparse
 
 import redis
-from kombu.transport import redis as kombu_redis
-from kombu.transport import virtual as kombu_virtual
-from kombu.utils.url import maybe_sanitize_url
-from redis.cluster import ClusterNode, RedisCluster
-from redis.commands.core import Script
+from redis.cluster import RedisCluster
 from redis.crc import key_slot
-from redis.sentinel import Sentinel
 
-from .exceptions import DedupArgumentError, DedupConfigError
-from .gate import Outcome
-from .keys import CLUSTER_SHARDS, KeySchema, split_member, task_namespace
-from .status import Status
+from ..exceptions import DedupArgumentError
+from ..keys import CLUSTER_SHARDS, KeySchema, split_member, task_namespace
+from .scripts import Scripts
+from .status import ENDED_STATES, STATES, Status
 
 logger = logging.getLogger("celery_dedup")
-
-#: Scripts that change status records get the shared helpers of ``lib.lua`` first.
-_WITH_LIB = frozenset(
-    {"gate", "confirm", "start", "takeover", "finish", "reap", "dispatch", "peek", "release", "purge", "settle"}
-)
-
-#: Every state a record can be in, and those in which its run has ended (as in ``lib.lua``).
-STATES = (
-    "pending",
-    "publishing",
-    "queued",
-    "started",
-    "retry",
-    "succeeded",
-    "failed",
-    "revoked",
-    "rejected",
-    "ignored",
-    "lost",
-    "skipped",
-    "released",
-    "replaced",
-)
-ENDED_STATES = ("succeeded", "failed", "revoked", "rejected", "ignored", "skipped", "released", "replaced")
-
-
-def load_script(name: str) -> str:
-    """The source of ``scripts/<name>.lua`` as it is sent to Redis."""
-    folder = resources.files("celery_dedup").joinpath("scripts")
-    body = folder.joinpath(f"{name}.lua").read_text(encoding="utf-8")
-    if name in _WITH_LIB:
-        return folder.joinpath("lib.lua").read_text(encoding="utf-8") + body
-    return body
-
-
-class Scripts:
-    """Every Lua script, registered once with one client; run them with ``client=``."""
-
-    def __init__(self, client: redis.Redis) -> None:
-        self.gate: Script = client.register_script(load_script("gate"))
-        self.confirm: Script = client.register_script(load_script("confirm"))
-        self.start: Script = client.register_script(load_script("start"))
-        self.takeover: Script = client.register_script(load_script("takeover"))
-        self.finish: Script = client.register_script(load_script("finish"))
-        self.renew: Script = client.register_script(load_script("renew"))
-        self.reap: Script = client.register_script(load_script("reap"))
-        self.dispatch: Script = client.register_script(load_script("dispatch"))
-        self.peek: Script = client.register_script(load_script("peek"))
-        self.release: Script = client.register_script(load_script("release"))
-        self.purge: Script = client.register_script(load_script("purge"))
-        self.settle: Script = client.register_script(load_script("settle"))
-        self.annotate: Script = client.register_script(load_script("annotate"))
-        self.replacing: Script = client.register_script(load_script("replacing"))
-        self.limit_acquire: Script = client.register_script(load_script("limit_acquire"))
-        self.limit_release: Script = client.register_script(load_script("limit_release"))
-        self.limit_renew: Script = client.register_script(load_script("limit_renew"))
-        self.limit_note: Script = client.register_script(load_script("limit_note"))
 
 
 def storable(text: str) -> str:
@@ -121,7 +57,7 @@ class StartDecision:
         return self.code == self.RUN
 
 
-#: The name of :class:`~celery_dedup.status.Status` before it was typed (same attributes, and more).
+#: The name of :class:`~celery_dedup.store.status.Status` before it was typed (same attributes, and more).
 Record = Status
 
 
@@ -147,6 +83,22 @@ class ReapReport:
     vanished: int = 0
     #: ``(member, task id, why)`` of each run this call marked lost.
     runs: tuple[tuple[str, str, str], ...] = ()
+
+
+@dataclass(frozen=True)
+class Outcome:
+    """What the gate decided: ``task_id`` is the accepted run's id either way."""
+
+    accepted: bool
+    task_id: str
+    #: Not accepted, but joined the accepted run's burst (debounce): its
+    #: arguments may be the ones that run.
+    collapsed: bool = False
+    #: Not accepted, but parked as a follower of the accepted run: its own
+    #: message is delivered once that run ends, and resolves as it ended.
+    followed: bool = False
+    #: Not accepted, and not parked: the run has ``dedup_max_followers`` already.
+    refused: bool = False
 
 
 @dataclass(frozen=True)
@@ -632,6 +584,10 @@ class DedupStore:
         args: list[str | int] = [member, run_id, result, storable(unkept), at.prefix, record_ms, state]
         return int(self.scripts.settle([at.followers(member)], args))
 
+    def is_follower(self, member: str, run_id: str) -> bool:
+        """Whether run ``run_id`` is parked as a follower of ``member``'s run (``gate.lua`` parks them)."""
+        return bool(self.client.hexists(self._at(member).followers(member), run_id))
+
     def unclaim(self, member: str, task_id: str) -> bool:
         """Undo a hold whose message was never published (owner only, and only before its run began)."""
         return self.finish(member, task_id, "", drop=True, record_ms=0, role="report")[0]
@@ -909,160 +865,3 @@ class DedupStore:
             done, spared, left = self.scripts.purge([at.held], [at.prefix, budget, *states])
             purged, kept, more = purged + int(done), kept + int(spared), more or bool(left)
         return PurgeReport(purged, kept, more)
-
-
-def broker_client(connection: Any) -> redis.Redis:
-    """A client of the Redis broker that connects exactly as kombu's Redis transport does.
-
-    ``connection`` is the app's ``connection_for_write()``. kombu's channel
-    builds its connection pool from ``broker_use_ssl``, ``broker_transport_options``
-    (timeouts, keepalive, health checks, Sentinel's ``master_name``...), the
-    URL's credentials or ``broker_user``/``broker_password``, and a
-    ``credential_provider``; the pool is built here by that same code, on a
-    channel that is never connected, so the store cannot drift from the broker.
-
-    Unlike kombu's per-channel pool (10 connections by default), the store's
-    pool is shared by every thread of the process, so it is bounded only by an
-    explicit ``max_connections`` transport option.
-    """
-    transport = connection.transport  # made without connecting
-    channel_class = transport.Channel
-    if not (isinstance(channel_class, type) and issubclass(channel_class, kombu_redis.Channel)):
-        url = maybe_sanitize_url(connection.as_uri())
-        raise DedupConfigError("dedup_redis_url", None, f"the broker {url} is not Redis: set dedup_redis_url")
-    channel: Any = channel_class.__new__(channel_class)
-    # The base class's __init__ only applies the transport options; kombu's
-    # Redis channel would go on to connect and join the consumer's poller.
-    kombu_virtual.Channel.__init__(channel, transport)
-    if "max_connections" not in connection.transport_options:
-        channel.max_connections = None
-    pool = channel._get_pool()
-    credential_provider = pool.connection_kwargs.get("credential_provider")
-    if credential_provider is not None:  # as kombu's client is given it
-        return redis.Redis(connection_pool=pool, credential_provider=credential_provider)
-    return redis.Redis(connection_pool=pool)
-
-
-def client_from_url(url: str, options: Mapping[str, Any] | None = None) -> redis.Redis:
-    """A client of a dedup store apart from the broker (``dedup_redis_url``, ``dedup_redis_options``).
-
-    ``url`` is ``redis://``, ``rediss://``, ``unix://``, ``sentinel://`` (several
-    Sentinels joined by ``;``) or ``redis+cluster://`` (``rediss+cluster://``;
-    seeds of a Redis Cluster, see :func:`cluster_client`). ``options`` are redis-py connection keywords
-    (``ssl_ca_certs``, ``socket_timeout``, ``username``, ``credential_provider``...),
-    over those of the URL's query string; a Sentinel URL also takes
-    ``master_name`` (required) and ``sentinel_kwargs`` from them.
-    """
-    kwargs = dict(options or {})
-    first = url.split(";", maxsplit=1)[0]
-    if cluster_seeds(url) is not None:
-        return cluster_client(url, kwargs)
-    if not first.startswith("sentinel://"):
-        return redis.Redis.from_url(first, **kwargs)
-    master_name = kwargs.pop("master_name", None)
-    sentinel_kwargs = kwargs.pop("sentinel_kwargs", None)
-    sentinels, password, db = [], None, 0
-    for part in url.split(";"):
-        parsed = urlparse(part.strip())
-        if parsed.hostname:
-            sentinels.append((parsed.hostname, parsed.port or 26379))
-        password = password or (unquote(parsed.password) if parsed.password else None)
-        path = parsed.path.strip("/")
-        db = int(path) if path.isdigit() else db
-    if not master_name:
-        raise DedupConfigError(
-            "dedup_redis_options",
-            masked_options(options),
-            f"a sentinel:// dedup_redis_url ({masked_url(url)}) needs 'master_name' here: the Sentinels' name "
-            "of the store's master",
-        )
-    kwargs.setdefault("db", db)
-    if password is not None:
-        kwargs.setdefault("password", password)
-    sentinel = Sentinel(sentinels, sentinel_kwargs=sentinel_kwargs)  # type: ignore[no-untyped-call]
-    client: redis.Redis = sentinel.master_for(master_name, **kwargs)  # type: ignore[no-untyped-call]
-    return client
-
-
-#: Schemes of a Redis Cluster store: ``redis+cluster://[user:password@]host:port[,host:port...][?options]``.
-CLUSTER_SCHEMES = ("redis+cluster", "rediss+cluster")
-
-
-def cluster_seeds(url: str) -> list[tuple[str, int]] | None:
-    """The seed nodes of a ``redis+cluster://`` URL, or None for any other URL.
-
-    Raises:
-        DedupConfigError: a cluster URL without seeds, with a port that is no
-            number, or naming a database other than 0 (a cluster has only 0).
-    """
-    scheme, _, rest = url.partition("://")
-    if scheme.lower() not in CLUSTER_SCHEMES:
-        return None
-    location, _, _ = rest.partition("?")
-    location, _, path = location.partition("/")
-    hosts = location.rpartition("@")[2]
-    seeds = []
-    for host in hosts.split(","):
-        name, _, port = host.strip().rpartition(":")
-        if not name or not port.isdigit():
-            raise DedupConfigError("dedup_redis_url", url, f"seed {host!r} is not host:port")
-        seeds.append((name.strip("[]"), int(port)))
-    if path.strip("/") not in ("", "0"):
-        raise DedupConfigError("dedup_redis_url", url, "a Redis Cluster has database 0 only")
-    return seeds
-
-
-def cluster_client(url: str, options: Mapping[str, Any]) -> redis.Redis:
-    """A Redis Cluster client from a ``redis+cluster://`` URL (:func:`cluster_seeds`) and redis-py options.
-
-    The seeds are where discovery starts; the client follows the cluster's
-    topology from there (MOVED, ASK, failovers) as redis-py's does. The
-    URL's credentials and query string apply to every node; ``options``
-    (``dedup_redis_options``) over them.
-    """
-    seeds = cluster_seeds(url) or []
-    scheme, _, rest = url.partition("://")
-    location, _, query = rest.partition("?")
-    userinfo = location.partition("/")[0].rpartition("@")[0]
-    kwargs: dict[str, Any] = dict(parse_qsl(query))
-    for name in ("socket_timeout", "socket_connect_timeout"):
-        if name in kwargs:
-            kwargs[name] = float(kwargs[name])
-    if userinfo:
-        username, _, password = userinfo.partition(":")
-        kwargs["username"], kwargs["password"] = unquote(username) or None, unquote(password) or None
-    if scheme.lower().startswith("rediss"):
-        kwargs["ssl"] = True
-    kwargs.update(options)
-    nodes = [ClusterNode(host, port) for host, port in seeds]  # type: ignore[no-untyped-call]
-    return RedisCluster(startup_nodes=nodes, **kwargs)  # type: ignore[return-value]
-
-
-def masked_url(url: str) -> str:
-    """``url`` with its passwords masked, for logs, errors and pages (a cluster URL's, each of a ``;`` list's).
-
-    A part that is not even a URL's shape shows its scheme only, in case the rest holds a password.
-    """
-    return ";".join(_masked_one(part.strip()) for part in url.split(";"))
-
-
-def masked_options(options: Mapping[str, Any] | None) -> dict[str, Any]:
-    """redis-py options with their passwords masked, for errors and logs."""
-    return {name: "**" if "password" in name.lower() else value for name, value in (options or {}).items()}
-
-
-def _masked_one(url: str) -> str:
-    try:
-        return _masked_password(url)
-    except (ValueError, DedupConfigError):
-        return url.split("://", 1)[0] + "://..."
-
-
-def _masked_password(url: str) -> str:
-    if cluster_seeds(url) is None:
-        return str(maybe_sanitize_url(url))
-    scheme, _, rest = url.partition("://")
-    userinfo, at, hosts = rest.rpartition("@")
-    if at and ":" in userinfo:
-        userinfo = userinfo.split(":", 1)[0] + ":**"
-    return f"{scheme}://{userinfo}{at}{hosts}"

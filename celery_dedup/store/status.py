@@ -12,7 +12,26 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from .keys import split_member, task_from_namespace
+from ..keys import split_member, task_from_namespace
+
+#: Every state a record can be in, and those in which its run has ended (as in ``lib.lua``).
+STATES = (
+    "pending",
+    "publishing",
+    "queued",
+    "started",
+    "retry",
+    "succeeded",
+    "failed",
+    "revoked",
+    "rejected",
+    "ignored",
+    "lost",
+    "skipped",
+    "released",
+    "replaced",
+)
+ENDED_STATES = ("succeeded", "failed", "revoked", "rejected", "ignored", "skipped", "released", "replaced")
 
 EPOCH = datetime.datetime(1970, 1, 1, tzinfo=datetime.timezone.utc)
 
@@ -94,7 +113,7 @@ class Status:
     task: str
     #: The business key.
     key: str
-    #: One of ``celery_dedup.store.STATES``; "" only for a record no script finished writing.
+    #: One of ``STATES``; "" only for a record no script finished writing.
     state: str
     #: The run that owns the key (the Celery task id of its current publish).
     task_id: str
@@ -181,9 +200,7 @@ class Status:
 
     @property
     def ended(self) -> bool:
-        """Whether the run has ended (``celery_dedup.store.ENDED_STATES``): no delivery of it runs any more."""
-        from .store import ENDED_STATES  # noqa: PLC0415 - store imports this module
-
+        """Whether the run has ended (``ENDED_STATES``): no delivery of it runs any more."""
         return self.state in ENDED_STATES
 
     def as_dict(self) -> dict[str, Any]:

@@ -10,12 +10,13 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from . import decisions, runtime
-from .exceptions import DedupArgumentError, DedupOperationError
-from .gate import decode_payload
-from .keys import split_member, task_from_namespace
-from .store import ENDED_STATES, KeyDetail, PurgeReport, ReleaseResult
-from .task import DedupTask
+from .. import decisions, runtime
+from ..exceptions import DedupArgumentError, DedupOperationError
+from ..keys import split_member, task_from_namespace
+from ..payloads import decode_payload
+from ..store.status import ENDED_STATES
+from ..store.store import KeyDetail, PurgeReport, ReleaseResult
+from ..task import DedupTask
 
 #: States of a run that may be re-enqueued: it ended (or died) without success.
 REQUEUE_STATES = ("failed", "revoked", "rejected", "lost", "released")

@@ -17,10 +17,10 @@ from celery import Celery
 from kombu.transport import redis as kombu_redis
 from redis.cluster import RedisCluster
 
-from . import runtime
-from .exceptions import DedupError
-from .store import masked_url
-from .task import DedupTask
+from .. import runtime
+from ..exceptions import DedupError
+from ..store.connection import masked_url
+from ..task import DedupTask
 
 #: kombu's Redis transport redelivers an unacknowledged message after this many seconds by default.
 DEFAULT_VISIBILITY_TIMEOUT: float = kombu_redis.Channel.visibility_timeout

@@ -28,13 +28,15 @@ from celery.utils.saferepr import saferepr
 from kombu import serialization
 from kombu.exceptions import OperationalError
 
-from . import runtime
-from .exceptions import DedupArgumentError, DedupStoreError, DedupUnavailableError, DuplicateTaskError, server_reply
-from .gate import HEADER, GateHeader
-from .keyed import DedupResult, KeyedTask, delay_seconds
-from .keys import member_for, new_nonce, new_task_id, split_member
-from .store import DedupStore, GateCall
-from .transport import GatedChannelMixin
+from .. import runtime
+from ..exceptions import DedupArgumentError, DedupStoreError, DedupUnavailableError, DuplicateTaskError, server_reply
+from ..header import HEADER, GateHeader
+from ..keyed import KeyedTask
+from ..keys import member_for, new_nonce, new_task_id, split_member
+from ..store.store import DedupStore, GateCall
+from ..transports.redis import GatedChannelMixin
+from .delay import delay_seconds
+from .result import DedupResult
 
 #: kombu's delivery modes by name (``kombu.entity.DELIVERY_MODES``, untyped there).
 DELIVERY_MODES = {"transient": 1, "persistent": 2}

@@ -1,10 +1,7 @@
-"""Celery wiring: the publish-by-name hook, and the endings that bypass ``DedupTask.__call__``.
+"""Publishes by name (``app.send_task``, canvas fallbacks): the app's message sender adds the gate's header.
 
-Celery's ``Signal.send`` swallows receiver exceptions, so nothing here can
-stop a publish; receivers only add headers or record what happened.
-Success and body failures are settled in ``DedupTask.__call__``, before the
-result is stored; these receivers cover revokes, lost workers and hard time
-limits, where the body never returned.
+Only messages the gate took are announced: a duplicate it refused gets no
+``after_task_publish`` signal and no ``task-sent`` event.
 """
 
 from __future__ import annotations
@@ -13,76 +10,16 @@ import logging
 from collections.abc import Callable
 from typing import Any
 
-import redis
-from billiard.exceptions import WorkerLostError
-from celery import signals
-from celery.exceptions import Reject, TimeLimitExceeded
 from kombu.utils.imports import symbol_by_name
 
-from . import relay, runtime
-from .gate import HEADER, GateHeader, Ticket, open_ticket
-from .guard import FAILED, LOST, REJECTED, REVOKED, settle_elsewhere
-from .keyed import delay_seconds
-from .keys import member_for
-from .task import DedupTask, carries_continuation
+from .. import runtime
+from ..header import HEADER, GateHeader
+from ..keys import member_for
+from ..task import DedupTask, carries_continuation
+from .delay import delay_seconds
+from .ticket import Ticket, open_ticket
 
 logger = logging.getLogger("celery_dedup")
-
-
-def on_failure(
-    sender: Any = None,
-    task_id: str | None = None,
-    exception: BaseException | None = None,
-    args: Any = None,
-    kwargs: Any = None,
-    **_: Any,
-) -> None:
-    """Failures reported outside the body: a lost worker process, a hard time limit.
-
-    Failures the body raised were settled by the guard already; a run that has
-    ended is never rewritten, so repeating it here changes nothing. A
-    ``Reject`` is the guard's to record (Celery reports it as a failure too).
-    A hard time limit is reported while the pool child is still being killed.
-    """
-    if not isinstance(sender, DedupTask) or task_id is None or isinstance(exception, Reject):
-        return
-    headers = sender.request.headers if sender.request.id == task_id else None
-    state = LOST if isinstance(exception, WorkerLostError) else FAILED
-    stopping = isinstance(exception, TimeLimitExceeded)
-    settle_elsewhere(sender, state, task_id, headers, args, kwargs, stopping=stopping)
-
-
-def on_revoked(sender: Any = None, request: Any = None, terminated: bool = False, **_: Any) -> None:
-    """A revoked run: before it started, or terminated (and still being stopped) while it ran.
-
-    A revoke without ``terminate`` that reaches a copy of a run executing
-    elsewhere leaves that run alone, as Celery does.
-    """
-    if isinstance(sender, DedupTask) and request is not None and request.id is not None:
-        headers = getattr(request, "headers", None) or getattr(request, "request_dict", None)
-        settle_elsewhere(sender, REVOKED, request.id, headers, request.args, request.kwargs, stopping=bool(terminated))
-
-
-def on_unrunnable(
-    sender: Any = None, message: Any = None, name: str | None = None, id: str | None = None, **_: Any
-) -> None:
-    """A gated message the worker cannot run (unknown task, rejected message): free its key."""
-    headers = getattr(message, "headers", None)
-    gate = GateHeader.decode(headers)
-    app = getattr(sender, "app", None)  # the worker's consumer
-    if gate is None or headers is None or app is None:
-        return
-    task_id = id or headers.get("id")
-    store = runtime.store_for(app).with_prefix(gate.prefix)
-    record_ms = runtime.config_for(app).record_ms
-    try:
-        store.finish(gate.member, str(task_id), REJECTED, drop=True, record_ms=record_ms, role="report")
-    except redis.RedisError:
-        logger.exception("could not free the key %r of unrunnable message %s", gate.member, task_id)
-    else:
-        logger.warning(
-            "message %s (%s) cannot run here: key %r released", task_id, name or headers.get("task"), gate.member
-        )
 
 
 def _add_gate_header(app: Any, name: str, headers: dict[str, Any], body: Any) -> None:
@@ -209,13 +146,3 @@ def gate_send_task(app: Any) -> None:
         return
     app.amqp_cls = _gated_class(base)
     app.__dict__.pop("amqp", None)
-
-
-def connect(app: Any) -> None:
-    """Gate ``app``'s publishes by name and connect every receiver once (idempotent)."""
-    gate_send_task(app)
-    signals.task_failure.connect(on_failure, weak=False, dispatch_uid="celery_dedup.on_failure")
-    signals.task_revoked.connect(on_revoked, weak=False, dispatch_uid="celery_dedup.on_revoked")
-    signals.task_unknown.connect(on_unrunnable, weak=False, dispatch_uid="celery_dedup.on_unknown")
-    signals.task_rejected.connect(on_unrunnable, weak=False, dispatch_uid="celery_dedup.on_rejected")
-    relay.connect()

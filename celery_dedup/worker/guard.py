@@ -27,14 +27,16 @@ import redis
 from celery.exceptions import Ignore, Reject, Retry
 from kombu.utils.json import loads
 
-from . import decisions, limits, processes, recovery, results, runtime
-from .exceptions import UNREACHABLE, DedupError, DedupFollowerError, DedupStoreError, DedupUnavailableError
-from .gate import DEFERS_OPTION, GateHeader, call_payload, decode_payload, decode_result, result_payload
-from .keyed import KeyedTask
-from .keys import member_for, split_member
+from .. import decisions, runtime
+from ..exceptions import UNREACHABLE, DedupError, DedupFollowerError, DedupStoreError, DedupUnavailableError
+from ..header import DEFERS_OPTION, GateHeader
+from ..keyed import KeyedTask
+from ..keys import member_for, split_member
+from ..payloads import call_payload, decode_payload, decode_result, result_payload
+from ..store.store import BackendResult, DedupStore, Finished, StartDecision
+from . import limits, processes, recovery, results
 from .lock import ExecutionLock, renewer
 from .processes import exit_watcher, owner_gone, token_pid
-from .store import BackendResult, DedupStore, Finished, StartDecision
 
 logger = logging.getLogger("celery_dedup")
 
@@ -646,8 +648,8 @@ def delivery_gone(token: str) -> bool:
     """Whether the delivery that took lock ``token`` cannot be running any more.
 
     True only for a token of this process table whose process is provably
-    dead (:func:`~celery_dedup.processes.owner_gone`), or of this process
-    and no longer claimed by its delivery (:func:`~celery_dedup.processes.ended`:
+    dead (:func:`~celery_dedup.worker.processes.owner_gone`), or of this process
+    and no longer claimed by its delivery (:func:`~celery_dedup.worker.processes.ended`:
     a sibling thread's lock is alive from before it was taken). Another
     machine's delivery is assumed alive: its lock expires unless renewed.
     """

@@ -5,7 +5,7 @@ while the run executes. When the whole worker is killed, nobody acknowledges
 or rejects it, and kombu hands it out again only once ``visibility_timeout``
 has passed (an hour by default). A process of the same machine can prove
 that both the run's owner (its lock token, see
-:func:`celery_dedup.processes.owner_gone`) and the main process of the worker
+:func:`celery_dedup.worker.processes.owner_gone`) and the main process of the worker
 that delivered it (which alone acknowledges, rejects or requeues the message)
 are dead: then the message goes back to the head of its queue at once
 (where the store is the broker: the atomic gate's path), and its copy takes
@@ -39,9 +39,9 @@ from typing import Any
 import redis
 from kombu.utils.json import dumps, loads
 
-from . import runtime
+from .. import runtime
+from ..store.store import DedupStore
 from .processes import owner_gone, owner_of, token
-from .store import DedupStore
 
 logger = logging.getLogger("celery_dedup")
 

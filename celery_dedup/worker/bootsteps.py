@@ -17,9 +17,10 @@ import redis
 from celery import bootsteps
 from kombu.exceptions import OperationalError
 
-from . import recovery, runtime
-from .exceptions import DedupConfigError, store_failure
-from .task import DedupTask
+from .. import runtime
+from ..exceptions import DedupConfigError, store_failure
+from ..task import DedupTask
+from . import recovery
 
 logger = logging.getLogger("celery_dedup")
 
@@ -31,7 +32,7 @@ class ReaperStep(bootsteps.StartStopStep):
     token of this incarnation of the worker, which every delivery records.
     At start-up, and after every reaper pass, it puts back the messages of
     started runs whose worker died on this machine (killed whole): see
-    :mod:`celery_dedup.recovery`. The start-up pass runs even with the
+    :mod:`celery_dedup.worker.recovery`. The start-up pass runs even with the
     reaper off.
     """
 

@@ -21,7 +21,7 @@ from typing import Any, Protocol
 from celery import signals
 from celery.backends.redis import RedisBackend
 
-from .store import BackendResult, DedupStore
+from ..store.store import BackendResult, DedupStore
 
 
 class Ending(Protocol):

@@ -1,0 +1,46 @@
+"""The Lua scripts: read from the package's ``lua`` folder, registered with a client."""
+
+from __future__ import annotations
+
+from importlib import resources
+
+import redis
+from redis.commands.core import Script
+
+#: Scripts that change status records get the shared helpers of ``lib.lua`` first.
+_WITH_LIB = frozenset(
+    {"gate", "confirm", "start", "takeover", "finish", "reap", "dispatch", "peek", "release", "purge", "settle"}
+)
+
+
+def load_script(name: str) -> str:
+    """The source of ``lua/<name>.lua`` as it is sent to Redis."""
+    folder = resources.files("celery_dedup.store").joinpath("lua")
+    body = folder.joinpath(f"{name}.lua").read_text(encoding="utf-8")
+    if name in _WITH_LIB:
+        return folder.joinpath("lib.lua").read_text(encoding="utf-8") + body
+    return body
+
+
+class Scripts:
+    """Every Lua script, registered once with one client; run them with ``client=``."""
+
+    def __init__(self, client: redis.Redis) -> None:
+        self.gate: Script = client.register_script(load_script("gate"))
+        self.confirm: Script = client.register_script(load_script("confirm"))
+        self.start: Script = client.register_script(load_script("start"))
+        self.takeover: Script = client.register_script(load_script("takeover"))
+        self.finish: Script = client.register_script(load_script("finish"))
+        self.renew: Script = client.register_script(load_script("renew"))
+        self.reap: Script = client.register_script(load_script("reap"))
+        self.dispatch: Script = client.register_script(load_script("dispatch"))
+        self.peek: Script = client.register_script(load_script("peek"))
+        self.release: Script = client.register_script(load_script("release"))
+        self.purge: Script = client.register_script(load_script("purge"))
+        self.settle: Script = client.register_script(load_script("settle"))
+        self.annotate: Script = client.register_script(load_script("annotate"))
+        self.replacing: Script = client.register_script(load_script("replacing"))
+        self.limit_acquire: Script = client.register_script(load_script("limit_acquire"))
+        self.limit_release: Script = client.register_script(load_script("limit_release"))
+        self.limit_renew: Script = client.register_script(load_script("limit_renew"))
+        self.limit_note: Script = client.register_script(load_script("limit_note"))
