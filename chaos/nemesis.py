@@ -23,9 +23,9 @@ import redis
 from celery import Celery
 
 import celery_dedup
+from celery_dedup import operations
 from celery_dedup.exceptions import DedupError
 from celery_dedup.keys import KeySchema, split_member
-from celery_dedup.ops import operations
 
 from .app import LOCK_TTL, MODE_BY_TASK
 from .cluster import Cluster, Slot, group_pids, signal_group
@@ -325,7 +325,7 @@ class Nemesis:
         self.app.control.revoke(task_id, terminate=terminate, signal=sig)
 
     def operator(self) -> None:
-        """An operator's action from celery_dedup.ops.operations: release, purge, reap or re-enqueue."""
+        """An operator's action from celery_dedup.operations: release, purge, reap or re-enqueue."""
         action = self.rng.choice(OPERATOR_ACTIONS)
         self.ops += 1
         if action == "purge":

@@ -28,11 +28,10 @@ from django.test import Client, override_settings  # noqa: E402
 from django.test.utils import setup_test_environment, teardown_test_environment  # noqa: E402
 from django.utils.html import escape  # noqa: E402
 
-from celery_dedup import DedupTask, runtime  # noqa: E402
+from celery_dedup import DedupTask, operations, runtime  # noqa: E402
 from celery_dedup.contrib.django.conf import celery_app  # noqa: E402
 from celery_dedup.exceptions import DedupConfigError  # noqa: E402
 from celery_dedup.keys import KeySchema, member_for, new_nonce, new_task_id  # noqa: E402
-from celery_dedup.ops import operations  # noqa: E402
 from celery_dedup.store.status import FIELD_DOC  # noqa: E402
 
 from ._records import Records, keyed_tasks  # noqa: E402

@@ -12,9 +12,8 @@ from prometheus_client import CollectorRegistry, generate_latest
 from prometheus_client.parser import text_string_to_metric_families
 
 import celery_dedup
-from celery_dedup import DedupTask, runtime
+from celery_dedup import DedupTask, operations, runtime
 from celery_dedup.contrib.prometheus import DedupCollector
-from celery_dedup.ops import operations
 from celery_dedup.testing import RedisServer, free_port
 from tests.conftest import AppFactory, in_process_worker, wait_for
 

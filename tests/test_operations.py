@@ -9,10 +9,9 @@ import pytest
 import redis
 from celery import Celery
 
-from celery_dedup import runtime
+from celery_dedup import operations, runtime
 from celery_dedup.exceptions import DedupArgumentError, DedupOperationError
 from celery_dedup.keys import KeySchema
-from celery_dedup.ops import operations
 from celery_dedup.store.scripts import load_script
 from celery_dedup.store.status import ENDED_STATES, STATES
 from celery_dedup.store.store import PurgeReport, ReleaseResult, StartDecision

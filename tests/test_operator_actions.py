@@ -6,9 +6,8 @@ import pytest
 import redis
 from celery import Celery
 
-from celery_dedup import runtime
+from celery_dedup import operations, runtime
 from celery_dedup.keys import KeySchema
-from celery_dedup.ops import operations
 from celery_dedup.store.store import ReleaseResult
 
 from ._records import Records, keyed_tasks

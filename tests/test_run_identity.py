@@ -19,9 +19,8 @@ import redis
 from celery import Celery
 from kombu.utils.json import dumps, loads
 
-from celery_dedup import DedupTask
+from celery_dedup import DedupTask, operations
 from celery_dedup.keys import KeySchema, member_for
-from celery_dedup.ops import operations
 from celery_dedup.store.scripts import load_script
 from celery_dedup.store.store import DedupStore
 from chaos.proxy import FaultProxy

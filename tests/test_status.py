@@ -8,8 +8,7 @@ import pytest
 from celery import Celery
 
 import celery_dedup
-from celery_dedup import DedupArgumentError, DedupError, Status, runtime
-from celery_dedup.ops import operations
+from celery_dedup import DedupArgumentError, DedupError, Status, operations, runtime
 from celery_dedup.store.status import HistoryEntry
 
 from ._records import Records, keyed_tasks

@@ -2,7 +2,7 @@
 
 A ``celery.commands`` plugin (entry point ``dedup``), so it runs with the
 project's own app and settings. Every action goes through
-:mod:`celery_dedup.ops.operations` and the store, as the Django admin's do.
+:mod:`celery_dedup.operations` and the store, as the Django admin's do.
 
 Commands: ``list``, ``show``, ``release``, ``purge``, ``reap``, ``stats``,
 ``limits`` and ``check``. Tables are for people, fitted to the terminal's width;
@@ -42,7 +42,7 @@ from celery.bin.base import CLIContext
 
 import celery_dedup
 
-from .. import runtime
+from .. import operations, runtime
 from ..decisions import DECISIONS
 from ..exceptions import DedupError
 from ..keys import member_for, split_member, task_from_namespace
@@ -50,7 +50,6 @@ from ..store import limits as limit_groups
 from ..store.status import ENDED_STATES, FIELD_DOC, FIELD_DOCS, STATES, HistoryEntry, Status, from_ms
 from ..store.store import KeyDetail, ReleaseResult
 from ..task import DedupTask
-from . import operations
 from .checks import run_checks
 
 OK, USAGE, NOT_FOUND, REFUSED, CHECK_FAILED, NOT_HELD = 0, 1, 2, 3, 4, 5

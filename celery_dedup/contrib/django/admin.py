@@ -4,7 +4,7 @@ Viewing needs staff status and the ``view_record`` (or ``change_record``)
 permission; releasing, purging and re-enqueueing need ``change_record``.
 Every action has a confirmation page (GET) and acts on a POST carrying the
 CSRF token; what it did is written to Django's admin log (``LogEntry``). The
-work itself is in :mod:`celery_dedup.ops.operations`.
+work itself is in :mod:`celery_dedup.operations`.
 """
 
 from __future__ import annotations
@@ -29,7 +29,7 @@ from django.views.generic import RedirectView
 from kombu.exceptions import OperationalError
 
 import celery_dedup
-from celery_dedup import DedupTask, runtime
+from celery_dedup import DedupTask, operations, runtime
 from celery_dedup.decisions import DECISIONS
 from celery_dedup.exceptions import (
     STORE_ERRORS,
@@ -40,7 +40,6 @@ from celery_dedup.exceptions import (
     DedupUnavailableError,
 )
 from celery_dedup.keys import split_member, task_from_namespace
-from celery_dedup.ops import operations
 from celery_dedup.payloads import decode_payload
 from celery_dedup.store import limits as limit_groups
 from celery_dedup.store.connection import masked_url

@@ -1,7 +1,8 @@
-"""What an operator may do to dedup keys: inspect, release, purge, re-enqueue.
+"""What an operator may do to dedup keys: inspect, release, purge, re-enqueue (public API).
 
-Each takes the Celery app whose keys it acts on, so the Django admin and a
-command line share one implementation; they never write Redis themselves.
+Each takes the Celery app whose keys it acts on, so the Django admin, the
+command line and a user's scripts share one implementation; they never write
+Redis themselves.
 """
 
 from __future__ import annotations
@@ -10,13 +11,26 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from .. import decisions, runtime
-from ..exceptions import DedupArgumentError, DedupOperationError
-from ..keys import split_member, task_from_namespace
-from ..payloads import decode_payload
-from ..store.status import ENDED_STATES
-from ..store.store import KeyDetail, PurgeReport, ReleaseResult
-from ..task import DedupTask
+from . import decisions, runtime
+from .exceptions import DedupArgumentError, DedupOperationError
+from .keys import split_member, task_from_namespace
+from .payloads import decode_payload
+from .store.status import ENDED_STATES
+from .store.store import KeyDetail, PurgeReport, ReleaseResult
+from .task import DedupTask
+
+__all__ = [
+    "REQUEUE_STATES",
+    "KeyDetail",
+    "PurgeReport",
+    "ReleaseResult",
+    "RequeueResult",
+    "can_requeue",
+    "detail",
+    "purge",
+    "release",
+    "requeue",
+]
 
 #: States of a run that may be re-enqueued: it ended (or died) without success.
 REQUEUE_STATES = ("failed", "revoked", "rejected", "lost", "released")

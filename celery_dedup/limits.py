@@ -1,0 +1,14 @@
+"""Limit groups for user code (public API): the running delivery's grant and every group's state.
+
+The limits themselves run in the worker (:mod:`celery_dedup.worker.limits`)
+and their state lives in the store (:mod:`celery_dedup.store.limits`); this
+module is what a task body, a script or a view imports.
+"""
+
+from __future__ import annotations
+
+from .policy import LimitPolicy, Rate, parse_rate
+from .store.limits import Grant, GroupState, groups
+from .worker.limits import current
+
+__all__ = ["Grant", "GroupState", "LimitPolicy", "Rate", "current", "groups", "parse_rate"]
