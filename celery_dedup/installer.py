@@ -1,19 +1,19 @@
 """``celery_dedup.install``: validate an app's settings, gate its broker and its publishes by name, wire the worker.
 
-The state it builds is kept on the app and read through :mod:`.runtime`.
+The only place anything is connected or substituted, and for the app given
+only: its AMQP class (gated sender and connections), its loader's name for
+Celery's Redis result backend, its worker's bootsteps; the signal receivers it
+connects act only for installed apps. The state it builds is kept on the app
+and read through :mod:`.runtime`.
 """
 
 from __future__ import annotations
 
-import contextlib
 import inspect
 import logging
 from typing import Any
 
 import redis
-from kombu import pools as kombu_pools
-from kombu import transport as kombu_transport
-from kombu.transport import TRANSPORT_ALIASES
 from redis.cluster import RedisCluster
 
 from .config import DedupConfig
@@ -22,7 +22,7 @@ from .publish import sender
 from .runtime import _ATTR, TRANSPORTS, Runtime, _broker_url, _scheme, separate_store
 from .store.connection import client_from_url, cluster_seeds, masked_options, masked_url
 from .task import check_bound_tasks
-from .worker import bootsteps, signals
+from .worker import bootsteps, results, signals
 
 logger = logging.getLogger("celery_dedup")
 
@@ -36,6 +36,7 @@ def install(app: Any) -> None:
     install_runtime(app)
     check_bound_tasks(app)
     sender.gate_send_task(app)
+    results.use_for(app)
     signals.connect()
     app.steps["worker"].add(bootsteps.ReaperStep)
     app.steps["worker"].add(bootsteps.DispatchStep)
@@ -79,7 +80,7 @@ def _check_cluster_options(options: dict[str, Any]) -> None:
 
 
 def install_runtime(app: Any) -> Runtime:
-    """Validate settings, gate the Redis transports, and keep the state on ``app``."""
+    """Validate settings, check the broker's transport, and keep the state on ``app``."""
     config = DedupConfig.from_conf(app.conf)
     if app.conf.task_protocol == 1:
         raise DedupConfigError("task_protocol", 1, "celery-dedup needs task message protocol 2 (the default)")
@@ -93,7 +94,6 @@ def install_runtime(app: Any) -> Runtime:
             raise DedupConfigError(
                 "broker_transport", current, f"celery-dedup gates a {scheme}:// broker with {TRANSPORTS[scheme]!r}"
             )
-        _register_transports()
         _replace_connections(app)
         runtime.atomic = separate_store(app, config) is None
         if not runtime.atomic:
@@ -143,36 +143,11 @@ def _confirm_publishes(app: Any) -> None:
         )
 
 
-def _register_transports() -> None:
-    """Resolve kombu's Redis schemes to the gated transports.
-
-    Through kombu's alias table rather than ``broker_transport``: kombu
-    re-resolves the URL scheme when it fails over to another broker URL (or
-    Sentinel), and its ``rediss`` TLS defaults key on the scheme name. The
-    gated transports publish un-keyed messages exactly as kombu's do. kombu
-    caches a scheme's class once resolved: a scheme resolved before (this
-    process published before ``install``) is resolved again.
-    """
-    TRANSPORT_ALIASES.update(TRANSPORTS)
-    cache: dict[str | None, type | None] = vars(kombu_transport)["_transport_cache"]
-    for scheme, path in TRANSPORTS.items():
-        cached = cache.get(scheme)
-        if cached is not None and f"{cached.__module__}:{cached.__qualname__}" != path:
-            del cache[scheme]
-
-
 def _replace_connections(app: Any) -> None:
     """Drop the app's broker connection pool: made before ``install``, its connections publish ungated.
 
-    kombu keeps one pool per broker for the whole process; the app's entries
-    leave that registry, so Celery opens a new pool on demand, whose
-    connections resolve to the gated transport. Whoever else still holds the
-    old pool keeps it as it was.
+    Celery opens a new pool on demand, of the gated connections (or with the
+    new transport options); kombu's registry keys those apart, so whoever
+    else uses the old pool keeps it as it was.
     """
-    if app._pool is None:
-        return
-    connection = app.connection_for_write()
-    for group in (kombu_pools.connections, kombu_pools.producers):
-        with contextlib.suppress(KeyError):
-            del group[connection]
     app._pool = None

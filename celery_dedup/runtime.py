@@ -29,7 +29,7 @@ from .store.store import DedupStore, ReapReport
 logger = logging.getLogger("celery_dedup")
 
 _ATTR = "_celery_dedup_runtime"
-#: URL scheme -> the gated transport kombu resolves it to once installed.
+#: URL scheme -> the gated transport an installed app's connections resolve it to (``transports.redis.GATED``).
 TRANSPORTS = {
     "redis": "celery_dedup.transports.redis:Transport",
     "rediss": "celery_dedup.transports.redis:Transport",
@@ -197,6 +197,12 @@ def runtime_for(app: Any) -> Runtime:
         runtime = Runtime(app, DedupConfig.from_conf(app.conf), installed=False)
         setattr(app, _ATTR, runtime)
     return runtime
+
+
+def is_installed(app: Any) -> bool:
+    """Whether ``install`` set ``app`` up (receivers that every app's tasks reach act only for those)."""
+    runtime: Runtime | None = getattr(app, _ATTR, None)
+    return runtime is not None and runtime.installed
 
 
 def config_for(app: Any) -> DedupConfig:

@@ -16,12 +16,17 @@ from typing import Any
 import celery
 import pytest
 import redis
-from celery import Celery
+from celery import Celery, signals
+from celery.backends.redis import RedisBackend
+from kombu.transport import redis as kombu_redis
 
 import celery_dedup
 from celery_dedup import DedupConfigError, DedupTask
 from celery_dedup.exceptions import DedupArgumentError
+from celery_dedup.header import HEADER
+from celery_dedup.keys import KeySchema, member_for
 from celery_dedup.runtime import config_for
+from celery_dedup.transports.redis import Transport
 
 from .conftest import AppFactory, Server, queued_messages
 
@@ -145,7 +150,7 @@ print(json.dumps({"unkeyed": unkeyed.id, "first": [first.id, first.deduplicated]
 
 
 def test_install_after_the_app_published_still_gates_every_keyed_call(server: Server, r: redis.Redis) -> None:
-    """In a fresh process (kombu's transport aliases are process-wide, and this one installed already)."""
+    """In a fresh process: the app publishes through kombu's own transport before install."""
     done = subprocess.run(
         [sys.executable, "-c", LATE_INSTALL, server.url], capture_output=True, text=True, timeout=60, check=True
     )
@@ -227,3 +232,113 @@ def test_checking_task_options_binds_no_app_to_the_dedup_task_base(offline_app: 
         current.close()
     assert not vars(DedupTask).get("__bound__", False), "the abstract DedupTask was bound to the current app"
     assert bound.ignore_result is False
+
+
+# --------------------------------------------------------------------------- nothing patched at import
+
+SNAPSHOT = """
+import json, pkgutil, sys, importlib, types
+import celery.signals, kombu.pools, kombu.transport, redis
+from celery.app import amqp, backends, base, task
+from celery.backends import redis as redis_backend
+from celery.loaders import app as app_loader, base as base_loader
+from celery.utils.dispatch import Signal
+from kombu import connection
+from kombu.transport import redis as kombu_redis
+
+OWNERS = [
+    redis_backend, redis_backend.RedisBackend, redis_backend.SentinelBackend, backends, base.Celery, amqp.AMQP,
+    task.Task, base_loader.BaseLoader, app_loader.AppLoader, connection.Connection, kombu.transport, kombu.pools,
+    kombu_redis, kombu_redis.Transport, kombu_redis.SentinelTransport, kombu_redis.Channel,
+    kombu_redis.SentinelChannel, redis.Redis, redis.ConnectionPool,
+]
+
+def snapshot():
+    seen = {}
+    for owner in OWNERS:
+        for name, value in vars(owner).items():
+            if not isinstance(value, types.ModuleType):  # a submodule imported meanwhile is no substitution
+                seen[f"{owner.__name__}.{name}"] = f"{type(value).__name__} {id(value)}"
+    tables = {
+        "TRANSPORT_ALIASES": kombu.transport.TRANSPORT_ALIASES,
+        "_transport_cache": kombu.transport._transport_cache,
+        "BACKEND_ALIASES": backends.BACKEND_ALIASES,
+        "override_backends": base_loader.BaseLoader.override_backends,
+        "pools": {"connections": len(kombu.pools.connections), "producers": len(kombu.pools.producers)},
+    }
+    for name, table in tables.items():
+        seen[name] = repr(sorted(table.items(), key=repr))
+    for name, value in vars(celery.signals).items():
+        if isinstance(value, Signal):
+            seen[f"signal {name}"] = repr([key for key, _ in value.receivers])
+    return seen
+
+before = snapshot()
+import celery_dedup
+for module in pkgutil.walk_packages(celery_dedup.__path__, "celery_dedup."):
+    if not module.name.startswith("celery_dedup.contrib."):  # integrations with other libraries
+        importlib.import_module(module.name)
+after = snapshot()
+changed = {k: [before.get(k), after.get(k)] for k in sorted(set(before) | set(after)) if before.get(k) != after.get(k)}
+print(json.dumps(changed))
+"""
+
+
+def test_importing_celery_dedup_changes_nothing_in_celery_kombu_or_redis() -> None:
+    """Classes, alias tables, pools and signal receivers are as they were: install() is where anything changes."""
+    done = subprocess.run([sys.executable, "-c", SNAPSHOT], capture_output=True, text=True, timeout=60, check=True)
+    changed = json.loads(done.stdout.strip().splitlines()[-1])
+    assert changed == {}, changed
+
+
+SCHEMA = KeySchema("dedup")
+
+
+def test_an_app_not_installed_keeps_celerys_backend_and_kombus_transport(make_app: AppFactory, r: redis.Redis) -> None:
+    """Two apps in one process, one installed: the other's result backend and broker transport are the stock ones.
+
+    A message with a ``dedup`` header published by the plain app is kombu's
+    plain publish: no key is held and no record written.
+    """
+    installed = make_app("installed", dedup_default_ttl=60)
+    keyed = keyed_task(installed)
+    plain = make_app("plain", install=False, dedup_default_ttl=5)
+    assert type(plain.backend) is RedisBackend
+    assert RedisBackend.__dict__["_set"].__module__ == "celery.backends.redis", "RedisBackend._set was replaced"
+    with plain.connection_for_write() as conn:
+        assert type(conn.transport) is kombu_redis.Transport
+    with installed.connection_for_write() as conn:
+        assert type(conn.transport) is Transport
+    backend = type(installed.backend)
+    assert issubclass(backend, RedisBackend) and backend is not RedisBackend, "the installed app writes its results"
+
+    member = member_for(keyed.name, "order:9")
+    header = keyed.dedup_gate_header(member).encode()
+    plain.send_task(keyed.name, args=(9,), headers={HEADER: header})
+    assert [m["headers"].get(HEADER) for m in queued_messages(r)] == [header], "published as kombu publishes"
+    assert not r.sismember(SCHEMA.held, member)
+    assert not r.exists(SCHEMA.record(member))
+    assert config_for(plain).default_ttl == 5 and config_for(installed).default_ttl == 60
+
+
+class Consumer:
+    """What a worker's consumer gives the ``task_rejected`` receivers: its app."""
+
+    def __init__(self, app: Celery) -> None:
+        self.app = app
+
+
+def test_signal_receivers_leave_an_app_not_installed_alone(make_app: AppFactory, r: redis.Redis) -> None:
+    """A worker of an app that was not installed rejecting a gated message frees no key (the store is not its own)."""
+    installed = make_app("installed")
+    plain = make_app("plain", install=False)
+    keyed = keyed_task(installed)
+    keyed.delay(3)
+    member = member_for(keyed.name, "order:3")
+    (message,) = queued_messages(r)
+    assert r.sismember(SCHEMA.held, member), "premise: the installed app's call holds its key"
+    rejected = SimpleNamespace(headers=message["headers"])
+    signals.task_rejected.send(sender=Consumer(plain), message=rejected, exc=None)
+    assert r.sismember(SCHEMA.held, member), "an app that was not installed released another app's key"
+    signals.task_rejected.send(sender=Consumer(installed), message=rejected, exc=None)
+    assert not r.sismember(SCHEMA.held, member), "the installed app's worker frees the key of a rejected message"

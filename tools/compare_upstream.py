@@ -422,7 +422,7 @@ def report(
     applied = "; ".join(f"{suite.name}: {installed(runs[suite.name, 'install'])}" for suite in selected(options))
     lines += [
         "",
-        "Apps given install, by the fixture that made them (start-up: one app installed first, so every "
+        "Apps given install, by the fixture that made them (start-up: one app installed first; every "
         f"redis:// connection of the process resolves to the gated transport): {applied}.",
     ]
     problems = [f"- {run.suite.name}, {run.variant}: {run.problem}" for run in runs.values() if run.problem]

@@ -6,9 +6,11 @@
 - ``install``: ``celery_dedup.install`` is applied to every app Celery's
   pytest fixtures (``celery_app``, ``celery_session_app``) create, before any
   worker starts (``celery_session_worker`` depends on ``celery_session_app``),
-  and once at start-up to an app on the suite's broker, so every ``redis://``
+  and once at start-up to an app on the suite's broker; and every ``redis://``
   connection of the process, kombu's own tests' included, resolves to the
-  gated transport from the first one on.
+  gated transport from the first one on (``install`` gates only the
+  connections of the apps it is given: this run routes kombu's schemes to it
+  itself).
 
 Either way it writes ``CELERY_DEDUP_UPSTREAM_REPORT`` (JSON) at the end: what
 the run really had (installed apps, the transport ``redis://`` resolved to)
@@ -51,10 +53,24 @@ def pytest_configure(config: pytest.Config) -> None:
     # kombu's sdist lacks the conftest.py that registers its env marker (``-E``); every test runs.
     config.addinivalue_line("markers", "env(name): the environment a kombu integration test needs")
     broker = os.environ.get("CELERY_DEDUP_UPSTREAM_BROKER")
+    if VARIANT == "install":
+        _gate_every_redis_connection()
     if VARIANT == "install" and broker:
         from celery import Celery  # noqa: PLC0415
 
         _install(Celery("upstream-probe", broker=broker, set_as_current=False), "start-up")
+
+
+def _gate_every_redis_connection() -> None:
+    """Resolve kombu's Redis schemes to the gated transports for the whole process, apps or not."""
+    from kombu import transport  # noqa: PLC0415
+
+    from celery_dedup.runtime import TRANSPORTS  # noqa: PLC0415
+
+    transport.TRANSPORT_ALIASES.update(TRANSPORTS)
+    cache: dict[str | None, type | None] = vars(transport)["_transport_cache"]  # a scheme resolved already
+    for scheme in TRANSPORTS:
+        cache.pop(scheme, None)
 
 
 @pytest.hookimpl(wrapper=True)

@@ -16,6 +16,7 @@ from .. import runtime
 from ..header import HEADER, GateHeader
 from ..keys import member_for
 from ..task import DedupTask, carries_continuation
+from ..transports import redis as gated_redis
 from .delay import delay_seconds
 from .ticket import Ticket, open_ticket
 
@@ -109,15 +110,17 @@ def gated_sender(app: Any, send: Callable[..., Any]) -> Callable[..., Any]:
 
 
 class GatedAMQP:
-    """Mixed into the app's AMQP class: its message sender is the gated one.
+    """Mixed into the app's AMQP class: its message sender is the gated one, its connections use the gated transports.
 
     Celery builds the sender, reading the publish settings
     (``task_publish_retry_policy``, ``task_default_routing_key``, ...), at
     the first publish; so does this, so settings changed after ``install``
-    apply as they would without celery-dedup.
+    apply as they would without celery-dedup. Celery makes every broker
+    connection of the app with the class's ``Connection``.
     """
 
     app: Any
+    Connection = gated_redis.Connection
 
     def _create_task_sender(self) -> Callable[..., Any]:
         return gated_sender(self.app, super()._create_task_sender())  # type: ignore[misc]
@@ -135,7 +138,7 @@ def _gated_class(base: type) -> type:
 
 
 def gate_send_task(app: Any) -> None:
-    """Gate ``app.send_task`` by name, for this app's DedupTasks (idempotent).
+    """Gate ``app.send_task`` by name, for this app's DedupTasks, and its broker connections (idempotent).
 
     Through ``app.amqp_cls``, Celery's hook for its AMQP class. An AMQP object
     the app made already (it published before ``install``) is dropped, and

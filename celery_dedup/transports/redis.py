@@ -1,9 +1,10 @@
 """kombu Redis transports whose publish runs the gate.
 
-``celery_dedup.install`` selects these with Celery's ``broker_transport``
-setting while ``broker_url`` stays ``redis://`` (or ``sentinel://``). Messages
-without a ``dedup`` header are published exactly as kombu does; gated ones go
-through one Lua script that holds the key and LPUSHes the message together.
+``celery_dedup.install`` gives the app connections (:class:`Connection`) that
+resolve ``redis://``, ``rediss://`` and ``sentinel://`` to these, while
+``broker_url`` and kombu's own alias table stay as they are. Messages without
+a ``dedup`` header are published exactly as kombu does; gated ones go through
+one Lua script that holds the key and LPUSHes the message together.
 """
 
 from __future__ import annotations
@@ -11,7 +12,9 @@ from __future__ import annotations
 from functools import cached_property
 from typing import Any
 
+import kombu
 import redis
+from kombu import connection as kombu_connection
 from kombu.transport import redis as kombu_redis
 from kombu.utils.json import dumps
 
@@ -150,3 +153,47 @@ class SentinelTransport(kombu_redis.SentinelTransport):
     """kombu's Sentinel transport with the gate (``broker_url="sentinel://..."``)."""
 
     Channel = SentinelChannel
+
+
+#: URL scheme -> its gated transport.
+GATED: dict[str, type[kombu_redis.Transport]] = {
+    "redis": Transport,
+    "rediss": Transport,
+    "sentinel": SentinelTransport,
+}
+
+
+class Connection(kombu.Connection):
+    """kombu's connection, with the Redis schemes resolved to the gated transports: an installed app's connections.
+
+    Per connection, not through kombu's process-wide alias table, so other
+    apps keep kombu's transports. ``transport_cls`` stays the scheme's name:
+    kombu's URLs and its ``rediss`` TLS default key on it, and a failover
+    switch to another broker URL sets it to that URL's scheme, resolved here
+    again.
+    """
+
+    def get_transport_cls(self) -> Any:
+        name = self.transport_cls
+        gated = GATED.get(name) if isinstance(name, str) else None
+        return gated if gated is not None else super().get_transport_cls()
+
+    def __eqhash__(self) -> Any:
+        # kombu keeps one pool per equal connection for the whole process: gated ones apart from plain ones.
+        return (__name__, super().__eqhash__())
+
+    def Pool(self, limit: int | None = None, **kwargs: Any) -> ConnectionPool:
+        """A pool of gated connections like this one."""
+        return ConnectionPool(self, limit=limit, **kwargs)
+
+
+class PooledConnection(Connection, kombu_connection.PooledConnection):
+    """kombu's pooled connection, gated."""
+
+
+class ConnectionPool(kombu_connection.ConnectionPool):
+    """kombu's pool of connections, of gated ones."""
+
+    def new(self) -> PooledConnection:
+        # As kombu's own pool makes its connections (celery-types has no PooledConnection.__init__).
+        return PooledConnection(self, **dict(self.connection._info(resolve=False)))  # type: ignore[arg-type]

@@ -118,7 +118,7 @@ def pass_on(headers: Any = None, body: Any = None, **_: Any) -> None:
     current = get_current_worker_task()
     request = getattr(current, "request", None)
     task_id = getattr(request, "id", None)
-    if task_id is None or not isinstance(headers, dict):
+    if task_id is None or not isinstance(headers, dict) or not runtime.is_installed(getattr(current, "app", None)):
         return
     found = of_request(request)
     if not found:
@@ -148,7 +148,7 @@ def settle(task: Any, found: list[Entry], run_id: str, state: str, *, result: st
 def on_success(sender: Any = None, result: Any = None, **_: Any) -> None:
     """``task_success``: a replacement returned; its followers' runs get its value."""
     request = getattr(sender, "request", None)
-    if request is None or request.id is None:
+    if request is None or request.id is None or not runtime.is_installed(sender.app):
         return
     found = of_request(request)
     if not found:
@@ -165,6 +165,8 @@ def on_failure(
     request = getattr(sender, "request", None)
     if task_id is None or isinstance(exception, Reject) or request is None or request.id != task_id:
         return
+    if not runtime.is_installed(sender.app):
+        return
     found = of_request(request)
     if not found:
         return
@@ -175,7 +177,7 @@ def on_failure(
 
 def on_revoked(sender: Any = None, request: Any = None, **_: Any) -> None:
     """``task_revoked``: a replacement was revoked (before it ran, or terminated)."""
-    if sender is None or request is None or request.id is None:
+    if sender is None or request is None or request.id is None or not runtime.is_installed(sender.app):
         return
     found = of_request(request)
     if not found:
@@ -184,7 +186,7 @@ def on_revoked(sender: Any = None, request: Any = None, **_: Any) -> None:
 
 
 def connect() -> None:
-    """Connect the receivers once (idempotent)."""
+    """Connect the receivers once (idempotent); each acts only for apps given to ``install``."""
     signals.before_task_publish.connect(pass_on, weak=False, dispatch_uid="celery_dedup.relay.pass_on")
     signals.task_success.connect(on_success, weak=False, dispatch_uid="celery_dedup.relay.success")
     signals.task_failure.connect(on_failure, weak=False, dispatch_uid="celery_dedup.relay.failure")

@@ -40,32 +40,61 @@ class _Deferred(threading.local):
 
 
 _deferred = _Deferred()
-_original_set = RedisBackend._set  # type: ignore[attr-defined]  # celery-types leaves it out
 
 
-def _set(self: Any, key: Any, value: Any, expires: Any = None) -> None:
-    """``RedisBackend._set``, recording a deferred ending in the same script when the key is its run's."""
-    endings = _deferred.endings
-    if endings:
-        prefix = (
-            bytes(self.task_keyprefix) if isinstance(self.task_keyprefix, bytes) else str(self.task_keyprefix).encode()
-        )
-        name = key if isinstance(key, bytes) else str(key).encode()
-        task_id = name[len(prefix) :].decode() if name.startswith(prefix) else None
-        ending = endings.pop(task_id, None) if task_id is not None else None
-        if ending is not None:
-            result = BackendResult(key, value, int((self.expires if expires is None else expires) or 0))
-            ending(result, deferred=True)
-            if result.written:
-                return
-    _original_set(self, key, value, expires)
+class ResultBackend(RedisBackend):
+    """Celery's Redis result backend, writing a run's result in the script that records its deferred ending.
+
+    Only apps given to ``install`` use it (:func:`use_for`); others keep Celery's own.
+    """
+
+    expires: Any  # Celery's result expiry in seconds (celery-types leaves it out)
+
+    def _set(self, key: Any, value: Any, expires: Any = None) -> None:
+        """Celery's write, recording a deferred ending in the same script when the key is its run's."""
+        endings = _deferred.endings
+        if endings:
+            prefix = (
+                bytes(self.task_keyprefix)
+                if isinstance(self.task_keyprefix, bytes)
+                else str(self.task_keyprefix).encode()
+            )
+            name = key if isinstance(key, bytes) else str(key).encode()
+            task_id = name[len(prefix) :].decode() if name.startswith(prefix) else None
+            ending = endings.pop(task_id, None) if task_id is not None else None
+            if ending is not None:
+                result = BackendResult(key, value, int((self.expires if expires is None else expires) or 0))
+                ending(result, deferred=True)
+                if result.written:
+                    return
+        super()._set(key, value, expires)  # type: ignore[misc]  # celery-types leaves it out
 
 
-RedisBackend._set = _set  # type: ignore[attr-defined]
+#: How a result backend setting names Celery's Redis backend (``redis+socket://`` is ``redis`` too).
+REDIS_BACKEND_NAMES = ("redis", "rediss", "celery.backends.redis:RedisBackend", "celery.backends.redis.RedisBackend")
+
+
+def use_for(app: Any) -> None:
+    """Make ``app`` resolve Celery's Redis backend to :class:`ResultBackend`, through its loader's backend aliases.
+
+    A name the app's loader maps already (``override_backends``) keeps its
+    backend. The backend the app made before (it published before ``install``)
+    is dropped, and Celery makes another at its next use.
+    """
+    loader = app.loader
+    path = f"{ResultBackend.__module__}:{ResultBackend.__qualname__}"
+    aliases = dict(loader.override_backends)
+    for name in REDIS_BACKEND_NAMES:
+        aliases.setdefault(name, path)
+    loader.override_backends = aliases
+    made = app._backend
+    if made is not None and not isinstance(made, ResultBackend):
+        app._backend_cache = None
+        vars(app._local).pop("backend", None)
 
 
 def joins_result_write(task: Any, store: DedupStore) -> bool:
-    """Whether the current request's result goes to this store's server, written by the patched backend.
+    """Whether the current request's result goes to this store's server, written by :class:`ResultBackend`.
 
     Only for a result Celery will store (not eager, not ignored) and only when
     nothing is published before it (callbacks, a chain: their calls must see
@@ -79,7 +108,7 @@ def joins_result_write(task: Any, store: DedupStore) -> bool:
     if task.ignore_result if ignore is None else ignore:
         return False
     backend = task.backend
-    if not isinstance(backend, RedisBackend) or getattr(type(backend), "_set", None) is not _set:
+    if not isinstance(backend, ResultBackend):
         return False
     if store.schema.shards > 1 or store.wait_replicas:
         return False
@@ -102,8 +131,13 @@ def defer(task: Any, store: DedupStore, ending: Ending) -> bool:
     return True
 
 
-@signals.task_postrun.connect(weak=False)
-def _settle_unwritten(task_id: str | None = None, **_: Any) -> None:
+def settle_unwritten(task_id: str | None = None, **_: Any) -> None:
+    """``task_postrun``: record a deferred ending no result write picked up."""
     ending = _deferred.endings.pop(task_id, None) if task_id is not None else None
     if ending is not None:
         ending(None, deferred=True)
+
+
+def connect() -> None:
+    """Connect the receiver once (idempotent)."""
+    signals.task_postrun.connect(settle_unwritten, weak=False, dispatch_uid="celery_dedup.results.settle_unwritten")

@@ -4,6 +4,8 @@ Celery's ``Signal.send`` swallows receiver exceptions; receivers only record
 what happened. Success and body failures are settled in
 ``DedupTask.__call__``, before the result is stored; these receivers cover
 revokes, lost workers and hard time limits, where the body never returned.
+``install`` connects them; every app's tasks reach them, and they act only
+for apps it set up.
 """
 
 from __future__ import annotations
@@ -19,7 +21,7 @@ from celery.exceptions import Reject, TimeLimitExceeded
 from .. import runtime
 from ..header import GateHeader
 from ..task import DedupTask
-from . import relay
+from . import relay, results
 from .guard import FAILED, LOST, REJECTED, REVOKED, settle_elsewhere
 
 logger = logging.getLogger("celery_dedup")
@@ -42,6 +44,8 @@ def on_failure(
     """
     if not isinstance(sender, DedupTask) or task_id is None or isinstance(exception, Reject):
         return
+    if not runtime.is_installed(sender.app):
+        return
     headers = sender.request.headers if sender.request.id == task_id else None
     state = LOST if isinstance(exception, WorkerLostError) else FAILED
     stopping = isinstance(exception, TimeLimitExceeded)
@@ -54,7 +58,12 @@ def on_revoked(sender: Any = None, request: Any = None, terminated: bool = False
     A revoke without ``terminate`` that reaches a copy of a run executing
     elsewhere leaves that run alone, as Celery does.
     """
-    if isinstance(sender, DedupTask) and request is not None and request.id is not None:
+    if (
+        isinstance(sender, DedupTask)
+        and request is not None
+        and request.id is not None
+        and runtime.is_installed(sender.app)
+    ):
         headers = getattr(request, "headers", None) or getattr(request, "request_dict", None)
         settle_elsewhere(sender, REVOKED, request.id, headers, request.args, request.kwargs, stopping=bool(terminated))
 
@@ -66,7 +75,7 @@ def on_unrunnable(
     headers = getattr(message, "headers", None)
     gate = GateHeader.decode(headers)
     app = getattr(sender, "app", None)  # the worker's consumer
-    if gate is None or headers is None or app is None:
+    if gate is None or headers is None or app is None or not runtime.is_installed(app):
         return
     task_id = id or headers.get("id")
     store = runtime.store_for(app).with_prefix(gate.prefix)
@@ -82,9 +91,10 @@ def on_unrunnable(
 
 
 def connect() -> None:
-    """Connect every receiver once (idempotent)."""
+    """Connect every receiver once (idempotent); each acts only for apps given to ``install``."""
     signals.task_failure.connect(on_failure, weak=False, dispatch_uid="celery_dedup.on_failure")
     signals.task_revoked.connect(on_revoked, weak=False, dispatch_uid="celery_dedup.on_revoked")
     signals.task_unknown.connect(on_unrunnable, weak=False, dispatch_uid="celery_dedup.on_unknown")
     signals.task_rejected.connect(on_unrunnable, weak=False, dispatch_uid="celery_dedup.on_rejected")
     relay.connect()
+    results.connect()
