@@ -91,7 +91,7 @@ def seed(app: Celery, count: int, *, batch: int = 1000) -> None:
             call = store.gate_call(
                 member, new_task_id(key), new_nonce(), hold_ms=3_600_000, grace_ms=86_400_000, task_name=task
             )
-            store.scripts.gate(call.keys, call.args, client=pipe)
+            store.scripts.run(call.keys, call.command, client=pipe)
             if len(pipe) >= batch:
                 pipe.execute()
         pipe.execute()

@@ -744,7 +744,7 @@ def seed(app: Celery, tasks: tuple[str, ...], count: int, *, batch: int = 1000) 
             call = store.gate_call(
                 member, new_task_id(key), new_nonce(), hold_ms=3_600_000, grace_ms=60_000, task_name=task
             )
-            store.scripts.gate(call.keys, call.args, client=pipe)
+            store.scripts.run(call.keys, call.command, client=pipe)
             if len(pipe) >= batch:
                 assert all(code == 1 for code, _ in pipe.execute())
         assert all(code == 1 for code, _ in pipe.execute())

@@ -14,6 +14,8 @@ from redis.crc import key_slot
 
 from ..keys import KeySchema, split_member, task_namespace
 from ..policy import _PERIODS, LimitPolicy, Rate
+from . import commands
+from .commands import AcquireCode, GiveBackCode
 from .store import DedupStore, _text
 
 
@@ -72,26 +74,26 @@ def acquire(
 ) -> Grant | Denial:
     """Ask ``group`` whether delivery ``token`` of run ``run_id`` may start now (``limit_acquire.lua``)."""
     rate = policy.rate
-    args: list[Any] = [
-        group,
-        token,
-        run_id,
-        policy.concurrency or 0,
-        rate.count if rate else 0,
-        rate.period_ms if rate else 0,
-        lease_ms,
-        task_namespace(task_name),
-        *evict,
-    ]
-    reply = store.scripts.limit_acquire(_group_keys(store, group), args, client=store.client)
-    if int(reply[0]) == 1:
+    command = commands.LimitAcquire(
+        group=group,
+        token=token,
+        run=run_id,
+        limit=policy.concurrency or 0,
+        rate=rate.count if rate else 0,
+        period=rate.period_ms if rate else 0,
+        lease=lease_ms,
+        ns=task_namespace(task_name),
+        evict=tuple(evict),
+    )
+    reply = store.scripts.run(_group_keys(store, group), command, client=store.client)
+    if AcquireCode(int(reply[0])) == AcquireCode.GRANTED:
         return Grant(group, int(reply[1]), int(reply[2]))
     holders = tuple(_text(token) for token in reply[5:])
     return Denial(group, int(reply[1]), _text(reply[2]), int(reply[3]), int(reply[4]), holders)
 
 
 #: ``limit_release.lua``'s replies: nothing held; a live slot or a start; a slot whose lease had lapsed.
-RELEASED = {0: "none", 1: "held", 2: "lapsed"}
+RELEASED = {GiveBackCode.NONE: "none", GiveBackCode.HELD: "held", GiveBackCode.LAPSED: "lapsed"}
 
 
 def give_back(store: DedupStore, group: str, token: str, *, ran: bool) -> str:
@@ -102,7 +104,8 @@ def give_back(store: DedupStore, group: str, token: str, *, ran: bool) -> str:
     """
     at = store.schema.shard_of(group)
     keys = [at.limit_slots(group), at.limit_starts(group), at.limit_info(group)]
-    return RELEASED[int(store.scripts.limit_release(keys, [token, "1" if ran else "0"], client=store.client))]
+    reply = store.scripts.run(keys, commands.LimitRelease(token=token, ran="1" if ran else "0"), client=store.client)
+    return RELEASED[GiveBackCode(int(reply))]
 
 
 def release(store: DedupStore, group: str, token: str, *, ran: bool) -> bool:
@@ -114,7 +117,8 @@ def note(store: DedupStore, member: str, task_id: str, what: str, detail: str) -
     """Write ``what`` (``wait`` / ``granted``) into run ``task_id``'s status record (``limit_note.lua``)."""
     at = store.schema.shard_of(member)
     keys = [at.record(member), at.history(member)]
-    store.scripts.limit_note(keys, [task_id, what, detail, store.history_length], client=store.client)
+    command = commands.LimitNote(task_id=task_id, what=what, detail=detail, history_len=store.history_length)
+    store.scripts.run(keys, command, client=store.client)
 
 
 def leave_line(store: DedupStore, group: str, run_id: str) -> None:
@@ -153,7 +157,8 @@ def renew_leases(leases: Sequence[_Lease], *, lease_ms: int) -> list[_Lease]:
         for lease in group:
             at = store.schema.shard_of(lease.member)
             keys += [at.limit_slots(lease.member), at.limit_info(lease.member)]
-        reply = store.scripts.limit_renew(keys, [lease_ms, *(lease.token for lease in group)], client=store.client)
+        command = commands.LimitRenew(lease=lease_ms, tokens=tuple(lease.token for lease in group))
+        reply = store.scripts.run(keys, command, client=store.client)
         lost += [group[int(i) - 1] for i in reply]
     return lost
 

@@ -2,10 +2,14 @@
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from importlib import resources
+from typing import Any
 
 import redis
 from redis.commands.core import Script
+
+from .commands import BY_TYPE, argv_prelude
 
 #: Scripts that change status records get the shared helpers of ``lib.lua`` first.
 _WITH_LIB = frozenset(
@@ -14,9 +18,9 @@ _WITH_LIB = frozenset(
 
 
 def load_script(name: str) -> str:
-    """The source of ``lua/<name>.lua`` as it is sent to Redis."""
+    """The source of ``lua/<name>.lua`` as it is sent to Redis: its ARGV as named locals first."""
     folder = resources.files("celery_dedup.store").joinpath("lua")
-    body = folder.joinpath(f"{name}.lua").read_text(encoding="utf-8")
+    body = argv_prelude(name) + folder.joinpath(f"{name}.lua").read_text(encoding="utf-8")
     if name in _WITH_LIB:
         return folder.joinpath("lib.lua").read_text(encoding="utf-8") + body
     return body
@@ -44,3 +48,11 @@ class Scripts:
         self.limit_release: Script = client.register_script(load_script("limit_release"))
         self.limit_renew: Script = client.register_script(load_script("limit_renew"))
         self.limit_note: Script = client.register_script(load_script("limit_note"))
+        self._by_type: dict[type[Any], tuple[Script, bool]] = {
+            command: (getattr(self, spec.name), spec.rest) for command, spec in BY_TYPE.items()
+        }
+
+    def run(self, keys: Sequence[Any], command: tuple[Any, ...], *, client: Any = None) -> Any:
+        """Run ``command`` (a type of :mod:`.commands`) on ``keys``: one round trip, the script's raw reply."""
+        script, rest = self._by_type[type(command)]
+        return script(keys, (*command[:-1], *command[-1]) if rest else command, client=client)

@@ -13,6 +13,8 @@ from redis.crc import key_slot
 
 from ..exceptions import DedupArgumentError
 from ..keys import CLUSTER_SHARDS, KeySchema, split_member, task_namespace
+from . import commands
+from .commands import ConfirmCode, GateCode, PeekCode, ReleaseCode, StartCode
 from .scripts import Scripts
 from .status import ENDED_STATES, STATES, Status
 
@@ -40,9 +42,10 @@ def _text(value: Any) -> str:
 class StartDecision:
     """What the delivery guard decided for one delivery (see ``start.lua``)."""
 
-    RUN, LOCKED, DONE, SUPERSEDED, LOCKED_BY_OTHER_RUN, FOLLOW = 1, 0, 2, 3, 4, 5
+    RUN, LOCKED, DONE, SUPERSEDED = StartCode.RUN, StartCode.LOCKED_SAME_RUN, StartCode.DONE, StartCode.SUPERSEDED
+    LOCKED_BY_OTHER_RUN, FOLLOW = StartCode.LOCKED_OTHER, StartCode.FOLLOWER
 
-    code: int
+    code: StartCode
     #: RUN: attempts; LOCKED*: the lock's remaining ms; DONE: the ending;
     #: SUPERSEDED: the owner run; FOLLOW: the followed run.
     detail: str
@@ -106,18 +109,19 @@ class GateCall:
     """One prepared run of the gate script."""
 
     keys: list[str]
-    args: list[Any]
+    command: commands.Gate
 
 
 def _outcome(reply: Sequence[Any]) -> Outcome:
     """The gate's reply (see ``gate.lua``) as an Outcome."""
-    code = int(reply[0])
+    code = GateCode(int(reply[0]))
+    follower = code == GateCode.FOLLOWER
     return Outcome(
-        accepted=code in (1, 2),
+        accepted=code in (GateCode.ACCEPTED, GateCode.NOTHING_TO_PUSH),
         task_id=_text(reply[1]),
-        collapsed=code == 3 or (code == 5 and len(reply) > 2 and int(reply[2]) == 1),
-        followed=code == 5,
-        refused=code == 4,
+        collapsed=code == GateCode.JOINED or (follower and len(reply) > 2 and int(reply[2]) == 1),
+        followed=follower,
+        refused=code == GateCode.REFUSED,
     )
 
 
@@ -134,9 +138,10 @@ class Dispatch:
 class ReleaseResult:
     """What an operator's release of a key did (see ``release.lua``)."""
 
-    REFUSED_LOCKED, RELEASED, REFUSED_LOCK_CHANGED, NOTHING = 0, 1, 2, 3
+    REFUSED_LOCKED, RELEASED = ReleaseCode.REFUSED_LOCKED, ReleaseCode.RELEASED
+    REFUSED_LOCK_CHANGED, NOTHING = ReleaseCode.REFUSED_LOCK_CHANGED, ReleaseCode.NOTHING
 
-    code: int
+    code: ReleaseCode
     #: RELEASED: the record's state now ("" without a record); REFUSED_LOCKED:
     #: the lock's remaining ms; REFUSED_LOCK_CHANGED: the lock's current token;
     #: NOTHING (neither the key nor a lock was held): the record's state, or "".
@@ -336,35 +341,35 @@ class DedupStore:
         """
         at = self._at(member)
         keys = [at.held, at.record(member)]
-        args: list[Any] = [
-            member,
-            task_id,
-            nonce,
-            hold_ms,
-            task_name,
-            grace_ms,
-            at.prefix,
-            self.history_length,
-            storable(argsrepr),
-            storable(kwargsrepr),
-            "2" if defers else "1" if continues else "0",
-            follow,
-            lease_ms,
-        ]
-        if queue is not None:
+        if queue is None:  # what goes with a message is left out with it
+            message, expires_ms, delivery_tag, unacked_key, payload, debounce = "", None, "", "", "", None
+        else:
             keys += [queue, *expire]
-            window_ms, max_wait_ms, latest = debounce or (0, 0, False)
-            args += [
-                message,
-                "" if expires_ms is None else expires_ms,
-                delivery_tag,
-                unacked_key,
-                payload,
-                window_ms,
-                max_wait_ms,
-                "1" if latest else "0",
-            ]
-        return GateCall(keys, args)
+        window_ms, max_wait_ms, latest = debounce or (0, 0, False)
+        command = commands.Gate(
+            member=member,
+            task_id=task_id,
+            nonce=nonce,
+            hold_ms=hold_ms,
+            task_name=task_name,
+            grace_ms=grace_ms,
+            prefix=at.prefix,
+            history_len=self.history_length,
+            argsrepr=storable(argsrepr),
+            kwargsrepr=storable(kwargsrepr),
+            continuation="2" if defers else "1" if continues else "0",
+            max_followers=follow,
+            lease_ms=lease_ms,
+            message=message or "",
+            expires_ms="" if expires_ms is None else expires_ms,
+            tag=delivery_tag,
+            unacked=unacked_key,
+            payload=payload,
+            window_ms=window_ms,
+            max_wait_ms=max_wait_ms,
+            latest="1" if latest else "0",
+        )
+        return GateCall(keys, command)
 
     def gate(
         self, member: str, task_id: str, nonce: str, *, client: redis.Redis | None = None, **fields: Any
@@ -374,7 +379,7 @@ class DedupStore:
 
     def run_gate(self, call: GateCall, *, client: redis.Redis | None = None) -> Outcome:
         """Run one prepared gate call (one round trip)."""
-        outcome = _outcome(self.scripts.gate(call.keys, call.args, client=client or self.client))
+        outcome = _outcome(self.scripts.run(call.keys, call.command, client=client or self.client))
         if outcome.accepted:  # a duplicate's answer changes nothing a lost write could undo
             self._replicated(call.keys[1])
         return outcome
@@ -388,11 +393,18 @@ class DedupStore:
         call: see ``confirm.lua``.
         """
         at = self._at(member)
-        code, owner = self.scripts.confirm(
-            [at.held, at.record(member)], [member, task_id, nonce, hold_ms, grace_ms, at.prefix, self.history_length]
+        command = commands.Confirm(
+            member=member,
+            task_id=task_id,
+            nonce=nonce,
+            hold_ms=hold_ms,
+            grace_ms=grace_ms,
+            prefix=at.prefix,
+            history_len=self.history_length,
         )
+        code, owner = self.scripts.run([at.held, at.record(member)], command)
         self._replicated(at.record(member))
-        return Outcome(int(code) != 0, _text(owner))
+        return Outcome(ConfirmCode(int(code)) != ConfirmCode.PASSED, _text(owner))
 
     def stats(self) -> dict[str, dict[str, int]]:
         """Decision counters: escaped task name -> decision -> count (see lib.lua's ``count``)."""
@@ -419,8 +431,8 @@ class DedupStore:
     def peek(self, member: str) -> str | None:
         """The run holding ``member`` (its duplicate counter incremented), or None if it is free."""
         at = self._at(member)
-        code, owner = self.scripts.peek([at.held, at.record(member)], [member, at.prefix])
-        return _text(owner) if int(code) == 0 else None
+        code, owner = self.scripts.run([at.held, at.record(member)], commands.Peek(member=member, prefix=at.prefix))
+        return _text(owner) if PeekCode(int(code)) == PeekCode.DUPLICATE else None
 
     def gate_many(self, chunks: Iterable[Sequence[GateCall]], *, client: redis.Redis | None = None) -> list[Outcome]:
         """Run gate calls chunk by chunk on one connection; each call is atomic on its own.
@@ -439,11 +451,11 @@ class DedupStore:
         unread = 0
         try:
             for chunk in chunks:
-                commands = [("EVALSHA", sha, len(call.keys), *call.keys, *call.args) for call in chunk]
-                packed = connection.pack_commands(commands)  # type: ignore[no-untyped-call]
+                sent = [("EVALSHA", sha, len(call.keys), *call.keys, *call.command) for call in chunk]
+                packed = connection.pack_commands(sent)  # type: ignore[no-untyped-call]
                 connection.send_packed_command(packed)  # type: ignore[no-untyped-call]
                 outcomes += [_outcome(connection.read_response()) for _ in range(unread)]
-                unread = len(commands)
+                unread = len(sent)
             outcomes += [_outcome(connection.read_response()) for _ in range(unread)]
         except BaseException:
             connection.disconnect()  # type: ignore[no-untyped-call]
@@ -482,32 +494,33 @@ class DedupStore:
         """
         at = self._at(member)
         keys = [at.held, at.record(member), at.lock(member)]
-        args: list[Any] = [
-            member,
-            task_id,
-            token,
-            lock_ms,
-            "1" if gated else "0",
-            key_mode,
-            hostname,
-            pid,
-            retries,
-            task_name,
-            at.prefix,
-            self.history_length,
-            record_ms,
-            "1" if want_payload else "0",
-            on_locked,
-            "1" if keep_payload else "0",
-            main,
-            *delivery,
-        ]
-        reply = self.scripts.start(keys, args)
-        if int(reply[0]) == StartDecision.RUN:  # a refusal takes nothing a lost write could give back
+        command = commands.Start(
+            member=member,
+            task_id=task_id,
+            token=token,
+            lock_ms=lock_ms,
+            gated="1" if gated else "0",
+            key_mode=key_mode,
+            hostname=hostname,
+            pid=pid,
+            retries=retries,
+            task_name=task_name,
+            prefix=at.prefix,
+            history_len=self.history_length,
+            record_ms=record_ms,
+            want_payload="1" if want_payload else "0",
+            on_locked=on_locked,
+            keep_payload="1" if keep_payload else "0",
+            main=main,
+            tag=delivery[0],
+            unacked=delivery[1],
+        )
+        reply = self.scripts.run(keys, command)
+        code = StartCode(int(reply[0]))
+        if code == StartCode.RUN:  # a refusal takes nothing a lost write could give back
             self._replicated(keys[1])
-        code = int(reply[0])
         third = _text(reply[2]) if len(reply) > 2 else ""
-        if code in (StartDecision.LOCKED, StartDecision.LOCKED_BY_OTHER_RUN):
+        if code in (StartCode.LOCKED_SAME_RUN, StartCode.LOCKED_OTHER):
             return StartDecision(code, _text(reply[1]), holder=third)
         return StartDecision(code, _text(reply[1]), third)
 
@@ -518,8 +531,10 @@ class DedupStore:
         "skipped"), uncounted here. See ``takeover.lua``.
         """
         at = self._at(member)
-        keys = [at.record(member), at.lock(member)]
-        return bool(self.scripts.takeover(keys, [member, dead, at.prefix, self.history_length, refused]))
+        command = commands.Takeover(
+            member=member, dead=dead, prefix=at.prefix, history_len=self.history_length, refused=refused
+        )
+        return bool(self.scripts.run([at.record(member), at.lock(member)], command))
 
     def finish(
         self,
@@ -550,25 +565,26 @@ class DedupStore:
         """
         at = self._at(member)
         keys: list[Any] = [at.held, at.record(member), at.lock(member)]
-        args: list[Any] = [
-            member,
-            task_id,
-            state,
-            "1" if drop else "0",
-            record_ms,
-            token,
-            at.prefix,
-            self.history_length,
-            storable(error),
-            payload,
-            role,
-            storable(note),
-            result,
-        ]
         if backend_result is not None:
             keys.append(backend_result.key)
-            args += [backend_result.value, backend_result.expires]
-        owned, lock_kept, wants_result = self.scripts.finish(keys, args)
+        command = commands.Finish(
+            member=member,
+            task_id=task_id,
+            state=state,
+            drop="1" if drop else "0",
+            record_ms=record_ms,
+            token=token,
+            prefix=at.prefix,
+            history_len=self.history_length,
+            err=storable(error),
+            payload=payload,
+            role=role,
+            note=storable(note),
+            result=result,
+            result_value="" if backend_result is None else backend_result.value,
+            result_expires=0 if backend_result is None else backend_result.expires,
+        )
+        owned, lock_kept, wants_result = self.scripts.run(keys, command)
         if backend_result is not None:
             backend_result.written = True
         return Finished(bool(owned), bool(lock_kept), bool(wants_result))
@@ -581,8 +597,16 @@ class DedupStore:
         ``unkept``: why a success's value could not be kept, or the error the run ended with.
         """
         at = self._at(member)
-        args: list[str | int] = [member, run_id, result, storable(unkept), at.prefix, record_ms, state]
-        return int(self.scripts.settle([at.followers(member)], args))
+        command = commands.Settle(
+            member=member,
+            run=run_id,
+            result=result,
+            unkept=storable(unkept),
+            prefix=at.prefix,
+            ttl_ms=record_ms,
+            state=state,
+        )
+        return int(self.scripts.run([at.followers(member)], command))
 
     def is_follower(self, member: str, run_id: str) -> bool:
         """Whether run ``run_id`` is parked as a follower of ``member``'s run (``gate.lua`` parks them)."""
@@ -590,7 +614,7 @@ class DedupStore:
 
     def unclaim(self, member: str, task_id: str) -> bool:
         """Undo a hold whose message was never published (owner only, and only before its run began)."""
-        return self.finish(member, task_id, "", drop=True, record_ms=0, role="report")[0]
+        return self.finish(member, task_id, "", drop=True, record_ms=0, role="report").owned
 
     def renew(self, locks: Sequence[LockRef], *, lock_ms: int, record_ms: int) -> list[LockRef]:
         """Extend every lock in one call; returns the ones no longer held by their token."""
@@ -605,7 +629,8 @@ class DedupStore:
         if not locks:
             return []
         keys = [k for ref in locks for k in (ref.lock_key, ref.record_key)]
-        lost = self.scripts.renew(keys, [lock_ms, record_ms, *(ref.token for ref in locks)])
+        command = commands.Renew(lock_ms=lock_ms, record_ms=record_ms, tokens=tuple(ref.token for ref in locks))
+        lost = self.scripts.run(keys, command)
         return [locks[int(i) - 1] for i in lost]
 
     def lock_holder(self, member: str) -> str | None:
@@ -643,7 +668,8 @@ class DedupStore:
         written, unless that delivery holds the run's lock.
         """
         at = self._at(member)
-        return bool(self.scripts.replacing([at.record(member), at.lock(member)], [task_id, token, storable(by)]))
+        command = commands.Replacing(task_id=task_id, token=token, by=storable(by))
+        return bool(self.scripts.run([at.record(member), at.lock(member)], command))
 
     def annotate(self, member: str, task_id: str, note: str) -> bool:
         """Add ``note`` to the history entry run ``task_id``'s publish wrote (see ``annotate.lua``).
@@ -651,7 +677,9 @@ class DedupStore:
         False, and nothing written, once the record names another run.
         """
         keys = [self._at(member).record(member), self._at(member).history(member)]
-        return bool(self.scripts.annotate(keys, [task_id, note, self.history_length]))
+        return bool(
+            self.scripts.run(keys, commands.Annotate(task_id=task_id, note=note, history_len=self.history_length))
+        )
 
     def is_held(self, member: str) -> bool:
         return bool(self.client.sismember(self._at(member).held, member))
@@ -822,7 +850,8 @@ class DedupStore:
         """Push the parked messages of debounced runs that are due (see ``dispatch.lua``), shard by shard."""
         total, soonest = 0, None
         for at in self.schema.shards_all():
-            pushed, next_ms = self.scripts.dispatch([at.due], [at.prefix, limit, self.history_length])
+            command = commands.Dispatch(prefix=at.prefix, limit=limit, history_len=self.history_length)
+            pushed, next_ms = self.scripts.run([at.due], command)
             total += int(pushed)
             if int(next_ms) >= 0:
                 soonest = int(next_ms) if soonest is None else min(soonest, int(next_ms))
@@ -833,9 +862,10 @@ class DedupStore:
         totals = [0, 0, 0, 0]
         runs: list[tuple[str, str, str]] = []
         for at in self.schema.shards_all():
-            *counts, reaped = self.scripts.reap(
-                [at.held], [at.prefix, budget, record_ms, self.history_length, grace_ms]
+            command = commands.Reap(
+                prefix=at.prefix, budget=budget, record_ms=record_ms, history_len=self.history_length, grace_ms=grace_ms
             )
+            *counts, reaped = self.scripts.run([at.held], command)
             totals = [total + int(n) for total, n in zip(totals, counts, strict=True)]
             flat = [_text(item) for item in reaped]
             runs += [(flat[i], flat[i + 1], flat[i + 2]) for i in range(0, len(flat), 3)]
@@ -850,9 +880,16 @@ class DedupStore:
         """
         at = self._at(member)
         keys = [at.held, at.record(member), at.lock(member)]
-        args: list[str | int] = [member, at.prefix, self.history_length, record_ms, force_token, by]
-        code, detail, was_held, forced = self.scripts.release(keys, args)
-        return ReleaseResult(int(code), _text(detail), bool(was_held), bool(forced))
+        command = commands.Release(
+            member=member,
+            prefix=at.prefix,
+            history_len=self.history_length,
+            record_ms=record_ms,
+            force=force_token,
+            who=by,
+        )
+        code, detail, was_held, forced = self.scripts.run(keys, command)
+        return ReleaseResult(ReleaseCode(int(code)), _text(detail), bool(was_held), bool(forced))
 
     def purge(self, states: Sequence[str] = ENDED_STATES, *, budget: int = 500) -> PurgeReport:
         """Delete up to ``budget`` examined records in ended ``states`` (see ``purge.lua``).
@@ -862,6 +899,7 @@ class DedupStore:
         purged = kept = 0
         more = False
         for at in self.schema.shards_all():
-            done, spared, left = self.scripts.purge([at.held], [at.prefix, budget, *states])
+            command = commands.Purge(prefix=at.prefix, budget=budget, states=tuple(states))
+            done, spared, left = self.scripts.run([at.held], command)
             purged, kept, more = purged + int(done), kept + int(spared), more or bool(left)
         return PurgeReport(purged, kept, more)

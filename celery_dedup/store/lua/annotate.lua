@@ -2,11 +2,11 @@
 -- operator's action that published the run through the gate (a re-enqueue
 -- names who asked for it, and which run it repeats).
 --
--- KEYS[1]  the member's status record (HASH)
--- KEYS[2]  the member's history (LIST of "<ms> <state> <task id> [note]", newest first)
--- ARGV[1]  the run's task id
--- ARGV[2]  the note
--- ARGV[3]  history length (0: histories are off, nothing is written)
+-- KEYS[1]  record: the member's status record (HASH)
+-- KEYS[2]  hist: the member's history (LIST of "<ms> <state> <task id> [note]", newest first)
+-- ARGV[1]  task_id: the run's task id
+-- ARGV[2]  note
+-- ARGV[3]  history_len: history length (0: histories are off, nothing is written)
 --
 -- Only while the record names that run: once another run owns the key, a
 -- note would tell its history something false. The note goes on the run's
@@ -18,7 +18,6 @@
 -- none) or histories are off.
 
 local record, hist = KEYS[1], KEYS[2]
-local task_id, note, history_len = ARGV[1], ARGV[2], tonumber(ARGV[3])
 
 local current = redis.call('HMGET', record, 'task_id', 'state')
 if current[1] ~= task_id or history_len <= 0 then

@@ -1,15 +1,15 @@
 -- confirm: the second step of the two-phase gate. The broker took the message
 -- of a run that gate.lua holds in state `publishing`: give the key its full hold.
 --
--- KEYS[1]  held set
--- KEYS[2]  the member's status record (HASH)
+-- KEYS[1]  held: held set
+-- KEYS[2]  record: the member's status record (HASH)
 -- ARGV[1]  member
--- ARGV[2]  task id of the run
--- ARGV[3]  publish nonce of that run's hold
--- ARGV[4]  hold, ms, from now (as gate.lua's ARGV[4])
--- ARGV[5]  record grace, ms
--- ARGV[6]  key prefix
--- ARGV[7]  history length
+-- ARGV[2]  task_id: task id of the run
+-- ARGV[3]  nonce: publish nonce of that run's hold
+-- ARGV[4]  hold_ms: hold from now (as gate.lua's hold_ms)
+-- ARGV[5]  grace_ms: record grace
+-- ARGV[6]  prefix: key prefix
+-- ARGV[7]  history_len: history length
 --
 -- A confirm can come late: after a worker started (or ended) the run, which
 -- then owns its record, or whose record has passed to a newer run since (the
@@ -20,16 +20,14 @@
 -- guard skips this run's delivery: start.lua's "superseded").
 --
 -- Returns {code, task id}:
---   {1, ARGV[2]}  confirmed: the record says `queued`, the key is held for ARGV[4]
---   {2, ARGV[2]}  nothing to do: the run began or ended before its confirm,
+--   {1, task_id}  confirmed: the record says `queued`, the key is held for hold_ms
+--   {2, task_id}  nothing to do: the run began or ended before its confirm,
 --                 whether or not the key has passed to a newer run since (or
 --                 this is not the publish that holds it)
 --   {0, owner}    the key passed to run `owner` (or to no run: owner "") while
 --                 this run had not begun; this run's message will not run
 
 local held, record = KEYS[1], KEYS[2]
-local member, task_id, nonce = ARGV[1], ARGV[2], ARGV[3]
-local hold_ms, grace_ms, prefix, history_len = tonumber(ARGV[4]), tonumber(ARGV[5]), ARGV[6], tonumber(ARGV[7])
 
 local current = redis.call('HMGET', record, 'task_id', 'state', 'nonce', 'started_at', 'ended', 'began')
 if current[1] ~= task_id then

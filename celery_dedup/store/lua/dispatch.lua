@@ -1,9 +1,9 @@
 -- dispatch: push the parked messages of debounced runs that are due.
 --
--- KEYS[1]  P:due (ZSET member -> due time, ms)
--- ARGV[1]  key prefix
--- ARGV[2]  at most this many runs pushed per call
--- ARGV[3]  history length
+-- KEYS[1]  due_key: P:due (ZSET member -> due time, ms)
+-- ARGV[1]  prefix: key prefix
+-- ARGV[2]  limit: at most this many runs pushed per call
+-- ARGV[3]  history_len: history length
 --
 -- A run is due when its burst has been quiet for the window, or max wait after
 -- its first call (gate.lua keeps the score). Its parked message is LPUSHed
@@ -13,8 +13,7 @@
 --
 -- Returns {runs pushed, ms until the next run is due (-1: none is parked)}.
 
-local due_key, prefix = KEYS[1], ARGV[1]
-local limit, history_len = tonumber(ARGV[2]), tonumber(ARGV[3])
+local due_key = KEYS[1]
 local now = now_ms()
 
 local pushed = 0

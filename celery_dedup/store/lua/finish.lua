@@ -1,31 +1,32 @@
 -- finish: record how a run ended, release its execution lock, and drop its key;
 -- each only where the caller may.
 --
--- KEYS[1]  held set
--- KEYS[2]  the member's status record (HASH)
--- KEYS[3]  the member's execution lock
--- KEYS[4]  optional: the run's result key in Celery's Redis result backend on
---          this server, written (SET, or SETEX with ARGV[15]) and published
---          with ARGV[14] after the ending is recorded, whatever this returns:
---          a caller who sees the result and calls again finds the key released
+-- KEYS[1]  held: held set
+-- KEYS[2]  record: the member's status record (HASH)
+-- KEYS[3]  lock: the member's execution lock
+-- KEYS[4]  result_key: optional, the run's result key in Celery's Redis result
+--          backend on this server, written (SET, or SETEX with result_expires)
+--          and published with result_value after the ending is recorded,
+--          whatever this returns: a caller who sees the result and calls again
+--          finds the key released
 -- ARGV[1]  member
--- ARGV[2]  task id of the run
--- ARGV[3]  state to record (succeeded, failed, retry, queued, revoked, lost, ...)
--- ARGV[4]  "1" to drop the key now, "0" to keep it held until its deadline
+-- ARGV[2]  task_id: task id of the run
+-- ARGV[3]  state: state to record (succeeded, failed, retry, queued, revoked, lost, ...)
+-- ARGV[4]  drop: "1" to drop the key now, "0" to keep it held until its deadline
 --          (an idempotency window, or a run that goes on: a retry, a
 --          replacement); a window the run's lock outlived (start.lua's
 --          window_until) ends on time
--- ARGV[5]  record TTL after the ending, ms; "0" deletes the record outright (its
+-- ARGV[5]  record_ms: record TTL after the ending; "0" deletes the record outright (its
 --          message was never enqueued), unless the run has begun
--- ARGV[6]  a lock token the caller may release: the running delivery's own, or
+-- ARGV[6]  token: a lock token the caller may release: the running delivery's own, or
 --          (reports) that of a delivery whose process is known to be gone; ""
 --          for none. A lock is only ever deleted by its token.
--- ARGV[7]  key prefix
--- ARGV[8]  history length
--- ARGV[9]  error summary, "" for none
--- ARGV[10] the run's payload (gate.call_payload), "" for none: kept so an
---          operator can re-enqueue a run that ended without success
--- ARGV[11] who calls: "run" the delivery that ran the body (a lock it no
+-- ARGV[7]  prefix: key prefix
+-- ARGV[8]  history_len: history length
+-- ARGV[9]  err: error summary, "" for none
+-- ARGV[10] payload: the run's payload (gate.call_payload), "" for none: kept so
+--          an operator can re-enqueue a run that ended without success
+-- ARGV[11] role: who calls, "run" the delivery that ran the body (a lock it no
 --          longer holds is a lost lock: counted and recorded); "report" an
 --          ending reported from outside the body (a worker's main process, a
 --          signal, a refused delivery): a run whose live lock the caller does
@@ -33,18 +34,19 @@
 --          delivery that is being stopped (terminate, hard time limit): the
 --          ending is recorded now, but its lock and key stay until that
 --          delivery finishes or its lock expires
--- ARGV[12] a history note for the transition, "" for none
--- ARGV[13] the run's return value (gate.result_payload), "" for none: kept
---          for its followers (see lib's settle_followers)
--- ARGV[14] with KEYS[4]: the result as the backend encodes it
--- ARGV[15] with KEYS[4]: its expiry, seconds; "0" for none
+-- ARGV[12] note: a history note for the transition, "" for none
+-- ARGV[13] result: the run's return value (gate.result_payload), "" for none:
+--          kept for its followers (see lib's settle_followers)
+-- ARGV[14] result_value: with result_key, the result as the backend encodes it
+--          ("" without)
+-- ARGV[15] result_expires: with result_key, its expiry, seconds; "0" for none
 --
--- Nothing but a lock named by ARGV[6] is touched unless the record names this
+-- Nothing but a lock named by token is touched unless the record names this
 -- run (then, or for a body's final ending when no record is left at all, only
 -- its memory of ended runs, see lib's REMEMBERED, and its followers). A run
 -- that has ended is never recorded again (a report that comes after the body
 -- settled it changes nothing); the delivery that still held its lock then
--- only releases that lock and, with ARGV[4], its key. A body whose lock was
+-- only releases that lock and, with drop, its key. A body whose lock was
 -- taken over by another delivery of its run and that still ends ("run", a
 -- final state) records the run's ending: that delivery keeps the lock and the
 -- key until it is through, as after a "stop".
@@ -57,25 +59,20 @@
 -- Returns {owned, lock_kept, wants_result}: owned is 1 if the record names
 -- this run; lock_kept is 0 if a "run" caller's token no longer held the lock
 -- (expired or taken over; recorded as lock_lost_at), 1 otherwise;
--- wants_result is 1 when the run succeeded, has followers and ARGV[13] was
+-- wants_result is 1 when the run succeeded, has followers and result was
 -- "": the caller settles them with the return value (settle.lua).
 
-local held, record, lock = KEYS[1], KEYS[2], KEYS[3]
-local member, task_id, state = ARGV[1], ARGV[2], ARGV[3]
-local drop, record_ms, token = ARGV[4] == '1', tonumber(ARGV[5]), ARGV[6]
-local prefix, history_len, err, payload = ARGV[7], tonumber(ARGV[8]), ARGV[9], ARGV[10] or ''
-local role, note, result = ARGV[11], ARGV[12] or '', ARGV[13] or ''
+local held, record, lock, result_key = KEYS[1], KEYS[2], KEYS[3], KEYS[4]
 
--- Every return goes through here: the backend's result (KEYS[4]) follows the ending.
+-- Every return goes through here: the backend's result (result_key) follows the ending.
 local function reply(values)
-  if KEYS[4] then
-    local expires = tonumber(ARGV[15])
-    if expires > 0 then
-      redis.call('SETEX', KEYS[4], expires, ARGV[14])
+  if result_key then
+    if result_expires > 0 then
+      redis.call('SETEX', result_key, result_expires, result_value)
     else
-      redis.call('SET', KEYS[4], ARGV[14])
+      redis.call('SET', result_key, result_value)
     end
-    redis.call('PUBLISH', KEYS[4], ARGV[14])
+    redis.call('PUBLISH', result_key, result_value)
   end
   return values
 end

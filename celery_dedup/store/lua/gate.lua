@@ -1,37 +1,40 @@
 -- gate: hold a business key and enqueue its message, or do neither.
 --
--- KEYS[1]  held set (SET of members whose key is held)
--- KEYS[2]  the member's status record (HASH)
--- KEYS[3]  optional: the kombu queue list to LPUSH the message onto
--- KEYS[4..] optional: queue lists to PEXPIRE (queues declared with x-expires)
--- ARGV[1]  member (escaped task name ":" business key)
--- ARGV[2]  task id of this run
--- ARGV[3]  publish nonce (repeated by kombu's publish retries only)
--- ARGV[4]  hold, ms: how long the key stays held if the run never finishes
--- ARGV[5]  task name
--- ARGV[6]  record grace, ms: the record outlives the hold by this much
--- ARGV[7]  key prefix (for the indexes and history, see lib)
--- ARGV[8]  history length
--- ARGV[9]  argsrepr ("" to record none)
--- ARGV[10] kwargsrepr ("" to record none)
--- ARGV[11] "1" if this publish continues its run (Task.retry, a replacement
---          under the same key); "2" for a deferred copy of a run (it continues
---          the run but does not hold again a key freed as the run started:
---          calls made while the body runs are new runs); "0" for a call
--- ARGV[12] followers a run may carry ("0": this call has nothing to continue,
---          so as a duplicate it is only answered, see "Followers" below)
--- ARGV[13] publish lease, ms, of the two-phase gate (no KEYS[3]: the message
---          goes to a broker apart from the store): a new run is held in state
---          `publishing` for this long, until confirm.lua gives it its hold;
---          "0" for none
--- ARGV[14] with KEYS[3]: the serialized kombu message
--- ARGV[15] with KEYS[3]: PEXPIRE ms for KEYS[4..], or ""
--- ARGV[16] with KEYS[3]: the message's delivery tag
--- ARGV[17] with KEYS[3]: kombu's unacked hash (where a fetched message's tag goes)
--- ARGV[18] with KEYS[3]: the message's payload (gate.message_payload), "" for none
--- ARGV[19] with KEYS[3]: debounce window, ms; "0" if the task does not debounce
--- ARGV[20] with KEYS[3]: debounce max wait, ms
--- ARGV[21] with KEYS[3]: "1" if a later call's payload replaces the pending one
+-- KEYS[1]   held: held set (SET of members whose key is held)
+-- KEYS[2]   record: the member's status record (HASH)
+-- KEYS[3]   queue: optional, the kombu queue list to LPUSH the message onto
+-- KEYS[4..] expire: optional, queue lists to PEXPIRE (queues declared with x-expires)
+-- ARGV[1]   member: escaped task name ":" business key
+-- ARGV[2]   task_id: task id of this run
+-- ARGV[3]   nonce: publish nonce (repeated by kombu's publish retries only)
+-- ARGV[4]   hold_ms: how long the key stays held if the run never finishes
+-- ARGV[5]   task_name
+-- ARGV[6]   grace_ms: record grace, the record outlives the hold by this much
+-- ARGV[7]   prefix: key prefix (for the indexes and history, see lib)
+-- ARGV[8]   history_len: history length
+-- ARGV[9]   argsrepr: "" to record none
+-- ARGV[10]  kwargsrepr: "" to record none
+-- ARGV[11]  continuation: "1" if this publish continues its run (Task.retry, a
+--           replacement under the same key); "2" for a deferred copy of a run
+--           (it continues the run but does not hold again a key freed as the
+--           run started: calls made while the body runs are new runs); "0" for
+--           a call
+-- ARGV[12]  max_followers: followers a run may carry ("0": this call has
+--           nothing to continue, so as a duplicate it is only answered, see
+--           "Followers" below)
+-- ARGV[13]  lease_ms: publish lease of the two-phase gate (no queue: the
+--           message goes to a broker apart from the store): a new run is held
+--           in state `publishing` for this long, until confirm.lua gives it its
+--           hold; "0" for none
+-- ARGV[14]  message: with queue, the serialized kombu message
+-- ARGV[15]  expires_ms: with queue, PEXPIRE ms for the expire lists, or ""
+-- ARGV[16]  tag: with queue, the message's delivery tag
+-- ARGV[17]  unacked: with queue, kombu's unacked hash (where a fetched message's tag goes)
+-- ARGV[18]  payload: with queue, the message's payload (gate.message_payload), "" for none
+-- ARGV[19]  window_ms: with queue, debounce window; "0" if the task does not debounce
+-- ARGV[20]  max_wait_ms: with queue, debounce max wait
+-- ARGV[21]  latest: with queue, "1" if a later call's payload replaces the pending one
+-- Without a queue, ARGV[14..21] are "" (numbers "0").
 -- Where the message went (queue, tag, unacked hash, pushed_at) is recorded, so
 -- the reaper can tell a message the transport lost after fetching it.
 --
@@ -41,51 +44,43 @@
 -- that kombu retries after its reply was lost pushes nothing, even when its run
 -- has ended and another run holds the key since. A call naming the task id of
 -- the run its record names is a duplicate of that run; only a continuation
--- (ARGV[11]) of a run that has not ended pushes again.
+-- (continuation) of a run that has not ended pushes again.
 --
 -- Debounce: a new run's message is parked in its record (state `pending`) and
 -- its member put in P:due, scored by when it is due; dispatch.lua pushes it
 -- then. A call (never a continuation) while the key is held joins that run: it pushes the due time
 -- back (pending runs only; never past first call + max wait) and, with
--- ARGV[21], leaves its payload and argument reprs for the run to use.
+-- latest, leaves its payload and argument reprs for the run to use.
 --
 -- Followers: a duplicate (or a debounce join) that carries something to
--- continue (ARGV[12] > 0: its id in a group or chord, callbacks, a chain) is
+-- continue (max_followers > 0: its id in a group or chord, callbacks, a chain) is
 -- parked in P:fol:M under its own task id, with its message and queue, as a
 -- follower of the run that has the key; lib's release_followers pushes it when
 -- that run ends, and start.lua resolves its delivery as the run ended. A run
 -- that has ended already (its key held for a window) releases it at once.
 --
--- Two-phase gate (ARGV[13] > 0): the caller publishes after this script and
+-- Two-phase gate (lease_ms > 0): the caller publishes after this script and
 -- then confirms the run (confirm.lua). Until then the key is held only for the
 -- lease, so a publisher that dies in between frees it when the lease ends, and
 -- the next call takes it over as it would any hold that has passed.
 --
 -- Returns {code, task id}:
---   {1, ARGV[2]}  accepted: key held, message pushed (or parked, debounce)
+--   {1, task_id}  accepted: key held, message pushed (or parked, debounce)
 --   {0, owner}    duplicate: the key is held by run `owner`, or the call names
 --                 run `owner` itself; nothing written but the record's
 --                 duplicate counter
---   {2, ARGV[2]}  nothing pushed, as nothing is needed: this very publish was
+--   {2, task_id}  nothing pushed, as nothing is needed: this very publish was
 --                 accepted before (a kombu retry), or it continues a run that
 --                 has already ended (a late deferred copy)
 --   {3, owner}    debounce: joined the burst of run `owner`; nothing pushed
---   {4, owner}    refused: run `owner` has ARGV[12] followers already; nothing written
+--   {4, owner}    refused: run `owner` has max_followers already; nothing written
 --   {5, owner}    a follower of run `owner` (a duplicate): parked
 --   {5, owner, 1} a follower that joined the burst of run `owner` (as code 3): parked
 -- Deadlines come from the server clock; a held member whose deadline passed, or
 -- whose record is gone, is stale and taken over.
 
 local held, record, queue = KEYS[1], KEYS[2], KEYS[3]
-local member, task_id, nonce = ARGV[1], ARGV[2], ARGV[3]
-local hold_ms, task_name, grace_ms = tonumber(ARGV[4]), ARGV[5], tonumber(ARGV[6])
-local prefix, history_len = ARGV[7], tonumber(ARGV[8])
-local argsrepr, kwargsrepr = ARGV[9], ARGV[10]
-local continues, defers, max_followers = ARGV[11] ~= '0', ARGV[11] == '2', tonumber(ARGV[12])
-local lease_ms = tonumber(ARGV[13])
-local message, expires_ms, tag, unacked = ARGV[14], ARGV[15], ARGV[16], ARGV[17]
-local payload = ARGV[18] or ''
-local window_ms, max_wait_ms, latest = tonumber(ARGV[19] or 0), tonumber(ARGV[20] or 0), ARGV[21] == '1'
+local continues, defers = continuation ~= '0', continuation == '2'
 local debounce = queue and window_ms > 0
 local due_key = prefix .. ':due'
 

@@ -3,24 +3,24 @@
 -- takes) its place in the group's waiting line and learns when to come back.
 -- Every key is one group's, or its shard's (one hash tag on a Redis Cluster).
 --
--- KEYS[1]  slots ZSET: token -> lease deadline (ms)
--- KEYS[2]  starts ZSET: token -> start (ms), the sliding rate window's log
--- KEYS[3]  waiting ZSET: run id -> first arrival (ms), the line in arrival order
--- KEYS[4]  waiting deadlines ZSET: run id -> when it must be back (ms) to keep its place
--- KEYS[5]  info HASH: "s:<token>" -> slot start (ms); avg_ms (mean body time,
+-- KEYS[1]  slots: ZSET token -> lease deadline (ms)
+-- KEYS[2]  starts: ZSET token -> start (ms), the sliding rate window's log
+-- KEYS[3]  waiting: ZSET run id -> first arrival (ms), the line in arrival order
+-- KEYS[4]  deadlines: waiting deadlines ZSET, run id -> when it must be back (ms) to keep its place
+-- KEYS[5]  info: HASH "s:<token>" -> slot start (ms); avg_ms (mean body time,
 --          exponentially weighted); concurrency, rate, period_ms (the last limits seen);
 --          held_until (ms): free places are held for the runs ahead in line until then
--- KEYS[6]  the shard's group index ZSET: group -> last acquire (ms)
--- KEYS[7]  the shard's stats HASH (lib.lua's `count` fields)
--- ARGV[1]  group (namespaced like a member: "<escaped task name>:<group key>")
--- ARGV[2]  token of this delivery (unique per delivery)
--- ARGV[3]  run id (the task id): its place in line survives its re-publishes
--- ARGV[4]  concurrency limit (0: none)
--- ARGV[5]  starts allowed per period (0: no rate limit)
--- ARGV[6]  rate period, ms
--- ARGV[7]  lease, ms (the execution lock TTL; renewed like it)
--- ARGV[8]  stats field prefix (the escaped task name)
--- ARGV[9..] tokens to evict first: their process is known to be gone
+-- KEYS[6]  index: the shard's group index ZSET, group -> last acquire (ms)
+-- KEYS[7]  stats: the shard's stats HASH (lib.lua's `count` fields)
+-- ARGV[1]  group: namespaced like a member, "<escaped task name>:<group key>"
+-- ARGV[2]  token: token of this delivery (unique per delivery)
+-- ARGV[3]  run: run id (the task id), its place in line survives its re-publishes
+-- ARGV[4]  limit: concurrency limit (0: none)
+-- ARGV[5]  rate: starts allowed per period (0: no rate limit)
+-- ARGV[6]  period: rate period, ms
+-- ARGV[7]  lease: lease, ms (the execution lock TTL; renewed like it)
+-- ARGV[8]  ns: stats field prefix (the escaped task name)
+-- ARGV[9..] evict: tokens to evict first, their process is known to be gone
 --
 -- Returns
 --   {1, now, waited_ms}   granted (waited_ms: since its first arrival, 0 if it never waited);
@@ -35,9 +35,6 @@
 
 local slots, starts, waiting, deadlines, info, index, stats =
   KEYS[1], KEYS[2], KEYS[3], KEYS[4], KEYS[5], KEYS[6], KEYS[7]
-local group, token, run = ARGV[1], ARGV[2], ARGV[3]
-local limit, rate, period, lease = tonumber(ARGV[4]), tonumber(ARGV[5]), tonumber(ARGV[6]), tonumber(ARGV[7])
-local ns = ARGV[8]
 -- A refused run comes back no sooner than this (no spinning), and a run that waits for
 -- a slot looks again at least once per lease.
 local MIN_WAIT = 50
@@ -61,9 +58,9 @@ local function extend(key, ms)
   end
 end
 
-for i = 9, #ARGV do
-  if redis.call('ZSCORE', slots, ARGV[i]) then
-    drop_slot(ARGV[i])
+for _, gone in ipairs(evict) do
+  if redis.call('ZSCORE', slots, gone) then
+    drop_slot(gone)
     redis.call('HINCRBY', stats, ns .. ':limit_evicted', 1)
   end
 end

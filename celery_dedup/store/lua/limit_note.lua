@@ -1,12 +1,12 @@
 -- limit_note: tell a run's status record that it waits for its group's limits,
 -- or how long it waited once it got through.
 --
--- KEYS[1]  the member's status record (HASH)
--- KEYS[2]  the member's history (LIST, newest first; see lib.lua)
--- ARGV[1]  task id: nothing is written unless the record names this run
--- ARGV[2]  "wait" or "granted"
--- ARGV[3]  wait: why and for how long, for `limit_wait` and the history; granted: waited ms
--- ARGV[4]  history length
+-- KEYS[1]  record: the member's status record (HASH)
+-- KEYS[2]  history: the member's history (LIST, newest first; see lib.lua)
+-- ARGV[1]  task_id: nothing is written unless the record names this run
+-- ARGV[2]  what: "wait" or "granted"
+-- ARGV[3]  detail: wait, why and for how long, for `limit_wait` and the history; granted, waited ms
+-- ARGV[4]  history_len: history length
 --
 -- Fields: `limit_wait` (why the run waits now; removed when it gets through),
 -- `waiting_since` (ms, its first refusal; removed then too), `limit_waits` (refusals),
@@ -15,7 +15,6 @@
 -- Returns 1 if the record was written, else 0.
 
 local record, history = KEYS[1], KEYS[2]
-local task_id, what, detail, history_len = ARGV[1], ARGV[2], ARGV[3], tonumber(ARGV[4])
 
 if redis.call('HGET', record, 'task_id') ~= task_id then
   return 0

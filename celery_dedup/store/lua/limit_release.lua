@@ -1,10 +1,10 @@
 -- limit_release: a delivery gives back what limit_acquire gave it.
 --
--- KEYS[1]  slots ZSET: token -> lease deadline (ms)
--- KEYS[2]  starts ZSET: token -> start (ms), the rate window's log
--- KEYS[3]  info HASH ("s:<token>" -> slot start, avg_ms; see limit_acquire.lua)
+-- KEYS[1]  slots: ZSET token -> lease deadline (ms)
+-- KEYS[2]  starts: ZSET token -> start (ms), the rate window's log
+-- KEYS[3]  info: HASH ("s:<token>" -> slot start, avg_ms; see limit_acquire.lua)
 -- ARGV[1]  token
--- ARGV[2]  "1" if the body ran (its time feeds the mean body time and its start
+-- ARGV[2]  ran: "1" if the body ran (its time feeds the mean body time and its start
 --          stays in the rate window); "0" if it did not (a copy refused by the
 --          execution guard, a follower): its start is taken back
 --
@@ -13,7 +13,6 @@
 -- taken, or taken back after its lease lapsed, or evicted).
 
 local slots, starts, info = KEYS[1], KEYS[2], KEYS[3]
-local token, ran = ARGV[1], ARGV[2] == '1'
 
 local clock = redis.call('TIME')
 local now = tonumber(clock[1]) * 1000 + math.floor(tonumber(clock[2]) / 1000)

@@ -1,9 +1,9 @@
 -- peek: answer a duplicate before its message is built.
 --
--- KEYS[1]  held set
--- KEYS[2]  the member's status record (HASH)
+-- KEYS[1]  held: held set
+-- KEYS[2]  record: the member's status record (HASH)
 -- ARGV[1]  member
--- ARGV[2]  key prefix (for the decision counters)
+-- ARGV[2]  prefix: key prefix (for the decision counters)
 --
 -- The same test as gate.lua's duplicate branch: the member is held and its
 -- record names a run whose hold has not passed. Then the record's duplicate
@@ -12,7 +12,7 @@
 -- Returns {0, owner} for a duplicate of run `owner`; {-1, ""} when the key is
 -- free (or stale): the caller runs the gate, which decides.
 
-local held, record, member, prefix = KEYS[1], KEYS[2], ARGV[1], ARGV[2]
+local held, record = KEYS[1], KEYS[2]
 if redis.call('SISMEMBER', held, member) == 0 then
   return {-1, ''}
 end

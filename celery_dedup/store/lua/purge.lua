@@ -1,9 +1,9 @@
 -- purge: delete finished status records now, a bounded number per call.
 --
--- KEYS[1]  held set
--- ARGV[1]  key prefix
--- ARGV[2]  budget: at most this many index entries examined in this call
--- ARGV[3..] the states to purge; only ended states (lib's ENDED) are taken
+-- KEYS[1]   held: held set
+-- ARGV[1]   prefix: key prefix
+-- ARGV[2]   budget: at most this many index entries examined in this call
+-- ARGV[3..] states: the states to purge; only ended states (lib's ENDED) are taken
 --
 -- Walks each state's index oldest update first. A record whose key is held
 -- (an idempotency window) or whose execution lock is alive is kept and
@@ -17,11 +17,10 @@
 -- Returns {purged, kept, more}: more is 1 when the budget ran out before
 -- every entry of the given states was examined (call again).
 
-local held, prefix, budget = KEYS[1], ARGV[1], tonumber(ARGV[2])
+local held = KEYS[1]
 
 local examined, purged, kept, more = 0, 0, 0, 0
-for i = 3, #ARGV do
-  local wanted = ARGV[i]
+for _, wanted in ipairs(states) do
   if ENDED[wanted] then
     local index = prefix .. ':idx:state:' .. wanted
     local offset = 0

@@ -1,12 +1,12 @@
 -- reap: bounded clean-up of what crashes and expiry leave behind.
 --
--- KEYS[1]  held set
--- ARGV[1]  key prefix
+-- KEYS[1]  held: held set
+-- ARGV[1]  prefix: key prefix
 -- ARGV[2]  budget: at most this many entries examined per step (step 4: per
 --          index walked, and as many runs first seen missing a grace ago)
--- ARGV[3]  record TTL, ms (for runs found dead)
--- ARGV[4]  history length
--- ARGV[5]  grace, ms: how long a message must stay missing to be judged lost
+-- ARGV[3]  record_ms: record TTL (for runs found dead)
+-- ARGV[4]  history_len: history length
+-- ARGV[5]  grace_ms: how long a message must stay missing to be judged lost
 --
 -- Where the reaper stands between calls (P = prefix, M = member):
 --   P:reaper:cursor   STRING  step 1's SSCAN cursor
@@ -30,7 +30,7 @@
 --      their key released. A message is missing when its delivery tag is not
 --      in the unacked hash and the oldest message still in its queue was
 --      pushed after it (queues are FIFO) or the queue is empty; it is judged
---      lost when it is still missing at the first call at least ARGV[5] after
+--      lost when it is still missing at the first call at least grace_ms after
 --      a look found it missing (a live consumer's fetch, or a restore, is
 --      missing only for an instant); P:reaper:missing keeps those looks, so
 --      the second look waits for no walk. Any doubt (an ungated oldest
@@ -43,14 +43,14 @@
 -- entries scored at most its stop, the newest score when it began: entries
 -- added or updated meanwhile score later and wait for the next walk, which
 -- begins at the call after the walk ends. So a walk takes at most
--- ceil(N / ARGV[2]) calls (N: entries in the index when it began), and every
+-- ceil(N / budget) calls (N: entries in the index when it began), and every
 -- entry that does not change meanwhile is read once per walk. Entries leaving
 -- the index never make a walk skip one. A call goes on after the last entry
 -- read before that is still in place; only if another client removed or
 -- updated that one too does it go back to the first entry of its score,
 -- reading again entries written in that same millisecond.
 --
---   5. followers parked longer than ARGV[5] whose run has ended, or lost its
+--   5. followers parked longer than grace_ms whose run has ended, or lost its
 --      record to another run, are released (SSCAN of P:following, resuming);
 --      not those of a run that replaced itself, whose replacement settles them,
 --      nor, until its outcome's relay_until, those of a run lost while
@@ -59,9 +59,7 @@
 -- lost, index entries removed, vanished messages' runs marked lost, {member,
 -- task id, why, ...} for each run marked lost}.
 
-local held, prefix = KEYS[1], ARGV[1]
-local budget, record_ms, history_len = tonumber(ARGV[2]), tonumber(ARGV[3]), tonumber(ARGV[4])
-local grace_ms = tonumber(ARGV[5])
+local held = KEYS[1]
 local now = now_ms()
 local cursor_key = prefix .. ':reaper:cursor'
 local walks = prefix .. ':reaper:walks'

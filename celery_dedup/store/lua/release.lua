@@ -2,15 +2,15 @@
 -- deleted only when forced, and only while it still holds the token the
 -- operator was shown (compare-and-delete).
 --
--- KEYS[1]  held set
--- KEYS[2]  the member's status record (HASH)
--- KEYS[3]  the member's execution lock
+-- KEYS[1]  held: held set
+-- KEYS[2]  record: the member's status record (HASH)
+-- KEYS[3]  lock: the member's execution lock
 -- ARGV[1]  member
--- ARGV[2]  key prefix
--- ARGV[3]  history length
--- ARGV[4]  record TTL, ms: how long the record is kept after the release
--- ARGV[5]  "" not forced; else the lock token to delete if the lock is alive
--- ARGV[6]  who releases it (for the history note), may be ""
+-- ARGV[2]  prefix: key prefix
+-- ARGV[3]  history_len: history length
+-- ARGV[4]  record_ms: record TTL, how long the record is kept after the release
+-- ARGV[5]  force: "" not forced; else the lock token to delete if the lock is alive
+-- ARGV[6]  who: who releases it (for the history note), may be ""
 --
 -- Only something held is released: the key (in the held set) or a live
 -- lock (deleted when forced). Releasing drops the member from the held set
@@ -23,17 +23,14 @@
 -- Returns {code, detail, was_held, forced}:
 --   {1, state, was_held, forced}  released; state: the record's state now
 --                                 ("" if there is no record)
---   {0, pttl, 0, 0}               refused: the lock is alive and ARGV[5] is ""
+--   {0, pttl, 0, 0}               refused: the lock is alive and force is ""
 --   {2, holder, 0, 0}             refused: the lock is alive under another
---                                 token than ARGV[5] (it changed meanwhile)
+--                                 token than force (it changed meanwhile)
 --   {3, state, 0, 0}              nothing to release: the key is not held and
 --                                 no lock is alive; state: the record's ("" if
 --                                 there is no record)
 
 local held, record, lock = KEYS[1], KEYS[2], KEYS[3]
-local member, prefix = ARGV[1], ARGV[2]
-local history_len, record_ms = tonumber(ARGV[3]), tonumber(ARGV[4])
-local force, who = ARGV[5], ARGV[6]
 
 local holder = redis.call('GET', lock)
 local forced = 0

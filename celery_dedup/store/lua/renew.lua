@@ -1,9 +1,10 @@
 -- renew: extend every execution lock this worker process holds, in one call.
 --
--- KEYS     pairs: KEYS[2i-1] a lock, KEYS[2i] its member's status record
--- ARGV[1]  lock TTL, ms
--- ARGV[2]  record TTL, ms (how long a record outlives its hold)
--- ARGV[3..] the tokens, one per pair, in order
+-- KEYS[2i-1] lock: pair i's execution lock
+-- KEYS[2i]   record: its member's status record
+-- ARGV[1]    lock_ms: lock TTL
+-- ARGV[2]    record_ms: record TTL (how long a record outlives its hold)
+-- ARGV[3..]  tokens: the tokens, one per pair, in order
 --
 -- Returns the 1-based pair numbers whose lock is no longer this token's (lost:
 -- expired or taken over); their records get `lock_lost_at`. A renewed lock's
@@ -11,12 +12,11 @@
 -- (it names this token): the record of a run accepted since (the key was
 -- released when this one started) is not this lock's to touch.
 
-local lock_ms, record_ms = tonumber(ARGV[1]), tonumber(ARGV[2])
 local t = redis.call('TIME')
 local now = tonumber(t[1]) * 1000 + math.floor(tonumber(t[2]) / 1000)
 local lost = {}
 for i = 1, #KEYS / 2 do
-  local lock, record, token = KEYS[2 * i - 1], KEYS[2 * i], ARGV[2 + i]
+  local lock, record, token = KEYS[2 * i - 1], KEYS[2 * i], tokens[i]
   if redis.call('GET', lock) == token then
     redis.call('PEXPIRE', lock, lock_ms)
     local r = redis.call('HMGET', record, 'lock', 'held_until')

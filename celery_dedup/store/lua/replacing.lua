@@ -1,11 +1,11 @@
 -- replacing: mark a running run as replacing itself (Task.replace), before its
 -- replacement is published.
 --
--- KEYS[1]  the member's status record (HASH)
--- KEYS[2]  the member's execution lock
--- ARGV[1]  task id of the run
--- ARGV[2]  the running delivery's lock token
--- ARGV[3]  what replaces it (a task or canvas name), for people
+-- KEYS[1]  record: the member's status record (HASH)
+-- KEYS[2]  lock: the member's execution lock
+-- ARGV[1]  task_id: task id of the run
+-- ARGV[2]  token: the running delivery's lock token
+-- ARGV[3]  by: what replaces it (a task or canvas name), for people
 --
 -- The replacement carries the run's id and relays its ending to the run's
 -- followers (relay.py). Should the run be declared `lost` before it records
@@ -20,7 +20,6 @@
 -- Returns 1 when marked, 0 otherwise.
 
 local record, lock = KEYS[1], KEYS[2]
-local task_id, token, by = ARGV[1], ARGV[2], ARGV[3]
 if redis.call('HGET', record, 'task_id') ~= task_id or redis.call('GET', lock) ~= token then
   return 0
 end

@@ -1,14 +1,14 @@
 -- settle: hand how a run ended to its followers and release them.
 --
--- KEYS[1]  the member's followers (HASH, P:fol:M; see keys.py)
+-- KEYS[1]  followers: the member's followers (HASH, P:fol:M; see keys.py)
 -- ARGV[1]  member
--- ARGV[2]  task id of the run
--- ARGV[3]  its return value (gate.result_payload), or "" with ARGV[4]
--- ARGV[4]  why the value could not be kept, or the error it ended with ("" when
---          ARGV[3] is given): followers then fail with it
--- ARGV[5]  key prefix
--- ARGV[6]  how long the outcome is kept for followers still to come, ms
--- ARGV[7]  how the run ended: "succeeded" (default) or another state of lib's ENDED
+-- ARGV[2]  run: task id of the run
+-- ARGV[3]  result: its return value (gate.result_payload), or "" with unkept
+-- ARGV[4]  unkept: why the value could not be kept, or the error it ended with
+--          ("" when result is given): followers then fail with it
+-- ARGV[5]  prefix: key prefix
+-- ARGV[6]  ttl_ms: how long the outcome is kept for followers still to come
+-- ARGV[7]  state: how the run ended, "succeeded" or another state of lib's ENDED
 --
 -- Two callers. finish.lua asks for this (wants_result) when a run succeeded
 -- and has followers; between the two calls nothing can resolve them, as their
@@ -24,8 +24,6 @@
 --
 -- Returns the number of followers released.
 
-local member, run, result, unkept = ARGV[1], ARGV[2], ARGV[3], ARGV[4]
-local prefix, ttl_ms, state = ARGV[5], tonumber(ARGV[6]), ARGV[7] or 'succeeded'
 if redis.call('EXISTS', KEYS[1]) == 0 and redis.call('HGET', prefix .. ':rec:' .. member, 'task_id') ~= run then
   return 0
 end

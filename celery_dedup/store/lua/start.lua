@@ -1,38 +1,38 @@
 -- start: the delivery guard. Decide whether this delivery may run its body and,
 -- if so, take the execution lock and mark the record started; one round trip.
 --
--- KEYS[1]  held set
--- KEYS[2]  the member's status record (HASH)
--- KEYS[3]  the member's execution lock (STRING holding the owner token)
+-- KEYS[1]  held: held set
+-- KEYS[2]  record: the member's status record (HASH)
+-- KEYS[3]  lock: the member's execution lock (STRING holding the owner token)
 -- ARGV[1]  member
--- ARGV[2]  task id of this delivery
--- ARGV[3]  lock token (unique per delivery)
--- ARGV[4]  lock TTL, ms
--- ARGV[5]  "1" if the key was gated at enqueue (the record names its owner run)
--- ARGV[6]  what happens to the key now: "release" (until_executing), "window"
+-- ARGV[2]  task_id: task id of this delivery
+-- ARGV[3]  token: lock token (unique per delivery)
+-- ARGV[4]  lock_ms: lock TTL
+-- ARGV[5]  gated: "1" if the key was gated at enqueue (the record names its owner run)
+-- ARGV[6]  key_mode: what happens to the key now, "release" (until_executing), "window"
 --          (until_expired: keep the enqueue deadline if it is later), or
 --          "lock" (held as long as the lock lives: a crashed run frees it
 --          within one lock TTL)
--- ARGV[7]  worker hostname
--- ARGV[8]  worker pid
--- ARGV[9]  retries of this delivery (request.retries)
--- ARGV[10] task name
--- ARGV[11] key prefix
--- ARGV[12] history length
--- ARGV[13] record TTL, ms (for records this script creates)
--- ARGV[14] "1" to return the record's payload (a debounced run takes the
---          arguments its burst left there)
--- ARGV[15] the task's dedup_on_locked ("skip" or "reschedule"): whether a
---          refusal for another run's lock is counted skipped or deferred
--- ARGV[16] "0" to delete the record's payload once this delivery runs
---          (dedup_record_args off: it was kept only to run with); else kept
--- ARGV[17] the token of the main process of the worker that delivered this
---          delivery (recovery.py judges the run by it), "" if unknown
--- ARGV[18] this delivery's tag, "" where recovery could not put its message
---          back (acknowledged before the body runs, or the store is not the
---          broker)
--- ARGV[19] kombu's unacked hash, where that message waits unacknowledged
---          ARGV[18] and ARGV[19] are recorded (`tag`, `unacked`) unless the
+-- ARGV[7]  hostname: worker hostname
+-- ARGV[8]  pid: worker pid
+-- ARGV[9]  retries: retries of this delivery (request.retries)
+-- ARGV[10] task_name
+-- ARGV[11] prefix: key prefix
+-- ARGV[12] history_len: history length
+-- ARGV[13] record_ms: record TTL (for records this script creates)
+-- ARGV[14] want_payload: "1" to return the record's payload (a debounced run
+--          takes the arguments its burst left there)
+-- ARGV[15] on_locked: the task's dedup_on_locked ("skip" or "reschedule"):
+--          whether a refusal for another run's lock is counted skipped or deferred
+-- ARGV[16] keep_payload: "0" to delete the record's payload once this delivery
+--          runs (dedup_record_args off: it was kept only to run with); "1" kept
+-- ARGV[17] main: the token of the main process of the worker that delivered
+--          this delivery (recovery.py judges the run by it), "" if unknown
+-- ARGV[18] tag: this delivery's tag, "" where recovery could not put its
+--          message back (acknowledged before the body runs, or the store is
+--          not the broker)
+-- ARGV[19] unacked: kombu's unacked hash, where that message waits unacknowledged
+--          tag and unacked are recorded (`tag`, `unacked`) unless the
 --          gate recorded where it pushed the run's message (`queue`): so
 --          recovery.py finds the message of a run the gate did not route
 --
@@ -55,15 +55,6 @@
 -- `skipped` or `deferred` decision counter (see lib's count).
 
 local held, record, lock = KEYS[1], KEYS[2], KEYS[3]
-local member, task_id, token, lock_ms = ARGV[1], ARGV[2], ARGV[3], tonumber(ARGV[4])
-local gated, key_mode = ARGV[5] == '1', ARGV[6]
-local hostname, pid, retries, task_name = ARGV[7], ARGV[8], ARGV[9], ARGV[10]
-local prefix, history_len, record_ms = ARGV[11], tonumber(ARGV[12]), tonumber(ARGV[13])
-local want_payload = ARGV[14] == '1'
-local on_locked = ARGV[15]
-local keep_payload = ARGV[16] ~= '0'
-local main = ARGV[17] or ''
-local tag, unacked = ARGV[18] or '', ARGV[19] or ''
 
 local followers = prefix .. ':fol:' .. member
 local parked = redis.call('HGET', followers, task_id)

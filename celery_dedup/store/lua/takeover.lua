@@ -4,13 +4,13 @@
 -- (processes.owner_gone); this script trusts the caller for that and checks
 -- only that the lock still holds the dead owner's token.
 --
--- KEYS[1]  the member's status record (HASH)
--- KEYS[2]  the member's execution lock
+-- KEYS[1]  record: the member's status record (HASH)
+-- KEYS[2]  lock: the member's execution lock
 -- ARGV[1]  member
--- ARGV[2]  the dead owner's token
--- ARGV[3]  key prefix
--- ARGV[4]  history length
--- ARGV[5]  the decision start.lua counted when it refused the delivery
+-- ARGV[2]  dead: the dead owner's token
+-- ARGV[3]  prefix: key prefix
+-- ARGV[4]  history_len: history length
+-- ARGV[5]  refused: the decision start.lua counted when it refused the delivery
 --          ("deferred" or "skipped"): uncounted, as the delivery goes on
 --
 -- Returns 1 when taken over: the lock is deleted, counted as `taken_over`,
@@ -19,8 +19,6 @@
 -- longer holds that token (released, expired, or another delivery's now).
 
 local record, lock = KEYS[1], KEYS[2]
-local member, dead, prefix = ARGV[1], ARGV[2], ARGV[3]
-local history_len, refused = tonumber(ARGV[4]), ARGV[5]
 
 if redis.call('GET', lock) ~= dead then
   return 0
