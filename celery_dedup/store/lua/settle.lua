@@ -26,7 +26,7 @@
 
 local member, run, result, unkept = ARGV[1], ARGV[2], ARGV[3], ARGV[4]
 local prefix, ttl_ms, state = ARGV[5], tonumber(ARGV[6]), ARGV[7] or 'succeeded'
-if redis.call('EXISTS', KEYS[1]) == 0 and redis.call('HGET', prefix .. ':rec:' .. member, 'task_id') ~= run then
+if redis.call('EXISTS', KEYS[1]) == 0 and redis.call('HGET', KEY.record(prefix, member), 'task_id') ~= run then
   return 0
 end
 record_outcome(prefix, member, run, state, unkept, result, ttl_ms)

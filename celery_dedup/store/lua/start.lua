@@ -65,13 +65,13 @@ local keep_payload = ARGV[16] ~= '0'
 local main = ARGV[17] or ''
 local tag, unacked = ARGV[18] or '', ARGV[19] or ''
 
-local followers = prefix .. ':fol:' .. member
+local followers = KEY.followers(prefix, member)
 local parked = redis.call('HGET', followers, task_id)
 if parked then
   local ok, follower = pcall(cjson.decode, parked)
   if ok and follower.run and not follower.message then
     redis.call('HDEL', followers, task_id)
-    return {5, follower.run, redis.call('HGET', prefix .. ':out:' .. member, follower.run) or ''}
+    return {5, follower.run, redis.call('HGET', KEY.outcomes(prefix, member), follower.run) or ''}
   end
 end
 
