@@ -81,9 +81,9 @@ def _each(olds: Iterable[str], news: Iterable[str], scripts: tuple[str, ...], wh
 
 #: Every transition a script may make (lib.lua's ``transition``), from the scripts' own reading.
 TRANSITIONS: tuple[Transition, ...] = (
-    *_each([NO_RECORD], ["queued"], ("gate",), "a call accepted: its message pushed"),
-    *_each([NO_RECORD], ["pending"], ("gate",), "a debounced call accepted: its message parked until due"),
-    *_each([NO_RECORD], ["publishing"], ("gate",), "a call accepted by the two-phase gate: held for the lease"),
+    Transition(NO_RECORD, "queued", ("gate",), "a call accepted: its message pushed"),
+    Transition(NO_RECORD, "pending", ("gate",), "a debounced call accepted: its message parked until due"),
+    Transition(NO_RECORD, "publishing", ("gate",), "a call accepted by the two-phase gate: held for the lease"),
     Transition("publishing", "queued", ("confirm",), "the broker took the message"),
     Transition("lost", "queued", ("confirm",), "a confirm after the reaper declared the unconfirmed run lost"),
     Transition("pending", "queued", ("dispatch",), "the burst went quiet: its message pushed"),
@@ -97,10 +97,10 @@ TRANSITIONS: tuple[Transition, ...] = (
     Transition("started", "lost", ("start", "takeover", "reap"), "its worker died: its lock expired or was taken over"),
     *_each(["started", "lost"], _FINISH_ENDINGS, ("finish",), "the body (or a report for it) ended the run"),
     *_each(
-        ["queued", "retry", "pending", "publishing"],
+        ["publishing", "queued", "retry"],
         ["revoked", "rejected", "failed", "lost"],
         ("finish",),
-        "a report for a run that had not started: revoked, rejected or failed before its body ran",
+        "a worker's report for a delivery that had not started its body (signals.py, relay.py)",
     ),
     *_each(["publishing", "queued", "retry"], ["lost"], ("reap",), "the publish lease ended, or the message vanished"),
     *_each(_UNENDED, ["released"], ("release",), "an operator released the key of a run that had not ended"),
