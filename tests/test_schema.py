@@ -174,6 +174,7 @@ def test_the_table_names_only_states_and_scripts_that_make_transitions() -> None
         assert set(transition.scripts) <= TRANSITION_SCRIPTS, transition
     assert {s for t in schema.TRANSITIONS for s in t.scripts} == TRANSITION_SCRIPTS
     assert not [t for t in schema.TRANSITIONS if t.old in schema.ENDED_STATES and t.new != t.old], "an ended run moved"
+    assert {t.new for t in schema.TRANSITIONS} == set(schema.STATES), "a state no transition leads to"
 
 
 def test_the_worker_names_only_states_of_the_schema() -> None:

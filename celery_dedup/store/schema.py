@@ -102,6 +102,12 @@ TRANSITIONS: tuple[Transition, ...] = (
         ("finish",),
         "a worker's report for a delivery that had not started its body (signals.py, relay.py)",
     ),
+    *_each(
+        ["publishing", "queued", "retry", "lost"],
+        ["skipped"],
+        ("finish",),
+        "its delivery refused: another run of its key holds the execution lock (guard.refuse)",
+    ),
     *_each(["publishing", "queued", "retry"], ["lost"], ("reap",), "the publish lease ended, or the message vanished"),
     *_each(_UNENDED, ["released"], ("release",), "an operator released the key of a run that had not ended"),
     *(Transition(state, state, ("release",), "an operator released an ended run's key") for state in ENDED_STATES),
