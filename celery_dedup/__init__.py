@@ -74,7 +74,7 @@ def records(
 
     Pass ``page.cursor`` back for the next page; it is None on the last.
 
-    Filters: ``state`` (one of ``celery_dedup.store.status.STATES``: pending,
+    Filters: ``state`` (one of ``celery_dedup.store.schema.STATES``: pending,
     publishing, queued, started, retry, succeeded, failed, revoked, rejected,
     ignored, lost, skipped, released, replaced), ``task`` (a task name) and ``prefix``
     (of the business key, e.g. ``"order:4"``; results then come in key order).

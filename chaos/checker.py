@@ -90,6 +90,8 @@ from itertools import pairwise
 from pathlib import Path
 from typing import Any
 
+from celery_dedup.store.schema import ENDED_STATES
+
 from .app import LOCK_TTL, MODE_BY_TASK, MODES, REAP_INTERVAL, VISIBILITY_TIMEOUT, ModeSpec
 from .history import Event, read_events
 
@@ -107,8 +109,8 @@ INVARIANTS = (
     "limit",
     "recovery",
 )
-#: States after which a run has ended (lib.lua's ENDED), and those that count as its fate.
-ENDED = frozenset({"succeeded", "failed", "revoked", "rejected", "ignored", "skipped", "released", "replaced"})
+#: States after which a run has ended (the store schema's), and those that count as its fate.
+ENDED = frozenset(ENDED_STATES)
 FATES = ENDED | {"lost"}
 #: Body outcomes that do not end a run's work: a retry, a replacement under the same key (the run goes on;
 #: one by a plain task ends the run, see REPLACED_BY_PLAIN), a reject that requeues the message (``Reject`` in a

@@ -12,6 +12,12 @@ where RabbitMQ is not installed. Tests that need a Redis Cluster ask for
 ``cluster`` (three masters and three replicas, started once per session,
 put back in its starting layout with no keys before each test); they skip
 where the server binary cannot run one.
+
+The scripts report every transition they make (``CELERY_DEDUP_CHECK_TRANSITIONS``,
+set here for the whole session and the workers it starts, unless set to
+``0``): the session's server and cluster log them, and the session fails at
+its end on any transition the schema's table does not allow. A server given
+by ``CELERY_DEDUP_TEST_REDIS_URL`` is not checked (its log is not ours).
 """
 
 from __future__ import annotations
@@ -21,9 +27,11 @@ import gc
 import json
 import os
 import secrets
+import shutil
 import signal
 import subprocess
 import sys
+import tempfile
 import threading
 import time
 from collections.abc import Callable, Iterator, Mapping
@@ -39,12 +47,42 @@ from kombu.utils.json import loads
 
 import celery_dedup
 from celery_dedup import testing
+from celery_dedup.store import schema
 from celery_dedup.testing import RedisServer, ServerNotFound
 from tests.servers import ClusterNotSupported, RabbitMQNode, RabbitMQNotFound, RedisCluster
 
 ROOT = Path(__file__).resolve().parent.parent
 #: Debian's Chromium, for the browser tests (the ``chromium`` fixture).
 CHROMIUM = Path("/usr/bin/chromium")
+
+os.environ.setdefault(schema.CHECK_VARIABLE, "1")
+#: Whether the scripts report their transitions in this session (and its workers).
+CHECK_TRANSITIONS = os.environ[schema.CHECK_VARIABLE] == "1"
+#: Every transition reported in the session's servers' logs, once each (see check_transitions).
+REPORTED: dict[tuple[str, str, str], schema.Reported] = {}
+
+
+def check_transitions(*logs: Path) -> None:
+    """Fail on a transition the scripts reported in ``logs`` that the schema's table does not allow."""
+    found = [r for log in logs if log.exists() for r in schema.reported(log.read_text(errors="replace"))]
+    for report in found:
+        REPORTED.setdefault((report.script, report.old, report.new), report)
+    wrong = schema.unexpected(found)
+    if wrong:
+        pytest.fail(
+            f"transitions the schema does not allow (celery_dedup/store/schema.py, TRANSITIONS; logs: {logs}):\n"
+            + "\n".join(f"  {report}" for report in wrong),
+            pytrace=False,
+        )
+
+
+def pytest_terminal_summary(terminalreporter: Any) -> None:
+    if REPORTED:
+        lines = sorted(str(report) for report in REPORTED.values())
+        terminalreporter.write_line(f"transitions the scripts reported: {len(lines)} distinct")
+        if terminalreporter.config.option.verbose > 0:
+            for line in lines:
+                terminalreporter.write_line(f"  {line}")
 
 
 class Server:
@@ -64,11 +102,14 @@ def server() -> Iterator[Server]:
     if external:
         yield Server(external, None)
         return
-    with RedisServer() as process:
+    log = Path(tempfile.mkdtemp(prefix="celery-dedup-log-")) / "server.log"
+    with RedisServer(extra=("--logfile", str(log)) if CHECK_TRANSITIONS else ()) as process:
         yield Server(process.url, process)
         # Result objects left in reference cycles unsubscribe from the server as they are collected;
         # after it stopped, each one retries for about 20 s in __del__.
         gc.collect()
+        check_transitions(log)
+    shutil.rmtree(log.parent, ignore_errors=True)
 
 
 @pytest.fixture
@@ -145,6 +186,7 @@ def redis_cluster() -> Iterator[RedisCluster]:
         pytest.skip(f"no Redis Cluster: {exc}")
     with cluster:
         yield cluster
+        check_transitions(*(cluster.log(port) for port in cluster.ports))
 
 
 @pytest.fixture

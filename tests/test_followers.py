@@ -23,6 +23,7 @@ from celery_dedup import DedupTask, last_outcome, runtime
 from celery_dedup.exceptions import DedupFollowerLimitError
 from celery_dedup.keys import KeySchema, member_for
 from celery_dedup.payloads import result_payload
+from celery_dedup.worker.lock import new_token
 
 from .conftest import AppFactory, in_process_worker, queued_messages, wait_for
 
@@ -171,7 +172,23 @@ def test_the_reaper_leaves_followers_to_the_settle_right_after_their_runs_succes
     time.sleep(1.0)  # the run took longer than the grace
     store = runtime.store_for(app)
     member = member_for(tasks.sync.name, "sync:slow")
-    finished = store.finish(member, run.id, "succeeded", drop=True, record_ms=60_000, role="report")
+    # Its delivery starts and its body succeeds, as a worker records them.
+    token = new_token()
+    started = store.start(
+        member,
+        run.id,
+        token,
+        lock_ms=60_000,
+        gated=True,
+        key_mode="lock",
+        hostname="worker-1",
+        pid=4242,
+        retries=0,
+        task_name=tasks.sync.name,
+        record_ms=60_000,
+    )
+    assert started.run, started
+    finished = store.finish(member, run.id, "succeeded", drop=True, record_ms=60_000, token=token, role="run")
     assert finished.wants_result
 
     runtime.reap(app)

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import re
 from typing import Any
 
 import pytest
@@ -12,8 +11,7 @@ from celery import Celery
 from celery_dedup import operations, runtime
 from celery_dedup.exceptions import DedupArgumentError, DedupOperationError
 from celery_dedup.keys import KeySchema
-from celery_dedup.store.scripts import load_script
-from celery_dedup.store.status import ENDED_STATES, STATES
+from celery_dedup.store.status import STATES
 from celery_dedup.store.store import PurgeReport, ReleaseResult, StartDecision
 
 from ._records import Records, keyed_tasks
@@ -35,15 +33,6 @@ def records(app: Celery) -> Records:
 
 def history(app: Celery, member: str) -> list[list[str]]:
     return [entry.split(" ", 3) for entry in runtime.store_for(app).history(member)]
-
-
-def test_python_state_lists_match_lib_lua() -> None:
-    lib = load_script("lib")
-    states = re.search(r"local STATES = \{(.*?)\}", lib, re.S)
-    ended = re.search(r"local ENDED = \{(.*?)\}", lib, re.S)
-    assert states and ended
-    assert tuple(re.findall(r"'(\w+)'", states.group(1))) == STATES
-    assert tuple(re.findall(r"(\w+) = true", ended.group(1))) == ENDED_STATES
 
 
 def test_release_queued_key_ends_its_run_and_frees_the_key(app: Celery, records: Records, r: redis.Redis) -> None:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 from collections.abc import Sequence
 from importlib import resources
 from typing import Any
@@ -10,19 +11,31 @@ import redis
 from redis.commands.core import Script
 
 from .commands import BY_TYPE, argv_prelude
+from .schema import CHECK_VARIABLE, lua_prelude
 
-#: Scripts that change status records get the shared helpers of ``lib.lua`` first.
+#: Scripts that change status records get the schema's constants and the shared helpers of ``lib.lua`` first.
 _WITH_LIB = frozenset(
     {"gate", "confirm", "start", "takeover", "finish", "reap", "dispatch", "peek", "release", "purge", "settle"}
 )
 
 
+def _read(name: str) -> str:
+    return resources.files("celery_dedup.store").joinpath("lua").joinpath(f"{name}.lua").read_text(encoding="utf-8")
+
+
+def with_lib(name: str, body: str, *, check: bool) -> str:
+    """``body`` after the schema's prelude for script ``name`` and ``lib.lua``."""
+    return lua_prelude(name, check=check) + _read("lib") + body
+
+
 def load_script(name: str) -> str:
-    """The source of ``lua/<name>.lua`` as it is sent to Redis: its ARGV as named locals first."""
-    folder = resources.files("celery_dedup.store").joinpath("lua")
-    body = argv_prelude(name) + folder.joinpath(f"{name}.lua").read_text(encoding="utf-8")
+    """The source of ``lua/<name>.lua`` as it is sent to Redis: its ARGV as named locals first.
+
+    With :data:`~.schema.CHECK_VARIABLE` set to ``1``, scripts report each transition they make.
+    """
+    body = argv_prelude(name) + _read(name)
     if name in _WITH_LIB:
-        return folder.joinpath("lib.lua").read_text(encoding="utf-8") + body
+        return with_lib(name, body, check=os.environ.get(CHECK_VARIABLE) == "1")
     return body
 
 

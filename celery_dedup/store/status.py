@@ -1,7 +1,7 @@
 """A key's status record as typed values: what records pages, the admin and the command line show.
 
-Redis keeps a record as a hash of strings (the fields are listed in the
-concepts docs); :class:`Status` reads them once into aware datetimes,
+Redis keeps a record as a hash of strings (the fields are listed in
+:mod:`.schema` and the concepts docs); :class:`Status` reads them once into aware datetimes,
 integers and the parsed history, and keeps the raw strings in ``fields``.
 """
 
@@ -13,25 +13,23 @@ from dataclasses import dataclass
 from typing import Any
 
 from ..keys import split_member, task_from_namespace
+from .schema import ENDED_STATES, FIELD_DOC, FIELD_DOCS, GROUPS, STATE_HELP, STATES, FieldDoc
 
-#: Every state a record can be in, and those in which its run has ended (as in ``lib.lua``).
-STATES = (
-    "pending",
-    "publishing",
-    "queued",
-    "started",
-    "retry",
-    "succeeded",
-    "failed",
-    "revoked",
-    "rejected",
-    "ignored",
-    "lost",
-    "skipped",
-    "released",
-    "replaced",
-)
-ENDED_STATES = ("succeeded", "failed", "revoked", "rejected", "ignored", "skipped", "released", "replaced")
+# The states and the field docs live in the schema; they are read from here too.
+__all__ = [
+    "ENDED_STATES",
+    "EPOCH",
+    "FIELD_DOC",
+    "FIELD_DOCS",
+    "GROUPS",
+    "STATES",
+    "STATE_HELP",
+    "FieldDoc",
+    "HistoryEntry",
+    "Status",
+    "from_ms",
+    "to_ms",
+]
 
 EPOCH = datetime.datetime(1970, 1, 1, tzinfo=datetime.timezone.utc)
 
@@ -215,219 +213,3 @@ class Status:
         document["fields"] = dict(self.fields)
         document["ended"] = self.ended
         return document
-
-
-@dataclass(frozen=True)
-class FieldDoc:
-    """What one record field means, for people: the admin's help texts and the command line's groups."""
-
-    name: str
-    #: One of :data:`GROUPS`' names.
-    group: str
-    label: str
-    help: str
-    #: Whether the value is a millisecond timestamp.
-    time: bool = False
-
-
-#: How a record's fields are grouped for people, in order: ``(name, title)``. Internals are folded away.
-GROUPS = (
-    ("run", "Run"),
-    ("timing", "Timing"),
-    ("worker", "Worker and lock"),
-    ("counters", "Counters"),
-    ("internals", "Internals"),
-)
-
-#: Every field a record may hold, in the order shown (docs/concepts.md lists the main ones).
-FIELD_DOCS = (
-    FieldDoc(
-        "state",
-        "run",
-        "State",
-        "Where the run is. It has ended once succeeded, failed, revoked, rejected, "
-        "ignored, skipped, released or replaced; lost means its worker died or its message vanished.",
-    ),
-    FieldDoc("task", "run", "Task", "The task's registered name."),
-    FieldDoc(
-        "task_id",
-        "run",
-        "Task id",
-        "The run that owns the key: the Celery task id it was published with. A new run of the same key gets a new id.",
-    ),
-    FieldDoc("error", "run", "Error", "Type and message of the run's last failure, truncated."),
-    FieldDoc("args", "run", "Arguments", "The call's positional arguments, as repr (kept with dedup_record_args)."),
-    FieldDoc(
-        "kwargs", "run", "Keyword arguments", "The call's keyword arguments, as repr (kept with dedup_record_args)."
-    ),
-    FieldDoc(
-        "purged",
-        "run",
-        "Purged",
-        "A purge cut this record down to a tombstone: only the run id, how it "
-        "ended and its publish nonces remain, so a late copy of the run is still skipped.",
-    ),
-    FieldDoc("queued_at", "timing", "Queued", "When the gate accepted the run.", time=True),
-    FieldDoc("started_at", "timing", "Started", "When a worker last started the task's body.", time=True),
-    FieldDoc("finished_at", "timing", "Finished", "When the run ended.", time=True),
-    FieldDoc("updated_at", "timing", "Last update", "When the record last changed state.", time=True),
-    FieldDoc(
-        "held_until",
-        "timing",
-        "Held until",
-        "When the hold on the key runs out unless renewed; while the "
-        "body runs, the execution lock's renewals extend it. Empty: the key is not held, so the next call "
-        "starts a new run.",
-        time=True,
-    ),
-    FieldDoc(
-        "lock_lost_at",
-        "timing",
-        "Lock lost",
-        "When the run lost its execution lock (not renewed in time, "
-        "or deleted by a forced release): another delivery may have run the key since.",
-        time=True,
-    ),
-    FieldDoc("first_at", "timing", "Burst began", "Debounce: when the burst's first call came.", time=True),
-    FieldDoc(
-        "due_at",
-        "timing",
-        "Due",
-        "Debounce: when the run's message is pushed, unless more calls come first.",
-        time=True,
-    ),
-    FieldDoc("pushed_at", "timing", "Pushed", "When the message was pushed onto its queue.", time=True),
-    FieldDoc("worker", "worker", "Worker", "The host name of the worker that last started the body."),
-    FieldDoc("pid", "worker", "Process id", "The process on that host that ran it."),
-    FieldDoc(
-        "main",
-        "worker",
-        "Worker process",
-        "The token of the worker's main process that delivered the run: crash "
-        "recovery puts the run's message back only once this very process is provably dead.",
-    ),
-    FieldDoc(
-        "lock",
-        "worker",
-        "Lock owner",
-        "The owner token (host:pid:start:machine:random) of the execution lock this run "
-        "took; the lock itself, if alive, is shown with its time left.",
-    ),
-    FieldDoc(
-        "attempts",
-        "counters",
-        "Attempts",
-        "How often the body started: a retry or a redelivery after a crash starts it again.",
-    ),
-    FieldDoc("retries", "counters", "Retries", "Celery retries (Task.retry) of this run so far."),
-    FieldDoc(
-        "duplicates",
-        "counters",
-        "Duplicates suppressed",
-        "Calls answered with this run's id instead of publishing again.",
-    ),
-    FieldDoc(
-        "skipped",
-        "counters",
-        "Deliveries skipped",
-        "Deliveries refused without running: copies of this run "
-        "(a redelivery, a re-push) after it ended, or deliveries while another run held the lock.",
-    ),
-    FieldDoc("debounced", "counters", "Calls joined", "Debounce: later calls that joined this run's burst."),
-    FieldDoc(
-        "limit_wait",
-        "timing",
-        "Waiting for",
-        "Limits: why the run waits (its group's slots in use or rate used); gone once it gets through.",
-    ),
-    FieldDoc(
-        "waiting_since",
-        "timing",
-        "Waiting since",
-        "Limits: when the run was first refused by its group's limits.",
-        time=True,
-    ),
-    FieldDoc("waited_ms", "counters", "Waited (ms)", "Limits: how long the run waited for its group, in ms."),
-    FieldDoc("limit_waits", "counters", "Times refused", "Limits: how often its group's limits sent the run back."),
-    FieldDoc("queue", "internals", "Queue", "The broker queue the message went to; the reaper looks for it there."),
-    FieldDoc(
-        "tag",
-        "internals",
-        "Delivery tag",
-        "The message's delivery tag, by which the reaper and crash recovery find it among the transport's "
-        "unacknowledged messages.",
-    ),
-    FieldDoc(
-        "unacked",
-        "internals",
-        "Unacked hash",
-        "The transport's hash of unacknowledged messages the reaper and crash recovery look in.",
-    ),
-    FieldDoc(
-        "nonce",
-        "internals",
-        "Nonce",
-        "The last accepted publish's nonce: a publish retried after a lost "
-        "reply is recognised by it and pushes nothing.",
-    ),
-    FieldDoc(
-        "nonces", "internals", "Earlier nonces", "Earlier accepted publish nonces of the key, kept for the same reason."
-    ),
-    FieldDoc(
-        "joined_nonce",
-        "internals",
-        "Joined nonce",
-        "Debounce: the last call that joined the burst, so a retried publish of it joins once.",
-    ),
-    FieldDoc(
-        "window_until",
-        "internals",
-        "Window until",
-        "until_expired and throttle: the end of the key's "
-        "window while the run executes; the key is held until then after the run ends.",
-        time=True,
-    ),
-    FieldDoc(
-        "replacing",
-        "internals",
-        "Replacing",
-        "The run is replacing itself (Task.replace) with this: should it be declared lost before it "
-        "ends replaced, its followers wait for the replacement's ending, until the record would expire.",
-    ),
-    FieldDoc(
-        "missing_since",
-        "internals",
-        "Missing since",
-        "When the reaper first found the queued message "
-        "missing; missing again dedup_reap_grace later, the run is marked lost.",
-        time=True,
-    ),
-    FieldDoc(
-        "payload",
-        "internals",
-        "Payload",
-        "The message body kept for a re-enqueue (a run that did not "
-        "succeed, on a Redis broker with dedup_record_args on).",
-    ),
-    FieldDoc("message", "internals", "Parked message", "Debounce: the whole message, pushed when the run is due."),
-)
-FIELD_DOC = {doc.name: doc for doc in FIELD_DOCS}
-
-#: What each state means, in one line, for people.
-STATE_HELP = {
-    "pending": "Debounce: waiting for its burst of calls to go quiet before its message is pushed.",
-    "publishing": "Accepted, its message on the way to a broker apart from the store: the key is held for "
-    "dedup_publish_lease until the broker has it (or the lease ends).",
-    "queued": "Accepted: its message waits in the queue for a worker.",
-    "started": "A worker is running the task's body.",
-    "retry": "The body asked for a retry: the run starts again later and keeps the key.",
-    "succeeded": "Ended: the body returned.",
-    "failed": "Ended: the body raised, with no retry left.",
-    "revoked": "Ended: revoked before or while it ran.",
-    "rejected": "Ended: a worker rejected its message.",
-    "ignored": "Ended: the body raised Ignore.",
-    "lost": "Its worker died, or the transport lost its message: the key was freed, and a copy may still run it.",
-    "skipped": "Ended without running: another run of its key held the execution lock.",
-    "released": "Ended: an operator released its key.",
-    "replaced": "Ended: the run replaced itself (Task.replace) with work under another key or task.",
-}

@@ -19,7 +19,7 @@ local now = now_ms()
 local pushed = 0
 for _, member in ipairs(redis.call('ZRANGEBYSCORE', due_key, '-inf', now, 'LIMIT', 0, limit)) do
   redis.call('ZREM', due_key, member)
-  local record = prefix .. ':rec:' .. member
+  local record = KEY.record(prefix, member)
   local r = redis.call('HMGET', record, 'state', 'message', 'queue', 'task_id', 'debounced')
   if r[1] == 'pending' and r[2] and r[3] then
     redis.call('LPUSH', r[3], r[2])

@@ -82,13 +82,13 @@
 local held, record, queue = KEYS[1], KEYS[2], KEYS[3]
 local continues, defers = continuation ~= '0', continuation == '2'
 local debounce = queue and window_ms > 0
-local due_key = prefix .. ':due'
+local due_key = KEY.due(prefix)
 
 local now = now_ms()
 local owner = redis.call('HMGET', record, 'task_id', 'nonce', 'held_until', 'state', 'nonces', 'joined_nonce', 'ended')
 local owner_id, owner_nonce, owner_state, owner_nonces = owner[1], owner[2], owner[4], owner[5] or ''
 
-local followers = prefix .. ':fol:' .. member
+local followers = KEY.followers(prefix, member)
 
 local function room_to_follow()
   return redis.call('HEXISTS', followers, task_id) == 1 or redis.call('HLEN', followers) < max_followers
@@ -101,7 +101,7 @@ local function park(run, run_state)
   end
   redis.call('HSET', followers, task_id, cjson.encode({run = run, queue = queue, message = message, at = now}))
   redis.call('PEXPIRE', followers, math.max(redis.call('PTTL', record), hold_ms + grace_ms))
-  redis.call('SADD', prefix .. ':following', member)
+  redis.call('SADD', KEY.following(prefix), member)
   count(prefix, member, 'followed')
   if ENDED[run_state] then
     release_followers(prefix, member, run)  -- its ending is known: resolve this one at once

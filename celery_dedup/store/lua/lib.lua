@@ -1,16 +1,8 @@
 -- lib: helpers prepended to every script that changes a status record.
--- Not a script of its own: no KEYS, no ARGV. Key names built here follow the
--- schema in keys.py (P = prefix, M = member):
---   P:idx            ZSET M -> last update (ms)       all records, newest first
---   P:idx:state:S    ZSET M -> last update            records in state S
---   P:idx:task:N     ZSET M -> last update            records of the task whose
---                                                     escaped name is N
---   P:idx:name       ZSET "K\0N" -> 0                 business key K first, for
---                                                     key-prefix search (ZRANGEBYLEX)
---   P:hist:M         LIST of "ms state task_id [note]", newest first, capped
---   P:due            ZSET M -> due time (ms)          debounced runs parked until due
---   P:stats          HASH "N:decision" -> count        decisions per task (see count)
--- A member M is N ":" K, and N holds no ":".
+-- Not a script of its own: no KEYS, no ARGV. Before it comes the prelude that
+-- store/schema.py generates: SCRIPT (this script's name), STATES, ENDED, the
+-- key builders KEY.<kind>(prefix[, part]) and CHECK (the transitions report).
+-- P = prefix, M = member; a member M is N ":" K, and N holds no ":".
 
 local function now_ms()
   local t = redis.call('TIME')
@@ -26,35 +18,38 @@ end
 -- skipped, deferred, taken_over, lock_lost, released, reaped (fail_open comes from Python).
 local function count(prefix, member, decision, amount)
   local ns = split_member(member)
-  redis.call('HINCRBY', prefix .. ':stats', ns .. ':' .. decision, amount or 1)
+  redis.call('HINCRBY', KEY.stats(prefix), ns .. ':' .. decision, amount or 1)
 end
 
 -- Move M's record to `state`: fields, indexes and history, in one place.
 -- `known_old`: the record's state if the caller knows it (false: none); nil: read it.
 -- `fields`: more field-value pairs of the record to set in the same HSET.
+-- With CHECK, the move is reported to the server's log (schema.py checks it).
 local function transition(prefix, record, member, state, now, task_id, note, history_len, known_old, fields)
   local old = known_old
   if old == nil then
     old = redis.call('HGET', record, 'state')
   end
+  if CHECK then
+    redis.log(redis.LOG_WARNING, REPORT_MARK .. ' ' .. SCRIPT .. ' ' .. (old or NO_RECORD) .. ' ' .. state .. ' ' .. member)
+  end
   local ns, key = split_member(member)
   redis.call('HSET', record, 'state', state, 'updated_at', now, unpack(fields or {}))
-  local idx = prefix .. ':idx'
-  if redis.call('ZADD', idx, now, member) == 1 then
+  if redis.call('ZADD', KEY.index(prefix), now, member) == 1 then
     -- P:idx and P:idx:name gain and lose M together (unindex): only a new entry needs its name.
-    redis.call('ZADD', idx .. ':name', 0, key .. '\0' .. ns)
+    redis.call('ZADD', KEY.name_index(prefix), 0, key .. '\0' .. ns)
   end
   if old and old ~= state then
-    redis.call('ZREM', idx .. ':state:' .. old, member)
+    redis.call('ZREM', KEY.state_index(prefix, old), member)
   end
-  redis.call('ZADD', idx .. ':state:' .. state, now, member)
-  redis.call('ZADD', idx .. ':task:' .. ns, now, member)
+  redis.call('ZADD', KEY.state_index(prefix, state), now, member)
+  redis.call('ZADD', KEY.task_index(prefix, ns), now, member)
   if history_len > 0 then
     local entry = now .. ' ' .. state .. ' ' .. task_id
     if note and note ~= '' then
       entry = entry .. ' ' .. note
     end
-    local hist = prefix .. ':hist:' .. member
+    local hist = KEY.history(prefix, member)
     if redis.call('LPUSH', hist, entry) > history_len then
       redis.call('LTRIM', hist, 0, history_len - 1)
     end
@@ -64,31 +59,22 @@ end
 -- Expire M's record (and its history with it) in `ms` milliseconds.
 local function expire_record(prefix, record, member, ms)
   redis.call('PEXPIRE', record, ms)
-  redis.call('PEXPIRE', prefix .. ':hist:' .. member, ms)
+  redis.call('PEXPIRE', KEY.history(prefix, member), ms)
 end
 
--- Every state a record can be in, and those in which its run has ended: a
--- delivery of an ended run never runs, and a later report never rewrites it.
--- `lost` is not an end: a copy of a lost run may still run and finish it.
--- `publishing`: the two-phase gate holds the key for its lease while the
--- message goes to a broker apart from the store (gate.lua, confirm.lua).
--- `released`: an operator freed the key (release.lua); its run must not go on.
--- `replaced`: the run replaced itself (Task.replace) with work under another
--- key or task; a replacement under the same key goes on as the same run.
-local STATES = {'pending', 'publishing', 'queued', 'started', 'retry', 'succeeded', 'failed', 'revoked', 'rejected', 'ignored',
-  'lost', 'skipped', 'released', 'replaced'}
-local ENDED = {succeeded = true, failed = true, revoked = true, rejected = true, ignored = true,
-  skipped = true, released = true, replaced = true}
+-- STATES and ENDED (the prelude): every state a record can be in, and those in
+-- which its run has ended: a delivery of an ended run never runs, and a later
+-- report never rewrites it. `lost` is not an end: a copy of a lost run may
+-- still run and finish it. What each means: store/schema.py.
 
 -- Remove M from every index; `state`, when known, spares trying every state index.
 local function unindex(prefix, member, state)
   local ns, key = split_member(member)
-  local idx = prefix .. ':idx'
-  redis.call('ZREM', idx, member)
-  redis.call('ZREM', idx .. ':name', key .. '\0' .. ns)
-  redis.call('ZREM', idx .. ':task:' .. ns, member)
+  redis.call('ZREM', KEY.index(prefix), member)
+  redis.call('ZREM', KEY.name_index(prefix), key .. '\0' .. ns)
+  redis.call('ZREM', KEY.task_index(prefix, ns), member)
   for _, candidate in ipairs(state and {state} or STATES) do
-    redis.call('ZREM', idx .. ':state:' .. candidate, member)
+    redis.call('ZREM', KEY.state_index(prefix, candidate), member)
   end
 end
 
@@ -112,7 +98,7 @@ end
 -- The outcome recorded for `run` of M if it is settled (JSON), else nil: a
 -- `replaced` outcome, or one held back for a relay, waits for the replacement.
 local function settled_outcome(prefix, member, run)
-  local entry = redis.call('HGET', prefix .. ':out:' .. member, run)
+  local entry = redis.call('HGET', KEY.outcomes(prefix, member), run)
   if not entry then
     return nil
   end
@@ -124,7 +110,7 @@ local function settled_outcome(prefix, member, run)
 end
 
 local function record_outcome(prefix, member, run, state, err, result, ttl_ms, relay_until)
-  local outcomes = prefix .. ':out:' .. member
+  local outcomes = KEY.outcomes(prefix, member)
   if settled_outcome(prefix, member, run) then
     return
   end
@@ -138,11 +124,11 @@ local function record_outcome(prefix, member, run, state, err, result, ttl_ms, r
     return
   end
   local wanted = {[run] = true}
-  local current = redis.call('HGET', prefix .. ':rec:' .. member, 'task_id')
+  local current = redis.call('HGET', KEY.record(prefix, member), 'task_id')
   if current then
     wanted[current] = true
   end
-  for _, entry in ipairs(redis.call('HVALS', prefix .. ':fol:' .. member)) do
+  for _, entry in ipairs(redis.call('HVALS', KEY.followers(prefix, member))) do
     local ok, follower = pcall(cjson.decode, entry)
     if ok and follower.run then
       wanted[follower.run] = true
@@ -159,7 +145,7 @@ end
 -- parked them); each delivery then resolves as the run ended (start.lua).
 -- Returns how many were pushed.
 local function release_followers(prefix, member, run)
-  local key = prefix .. ':fol:' .. member
+  local key = KEY.followers(prefix, member)
   local entries = redis.call('HGETALL', key)
   local released = 0
   for i = 1, #entries, 2 do
@@ -190,10 +176,10 @@ end
 -- nothing relayed an ending (the worker died before the publish, or the
 -- replacement never ended).
 local function settle_followers(prefix, member, run, state, err, result, ttl_ms)
-  local outcomes, followers = prefix .. ':out:' .. member, prefix .. ':fol:' .. member
+  local outcomes, followers = KEY.outcomes(prefix, member), KEY.followers(prefix, member)
   local relay = false
   if state == 'lost' then
-    local r = redis.call('HMGET', prefix .. ':rec:' .. member, 'task_id', 'replacing')
+    local r = redis.call('HMGET', KEY.record(prefix, member), 'task_id', 'replacing')
     relay = r[1] == run and r[2] ~= false
   end
   if state == 'replaced' or relay then
@@ -269,7 +255,7 @@ local ENDED_KEPT = 1000
 -- `ended` with run `task_id` remembered; returns the new field value.
 local function remember_ended(prefix, member, task_id, ended, now, keep_ms)
   local kept = remember(fingerprint(task_id), ended)
-  local overflow = prefix .. ':ended:' .. member
+  local overflow = KEY.ended(prefix, member)
   for word in string.gmatch(ended or '', '%S+') do
     if not remembers(kept, word) then
       redis.call('ZADD', overflow, now, word)
@@ -285,7 +271,7 @@ end
 -- the record's field).
 local function has_ended(prefix, member, ended, task_id)
   local word = fingerprint(task_id)
-  return remembers(ended, word) or redis.call('ZSCORE', prefix .. ':ended:' .. member, word) ~= false
+  return remembers(ended, word) or redis.call('ZSCORE', KEY.ended(prefix, member), word) ~= false
 end
 
 -- Whether run `task_id` of M had begun (a worker started it) but not ended
@@ -319,7 +305,7 @@ local function retire(prefix, record, member, now, history_len, old_state, old_t
   if began ~= '' then
     carry[#carry + 1], carry[#carry + 2] = 'began', began
   end
-  local running = old_state == 'started' and redis.call('EXISTS', prefix .. ':lock:' .. member) == 1
+  local running = old_state == 'started' and redis.call('EXISTS', KEY.lock(prefix, member)) == 1
   if old_state and not ENDED[old_state] and old_task_id and not running then
     settle_followers(prefix, member, old_task_id, 'lost', 'its hold expired before it ended; key taken over by '
       .. new_task_id, '', math.max(redis.call('PTTL', record), 60000))
@@ -331,7 +317,7 @@ local function retire(prefix, record, member, now, history_len, old_state, old_t
     elseif old_state == 'started' then
       entry = ' lost ' .. (old_task_id or '') .. ' key taken over'
     end
-    local hist = prefix .. ':hist:' .. member
+    local hist = KEY.history(prefix, member)
     redis.call('LPUSH', hist, now .. entry)
     redis.call('LTRIM', hist, 0, history_len - 1)
   end
@@ -345,7 +331,7 @@ end
 -- Delete M's record, its history and its index entries.
 local function forget(prefix, record, member)
   unindex(prefix, member, redis.call('HGET', record, 'state') or nil)
-  redis.call('DEL', record, prefix .. ':hist:' .. member)
+  redis.call('DEL', record, KEY.history(prefix, member))
 end
 
 -- Cut M's record down to what later decisions about its run depend on, for
@@ -357,7 +343,7 @@ local function tombstone(prefix, record, member)
   local kept = redis.call('HMGET', record, 'task_id', 'state', 'nonce', 'nonces', 'ended', 'began')
   local ttl = redis.call('PTTL', record)
   unindex(prefix, member, kept[2] or nil)
-  redis.call('DEL', record, prefix .. ':hist:' .. member)
+  redis.call('DEL', record, KEY.history(prefix, member))
   if not kept[1] or not kept[2] or ttl <= 0 then
     return
   end

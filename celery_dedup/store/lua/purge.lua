@@ -22,7 +22,7 @@ local held = KEYS[1]
 local examined, purged, kept, more = 0, 0, 0, 0
 for _, wanted in ipairs(states) do
   if ENDED[wanted] then
-    local index = prefix .. ':idx:state:' .. wanted
+    local index = KEY.state_index(prefix, wanted)
     local offset = 0
     while more == 0 do
       if examined >= budget then
@@ -37,8 +37,8 @@ for _, wanted in ipairs(states) do
       end
       for _, member in ipairs(batch) do
         examined = examined + 1
-        local record = prefix .. ':rec:' .. member
-        if redis.call('SISMEMBER', held, member) == 1 or redis.call('EXISTS', prefix .. ':lock:' .. member) == 1 then
+        local record = KEY.record(prefix, member)
+        if redis.call('SISMEMBER', held, member) == 1 or redis.call('EXISTS', KEY.lock(prefix, member)) == 1 then
           kept = kept + 1
           offset = offset + 1
         else

@@ -61,9 +61,9 @@
 
 local held = KEYS[1]
 local now = now_ms()
-local cursor_key = prefix .. ':reaper:cursor'
-local walks = prefix .. ':reaper:walks'
-local suspects = prefix .. ':reaper:missing'
+local cursor_key = KEY.reaper_cursor(prefix)
+local walks = KEY.reaper_walks(prefix)
+local suspects = KEY.reaper_missing(prefix)
 
 -- The next entries of the walk over `index`, as {members, scores, more, stop,
 -- after}: `more` if the walk goes on after them, `after` the entry they follow
@@ -141,7 +141,7 @@ local released, lost = 0, 0
 local scan = redis.call('SSCAN', held, redis.call('GET', cursor_key) or '0', 'COUNT', budget)
 redis.call('SET', cursor_key, scan[1])
 for _, member in ipairs(scan[2]) do
-  local record = prefix .. ':rec:' .. member
+  local record = KEY.record(prefix, member)
   local current = redis.call('HMGET', record, 'held_until', 'state', 'task_id')
   local until_ms = current[1]
   if not until_ms or tonumber(until_ms) <= now then
@@ -157,11 +157,11 @@ for _, member in ipairs(scan[2]) do
   end
 end
 
-local started_index = prefix .. ':idx:state:started'
+local started_index = KEY.state_index(prefix, 'started')
 local started = walk(started_index)
 for _, member in ipairs(started.members) do
-  local record = prefix .. ':rec:' .. member
-  if redis.call('EXISTS', prefix .. ':lock:' .. member) == 0 and redis.call('EXISTS', record) == 1 then
+  local record = KEY.record(prefix, member)
+  if redis.call('EXISTS', KEY.lock(prefix, member)) == 0 and redis.call('EXISTS', record) == 1 then
     local task_id = redis.call('HGET', record, 'task_id') or ''
     redis.call('HDEL', record, 'lock')
     redis.call('HSET', record, 'held_until', 0, 'finished_at', now)
@@ -176,10 +176,10 @@ end
 walked(started_index, started)
 
 local stale = 0
-local index = prefix .. ':idx'
+local index = KEY.index(prefix)
 local indexed = walk(index)
 for _, member in ipairs(indexed.members) do
-  if redis.call('EXISTS', prefix .. ':rec:' .. member) == 0 then
+  if redis.call('EXISTS', KEY.record(prefix, member)) == 0 then
     unindex(prefix, member)
     stale = stale + 1
   end
@@ -202,7 +202,7 @@ local function oldest_pushed(queue)
     local headers = ok and type(decoded) == 'table' and decoded['headers']
     local gate = type(headers) == 'table' and headers['dedup']
     if type(gate) == 'table' and type(gate['member']) == 'string' then
-      local head_record = redis.call('HMGET', prefix .. ':rec:' .. gate['member'], 'tag', 'pushed_at')
+      local head_record = redis.call('HMGET', KEY.record(prefix, gate['member']), 'tag', 'pushed_at')
       local props = type(decoded['properties']) == 'table' and decoded['properties'] or {}
       -- Otherwise a restored or superseded copy: its own push time is not known.
       if head_record[1] == props['delivery_tag'] then
@@ -229,7 +229,7 @@ local vanished = 0
 local waiting_states = {queued = true, retry = true}
 for _, member in ipairs(redis.call('ZRANGEBYSCORE', suspects, '-inf', now - grace_ms, 'LIMIT', 0, budget)) do
   redis.call('ZREM', suspects, member)
-  local record = prefix .. ':rec:' .. member
+  local record = KEY.record(prefix, member)
   local r = redis.call('HMGET', record, 'state', 'missing_since', 'task_id')
   -- No missing_since: the run started since (or was replaced by another run).
   if r[2] and waiting_states[r[1]] then
@@ -250,10 +250,10 @@ for _, member in ipairs(redis.call('ZRANGEBYSCORE', suspects, '-inf', now - grac
   end
 end
 for _, state in ipairs({'queued', 'retry'}) do
-  local state_index = prefix .. ':idx:state:' .. state
+  local state_index = KEY.state_index(prefix, state)
   local waiting = walk(state_index)
   for _, member in ipairs(waiting.members) do
-    local record = prefix .. ':rec:' .. member
+    local record = KEY.record(prefix, member)
     local since = redis.call('HGET', record, 'missing_since')
     if message_missing(record) then
       if not since then
@@ -272,17 +272,17 @@ end
 -- died between recording the ending and settling them, or the run's hold ran
 -- out): released with the outcome recorded for their run, or as lost when none
 -- was.
-local following = prefix .. ':following'
-local look = redis.call('SSCAN', following, redis.call('GET', cursor_key .. ':following') or '0', 'COUNT', budget)
-redis.call('SET', cursor_key .. ':following', look[1])
+local following = KEY.following(prefix)
+local look = redis.call('SSCAN', following, redis.call('GET', KEY.reaper_following_cursor(prefix)) or '0', 'COUNT', budget)
+redis.call('SET', KEY.reaper_following_cursor(prefix), look[1])
 for _, member in ipairs(look[2]) do
-  local followers = prefix .. ':fol:' .. member
+  local followers = KEY.followers(prefix, member)
   local entries = redis.call('HGETALL', followers)
   if #entries == 0 then
     redis.call('SREM', following, member)
   end
-  local r = redis.call('HMGET', prefix .. ':rec:' .. member, 'task_id', 'state', 'finished_at')
-  local outcomes = prefix .. ':out:' .. member
+  local r = redis.call('HMGET', KEY.record(prefix, member), 'task_id', 'state', 'finished_at')
+  local outcomes = KEY.outcomes(prefix, member)
   -- A run that replaced itself: its replacement, not the run, settles them (lib's settle_followers);
   -- a run lost while replacing itself, only until its outcome's relay_until.
   local function replaced(run)

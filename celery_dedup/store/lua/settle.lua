@@ -24,7 +24,7 @@
 --
 -- Returns the number of followers released.
 
-if redis.call('EXISTS', KEYS[1]) == 0 and redis.call('HGET', prefix .. ':rec:' .. member, 'task_id') ~= run then
+if redis.call('EXISTS', KEYS[1]) == 0 and redis.call('HGET', KEY.record(prefix, member), 'task_id') ~= run then
   return 0
 end
 record_outcome(prefix, member, run, state, unkept, result, ttl_ms)

@@ -56,13 +56,13 @@
 
 local held, record, lock = KEYS[1], KEYS[2], KEYS[3]
 
-local followers = prefix .. ':fol:' .. member
+local followers = KEY.followers(prefix, member)
 local parked = redis.call('HGET', followers, task_id)
 if parked then
   local ok, follower = pcall(cjson.decode, parked)
   if ok and follower.run and not follower.message then
     redis.call('HDEL', followers, task_id)
-    return {5, follower.run, redis.call('HGET', prefix .. ':out:' .. member, follower.run) or ''}
+    return {5, follower.run, redis.call('HGET', KEY.outcomes(prefix, member), follower.run) or ''}
   end
 end
 
