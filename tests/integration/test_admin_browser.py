@@ -35,11 +35,11 @@ from django.test.utils import setup_test_environment, teardown_test_environment 
 
 from celery_dedup import DedupTask  # noqa: E402
 
-from ._records import Records  # noqa: E402
-from .conftest import CHROMIUM, AppFactory  # noqa: E402
+from .._records import Records  # noqa: E402
+from ..conftest import CHROMIUM, AppFactory  # noqa: E402
 from .test_demo_browser import CHROMIUM_ARGS  # noqa: E402
 
-ROOT = Path(__file__).resolve().parent.parent
+ROOT = Path(__file__).resolve().parents[2]
 STATIC = ROOT / "docs" / "_static"
 LIST = "/admin/celery_dedup/record/"
 

@@ -29,7 +29,7 @@ from celery_dedup.keys import KeySchema
 from celery_dedup.store.scripts import load_script
 from chaos.proxy import FaultProxy, Point
 
-from .conftest import AppFactory, Server, queued_messages
+from ..conftest import AppFactory, Server, queued_messages
 
 SCHEMA = KeySchema("dedup")
 PROJ_CHARGE = "tests.proj.charge"

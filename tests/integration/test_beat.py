@@ -23,8 +23,8 @@ import celery_dedup
 from celery_dedup import runtime
 from celery_dedup.keys import member_for
 
-from .beat_app import EVENTS
-from .conftest import ROOT, AppFactory, Server, WorkerProcess, queued_messages, wait_for
+from ..beat_app import EVENTS
+from ..conftest import ROOT, AppFactory, Server, WorkerProcess, queued_messages, wait_for
 
 pytestmark = pytest.mark.slow
 

@@ -17,7 +17,7 @@ from types import ModuleType
 
 import pytest
 
-from .conftest import ROOT
+from ..conftest import ROOT
 
 RUN_TESTS = ROOT / "run-tests"
 #: Every variable the suite reads that a newcomer may set.
@@ -124,7 +124,7 @@ def test_system_packages_are_wanted_only_for_tests_that_use_them() -> None:
 
 
 @pytest.mark.parametrize(
-    ("fixture", "module"), [("chromium", "conftest"), ("tls", "test_tls"), ("rabbitmq", "conftest")]
+    ("fixture", "module"), [("chromium", "conftest"), ("tls", "integration/test_tls"), ("rabbitmq", "conftest")]
 )
 def test_the_fixtures_that_name_system_packages_exist(fixture: str, module: str) -> None:
     """A renamed fixture would quietly stop its package being installed."""

@@ -15,7 +15,7 @@ import celery_dedup
 from celery_dedup import DedupResult, DedupTask
 from celery_dedup.keys import KeySchema, member_for
 
-from .conftest import AppFactory, Server, in_process_worker, queued_messages
+from ..conftest import AppFactory, Server, in_process_worker, queued_messages
 
 HELD = KeySchema("dedup").held
 

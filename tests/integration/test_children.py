@@ -25,7 +25,7 @@ import celery_dedup
 from celery_dedup import DedupTask, runtime
 from celery_dedup.keys import member_for
 
-from .conftest import AppFactory, Server, in_process_worker, wait_for
+from ..conftest import AppFactory, Server, in_process_worker, wait_for
 
 
 @contextlib.contextmanager

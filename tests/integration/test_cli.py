@@ -29,8 +29,8 @@ from celery_dedup import runtime, testing
 from celery_dedup.keys import KeySchema, member_for
 from celery_dedup.ops import checks, cli
 
-from ._records import Records
-from .conftest import ROOT, Server, WorkerProcess, wait_for
+from .._records import Records
+from ..conftest import ROOT, Server, WorkerProcess, wait_for
 
 SCHEMA = KeySchema("dedup")
 Invoke = Callable[..., Result]

@@ -26,7 +26,7 @@ from celery_dedup.ops import checks
 from celery_dedup.store.connection import masked_url
 from tests.servers import RedisCluster
 
-from .conftest import AppFactory, in_process_worker, queued_messages, wait_for
+from ..conftest import AppFactory, in_process_worker, queued_messages, wait_for
 
 SCHEMA = KeySchema("dedup", CLUSTER_SHARDS)
 

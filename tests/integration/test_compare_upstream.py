@@ -10,7 +10,7 @@ import subprocess
 import sys
 from pathlib import Path
 
-from .conftest import ROOT
+from ..conftest import ROOT
 
 sys.path.insert(0, str(ROOT / "tools"))
 import compare_upstream as compare

@@ -26,7 +26,7 @@ from celery_dedup import DedupResult
 from celery_dedup.header import GateHeader
 from celery_dedup.keys import KeySchema, split_member
 
-from .conftest import Server, WorkerProcess, queued_messages
+from ..conftest import Server, WorkerProcess, queued_messages
 
 PROCESSES = 4
 THREADS = 16

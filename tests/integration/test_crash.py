@@ -33,8 +33,8 @@ from kombu.transport import redis as kombu_redis
 import celery_dedup
 from celery_dedup.keys import KeySchema
 
-from . import crash_app
-from .conftest import AppFactory, Server, WorkerProcess, in_process_worker, queued_messages, wait_for
+from .. import crash_app
+from ..conftest import AppFactory, Server, WorkerProcess, in_process_worker, queued_messages, wait_for
 
 SCHEMA = KeySchema("dedup")
 #: Execution lock TTL of every worker here (seconds): a dead run frees its key within it.

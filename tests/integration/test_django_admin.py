@@ -34,8 +34,8 @@ from celery_dedup.exceptions import DedupConfigError  # noqa: E402
 from celery_dedup.keys import KeySchema, member_for, new_nonce, new_task_id  # noqa: E402
 from celery_dedup.store.status import FIELD_DOC  # noqa: E402
 
-from ._records import Records, keyed_tasks  # noqa: E402
-from .conftest import AppFactory, Server, in_process_worker, wait_for  # noqa: E402
+from .._records import Records, keyed_tasks  # noqa: E402
+from ..conftest import AppFactory, Server, in_process_worker, wait_for  # noqa: E402
 
 SCHEMA = KeySchema("dedup")
 LIST = "/admin/celery_dedup/record/"

@@ -35,7 +35,7 @@ from django.db.utils import OperationalError  # noqa: E402
 from celery_dedup import DedupKeyError, DedupTask  # noqa: E402
 from celery_dedup.keys import KeySchema, member_for  # noqa: E402
 
-from .conftest import AppFactory, queued_messages, wait_for  # noqa: E402
+from ..conftest import AppFactory, queued_messages, wait_for  # noqa: E402
 
 HELD = KeySchema("dedup").held
 TABLE = "dedup_commit_orders"

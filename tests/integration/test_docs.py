@@ -26,9 +26,9 @@ from celery_dedup import DedupTask
 from celery_dedup.config import DJANGO_ONLY, SETTINGS
 from celery_dedup.testing import free_port
 
-from .conftest import Server, wait_for
+from ..conftest import Server, wait_for
 
-DOCS = Path(__file__).resolve().parent.parent / "docs"
+DOCS = Path(__file__).resolve().parents[2] / "docs"
 SETTINGS_PAGE = DOCS / "settings.md"
 #: A ``dedup_*`` name, not part of a longer identifier (``celery_dedup_up``, ``CELERY_DEDUP_APP``).
 DEDUP_NAME = re.compile(r"(?<![A-Za-z0-9_])dedup_[a-z0-9_]+")

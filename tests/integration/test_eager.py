@@ -22,7 +22,7 @@ from kombu.exceptions import EncodeError
 from celery_dedup import DedupTask, runtime
 from celery_dedup.keys import KeySchema, member_for
 
-from .conftest import AppFactory, Server
+from ..conftest import AppFactory, Server
 
 HELD = KeySchema("dedup").held
 

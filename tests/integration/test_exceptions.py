@@ -17,8 +17,8 @@ from celery_dedup import exceptions
 from celery_dedup.exceptions import DedupError
 from celery_dedup.keys import KeySchema, member_for
 
-from .conftest import Server, WorkerProcess, new_app, wait_for
-from .guard_app import register
+from ..conftest import Server, WorkerProcess, new_app, wait_for
+from ..guard_app import register
 
 CAUSE = redis.ConnectionError("connection refused")
 

@@ -20,7 +20,7 @@ from celery_dedup.header import GateHeader
 from celery_dedup.keys import KeySchema, member_for
 from celery_dedup.testing import free_port
 
-from .conftest import AppFactory, Server, in_process_worker, queued_messages, wait_for
+from ..conftest import AppFactory, Server, in_process_worker, queued_messages, wait_for
 
 HELD = KeySchema("dedup").held
 # Publishing to a dead broker must give up quickly instead of retrying for seconds.

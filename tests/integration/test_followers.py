@@ -24,7 +24,7 @@ from celery_dedup.exceptions import DedupFollowerLimitError
 from celery_dedup.keys import KeySchema, member_for
 from celery_dedup.payloads import result_payload
 
-from .conftest import AppFactory, in_process_worker, queued_messages, wait_for
+from ..conftest import AppFactory, in_process_worker, queued_messages, wait_for
 
 SCHEMA = KeySchema("dedup")
 

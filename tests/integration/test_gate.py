@@ -16,7 +16,7 @@ from kombu import Exchange, Queue
 from celery_dedup import DedupResult, DedupRoutingError, DedupTask, DuplicateTaskError, runtime
 from celery_dedup.keys import KeySchema
 
-from .conftest import AppFactory, in_process_worker, queued_messages
+from ..conftest import AppFactory, in_process_worker, queued_messages
 
 HELD = KeySchema("dedup").held
 

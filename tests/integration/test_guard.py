@@ -35,8 +35,8 @@ from celery_dedup.worker import guard, limits, processes
 from celery_dedup.worker.lock import RENEW_FRACTION
 from chaos.proxy import FaultProxy
 
-from .conftest import AppFactory, Server, WorkerProcess, in_process_worker, new_app, queued_messages, wait_for
-from .guard_app import MODES, deliveries_key, events_key, lost_key, register
+from ..conftest import AppFactory, Server, WorkerProcess, in_process_worker, new_app, queued_messages, wait_for
+from ..guard_app import MODES, deliveries_key, events_key, lost_key, register
 
 SCHEMA = KeySchema("dedup")
 LOCK_TTL = 1.0

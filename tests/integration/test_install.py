@@ -21,9 +21,11 @@ from celery import Celery
 import celery_dedup
 from celery_dedup import DedupConfigError, DedupTask
 from celery_dedup.exceptions import DedupArgumentError
+from celery_dedup.keys import KeySchema
+from celery_dedup.modes import MODES
 from celery_dedup.runtime import config_for
 
-from .conftest import AppFactory, Server, queued_messages
+from ..conftest import AppFactory, Server, queued_messages
 
 NEVER_CONTACTED = "redis://127.0.0.1:6379/15"
 
@@ -170,6 +172,24 @@ def test_publish_settings_changed_after_install_are_honoured(make_app: AppFactor
     keyed_task(app).delay(2)
     modes = [m["properties"]["delivery_mode"] for m in queued_messages(r)]
     assert modes == [1, 1], "task_default_delivery_mode set after install was ignored"
+
+
+@pytest.mark.parametrize("mode", sorted(MODES))
+def test_dedup_task_on_an_app_without_install_is_refused(make_app: AppFactory, r: redis.Redis, mode: str) -> None:
+    """Publishing a DedupTask before install() raises DedupConfigError and publishes nothing."""
+    app = make_app("noinstall", install=False)
+
+    @app.task(base=DedupTask, dedup_key="order:{order_id}", dedup_mode=mode, shared=False, name="noinstall.charge")
+    def charge(order_id: int) -> int:
+        return order_id
+
+    with pytest.raises(DedupConfigError) as info:
+        charge.delay(1)
+    assert "install" in str(info.value)
+    with pytest.raises(DedupConfigError):
+        charge.apply_async((2,), countdown=1)
+    assert queued_messages(r) == []
+    assert r.exists(KeySchema("dedup").held) == 0
 
 
 # --------------------------------------------------------------------------- out-of-range arguments

@@ -32,7 +32,7 @@ from kombu.serialization import dumps, loads
 from celery_dedup import DedupKeyError, DedupTask
 from celery_dedup.keys import KeyOption, KeySpec
 from tests.conftest import AppFactory, in_process_worker, wait_for
-from tests.test_keys import assert_safe
+from tests.unit.test_keys import assert_safe
 
 TASK = "shop.charge"
 UTC = datetime.timezone.utc

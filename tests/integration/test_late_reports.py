@@ -25,8 +25,8 @@ from celery_dedup.keys import KeySchema, member_for
 from celery_dedup.store.scripts import load_script
 from chaos.proxy import FaultProxy
 
-from .conftest import AppFactory, Server, WorkerProcess, in_process_worker, new_app, wait_for
-from .guard_app import LINGER, events_key, register
+from ..conftest import AppFactory, Server, WorkerProcess, in_process_worker, new_app, wait_for
+from ..guard_app import LINGER, events_key, register
 
 SCHEMA = KeySchema("dedup")
 

@@ -35,8 +35,8 @@ from celery_dedup.store.limits import Denial, Grant
 from celery_dedup.worker import limits, processes
 from chaos.proxy import FaultProxy
 
-from . import limits_app
-from .conftest import AppFactory, Server, WorkerProcess, wait_for
+from .. import limits_app
+from ..conftest import AppFactory, Server, WorkerProcess, wait_for
 
 SCHEMA = KeySchema("dedup")
 

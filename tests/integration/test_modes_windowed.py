@@ -27,8 +27,8 @@ from celery_dedup.keys import KeySchema, member_for
 from celery_dedup.runtime import config_for, store_for
 from celery_dedup.worker.bootsteps import DispatchStep
 
-from .conftest import AppFactory, Server, WorkerProcess, in_process_worker, queued_messages, wait_for
-from .windowed_app import register, runs_key
+from ..conftest import AppFactory, Server, WorkerProcess, in_process_worker, queued_messages, wait_for
+from ..windowed_app import register, runs_key
 
 SCHEMA = KeySchema("dedup")
 WINDOW = 0.3

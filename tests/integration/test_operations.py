@@ -16,8 +16,8 @@ from celery_dedup.store.scripts import load_script
 from celery_dedup.store.status import ENDED_STATES, STATES
 from celery_dedup.store.store import PurgeReport, ReleaseResult, StartDecision
 
-from ._records import Records, keyed_tasks
-from .conftest import AppFactory, queued_messages, wait_for
+from .._records import Records, keyed_tasks
+from ..conftest import AppFactory, queued_messages, wait_for
 
 SCHEMA = KeySchema("dedup")
 

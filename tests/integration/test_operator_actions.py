@@ -10,8 +10,8 @@ from celery_dedup import operations, runtime
 from celery_dedup.keys import KeySchema
 from celery_dedup.store.store import ReleaseResult
 
-from ._records import Records, keyed_tasks
-from .conftest import AppFactory
+from .._records import Records, keyed_tasks
+from ..conftest import AppFactory
 
 SCHEMA = KeySchema("dedup")
 

@@ -26,7 +26,7 @@ from pathlib import Path
 import pytest
 import redis
 
-from .conftest import ROOT, Server
+from ..conftest import ROOT, Server
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(300)]
 

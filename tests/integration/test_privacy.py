@@ -28,7 +28,7 @@ from celery_dedup import DedupTask
 from celery_dedup.keys import KeySchema, member_for
 from celery_dedup.runtime import store_for
 
-from .conftest import AppFactory, in_process_worker, wait_for
+from ..conftest import AppFactory, in_process_worker, wait_for
 
 SCHEMA = KeySchema("dedup")
 MARKER = "secret-4711"

@@ -21,8 +21,8 @@ from kombu.transport.native_delayed_delivery import MAX_LEVEL, level_name
 from celery_dedup.testing import assert_deduplicated, assert_published, assert_state
 from tests.servers import RabbitMQNode
 
-from . import rabbitmq_app
-from .conftest import RabbitApps, Server, WorkerProcess, amqp_message_count, in_process_worker
+from .. import rabbitmq_app
+from ..conftest import RabbitApps, Server, WorkerProcess, amqp_message_count, in_process_worker
 
 QUEUE_TYPES = ("classic", "quorum")
 #: Celery's settings for quorum queues with native delayed delivery (its RabbitMQ guide): the delay

@@ -31,11 +31,11 @@ from celery_dedup.keys import KeySchema
 from celery_dedup.store.status import Status
 from tests.servers import RabbitMQNode
 
-from . import rabbitmq_app
-from .conftest import RabbitApps, Server, WorkerProcess, amqp_message_count, in_process_worker, wait_for
+from .. import rabbitmq_app
+from ..conftest import RabbitApps, Server, WorkerProcess, amqp_message_count, in_process_worker, wait_for
 
 HELD = KeySchema("dedup").held
-#: Celery's quorum-queue set-up with native delayed delivery (see tests/test_rabbitmq.py).
+#: Celery's quorum-queue set-up with native delayed delivery (see test_rabbitmq.py).
 QUORUM_DELAYED: dict[str, Any] = {
     "task_default_queue_type": "quorum",
     "task_default_exchange_type": "topic",

@@ -25,7 +25,7 @@ from celery_dedup.exceptions import DedupArgumentError
 from celery_dedup.keys import KeySchema, member_for
 from celery_dedup.store.store import DedupStore
 
-from .conftest import AppFactory, wait_for
+from ..conftest import AppFactory, wait_for
 
 SCHEMA = KeySchema("dedup")
 #: How long a message must stay missing before the reaper judges it lost (seconds).

@@ -34,8 +34,8 @@ from celery_dedup.store.store import DedupStore
 from celery_dedup.worker import processes, recovery
 from celery_dedup.worker.lock import new_token
 
-from . import crash_app
-from .conftest import ROOT, AppFactory, Server, WorkerProcess, queued_messages, wait_for
+from .. import crash_app
+from ..conftest import ROOT, AppFactory, Server, WorkerProcess, queued_messages, wait_for
 from .test_crash import Fleet, executions, history_states, member, record, run_ids, started_pid
 
 SCHEMA = KeySchema("dedup")

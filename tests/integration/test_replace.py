@@ -19,7 +19,7 @@ from celery.result import GroupResult
 from celery_dedup import DedupTask
 from celery_dedup.keys import KeySchema, member_for
 
-from .conftest import AppFactory, in_process_worker, queued_messages, wait_for
+from ..conftest import AppFactory, in_process_worker, queued_messages, wait_for
 
 SCHEMA = KeySchema("dedup")
 STEPS = 3

@@ -18,7 +18,7 @@ from kombu.utils.json import dumps
 from celery_dedup import DedupTask
 from celery_dedup.keys import KeySchema, member_for
 
-from .conftest import AppFactory, in_process_worker, wait_for
+from ..conftest import AppFactory, in_process_worker, wait_for
 
 SCHEMA = KeySchema("dedup")
 

@@ -25,7 +25,7 @@ from celery_dedup.store.scripts import load_script
 from celery_dedup.store.store import DedupStore
 from chaos.proxy import FaultProxy
 
-from .conftest import AppFactory, Server, in_process_worker, queued_messages, wait_for
+from ..conftest import AppFactory, Server, in_process_worker, queued_messages, wait_for
 
 SCHEMA = KeySchema("dedup")
 

@@ -15,7 +15,7 @@ from celery_dedup.keys import KeySchema, member_for
 from celery_dedup.testing import RedisServer
 from celery_dedup.transports.redis import SentinelChannel, SentinelTransport
 
-from .conftest import AppFactory, in_process_worker, queued_messages
+from ..conftest import AppFactory, in_process_worker, queued_messages
 
 HELD = KeySchema("dedup").held
 MASTER_NAME = "mymaster"

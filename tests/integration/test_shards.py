@@ -2,7 +2,7 @@
 
 Each member's keys share its shard's hash tag; everything global is per
 shard, and listing, counting, reaping and purging merge or walk the shards.
-The real cluster is in tests/test_cluster.py.
+The real cluster is in test_cluster.py.
 """
 
 from __future__ import annotations

@@ -11,8 +11,8 @@ import celery_dedup
 from celery_dedup import DedupArgumentError, DedupError, Status, operations, runtime
 from celery_dedup.store.status import HistoryEntry
 
-from ._records import Records, keyed_tasks
-from .conftest import AppFactory
+from .._records import Records, keyed_tasks
+from ..conftest import AppFactory
 
 UTC = datetime.timezone.utc
 

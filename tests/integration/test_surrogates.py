@@ -12,7 +12,7 @@ from celery import Celery
 from celery_dedup import DedupTask
 from celery_dedup.keys import KeySchema, member_for
 
-from .conftest import AppFactory, in_process_worker, queued_messages, wait_for
+from ..conftest import AppFactory, in_process_worker, queued_messages, wait_for
 
 SCHEMA = KeySchema("dedup")
 LONE = "abc\ud800"

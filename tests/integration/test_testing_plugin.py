@@ -14,7 +14,7 @@ import re
 import pytest
 import redis
 
-from .conftest import ROOT, Server
+from ..conftest import ROOT, Server
 
 pytest_plugins = ("pytester",)
 

@@ -38,7 +38,7 @@ from celery_dedup.exceptions import DedupStoreError
 from celery_dedup.keys import KeySchema, member_for
 from celery_dedup.testing import RedisServer, ServerNotFound, find_server_binary, free_port
 
-from .conftest import AppFactory, in_process_worker, queued_messages, wait_for
+from ..conftest import AppFactory, in_process_worker, queued_messages, wait_for
 
 USER, PASSWORD = "dedup", "tls-test-secret"
 SCHEMA = KeySchema("dedup")
@@ -55,7 +55,7 @@ TRANSPORT_OPTIONS: dict[str, Any] = {
 
 
 class BrokerCredentials(redis.CredentialProvider):
-    """What ``?credential_provider=tests.test_tls:BrokerCredentials`` on a broker URL makes kombu use."""
+    """What ``?credential_provider=tests.integration.test_tls:BrokerCredentials`` on a broker URL makes kombu use."""
 
     def get_credentials(self) -> tuple[str, str]:
         return USER, PASSWORD

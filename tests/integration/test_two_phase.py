@@ -29,7 +29,7 @@ from celery_dedup.keys import KeySchema, member_for
 from celery_dedup.store.status import Status
 from celery_dedup.testing import RedisServer, free_port
 
-from .conftest import AppFactory, Server, in_process_worker, queued_messages, wait_for
+from ..conftest import AppFactory, Server, in_process_worker, queued_messages, wait_for
 
 HELD = KeySchema("dedup").held
 TASK = "twophase.charge"

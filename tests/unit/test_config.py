@@ -1,7 +1,7 @@
 """Settings and task options: defaults, validation at start-up, and how install() gates the broker.
 
-All but the last test run without a server: install() and task binding only
-read configuration, and nothing here opens a connection.
+No test here needs a server: install() and task binding only read
+configuration, and nothing here opens a connection.
 """
 
 from __future__ import annotations
@@ -14,19 +14,15 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-import redis
 from celery import Celery
 
 import celery_dedup
 from celery_dedup import DedupConfigError, DedupTask, runtime
 from celery_dedup.config import SETTINGS, DedupConfig
-from celery_dedup.keys import KeySchema
 from celery_dedup.modes import MODES
 from celery_dedup.runtime import config_for, runtime_for
 from celery_dedup.task import TASK_OPTIONS
 from celery_dedup.transports.redis import SentinelTransport, Transport
-
-from .conftest import AppFactory, queued_messages
 
 # Never contacted: these tests only read configuration.
 REDIS = "redis://127.0.0.1:6379/15"
@@ -666,27 +662,6 @@ def test_separate_dedup_store_makes_the_gate_two_phase(bare_app: BareApp, caplog
     assert not runtime_for(app).atomic
 
 
-# --- needs the server ---------------------------------------------------------------------------------
-
-
-@pytest.mark.parametrize("mode", sorted(MODES))
-def test_dedup_task_on_an_app_without_install_is_refused(make_app: AppFactory, r: redis.Redis, mode: str) -> None:
-    """Publishing a DedupTask before install() raises DedupConfigError and publishes nothing."""
-    app = make_app("noinstall", install=False)
-
-    @app.task(base=DedupTask, dedup_key="order:{order_id}", dedup_mode=mode, shared=False, name="noinstall.charge")
-    def charge(order_id: int) -> int:
-        return order_id
-
-    with pytest.raises(DedupConfigError) as info:
-        charge.delay(1)
-    assert "install" in str(info.value)
-    with pytest.raises(DedupConfigError):
-        charge.apply_async((2,), countdown=1)
-    assert queued_messages(r) == []
-    assert r.exists(KeySchema("dedup").held) == 0
-
-
 def test_install_on_rabbitmq_turns_publisher_confirms_on_unless_the_app_chose(
     bare_app: BareApp, caplog: pytest.LogCaptureFixture
 ) -> None:
@@ -757,7 +732,7 @@ OPTION_VALUES: dict[str, Any] = {
 
 def documented_option_table() -> dict[tuple[str, str], bool]:
     """``(option, mode) -> applies``, as the settings doc's table of options by mode says."""
-    lines = (Path(__file__).parent.parent / "docs" / "settings.md").read_text().splitlines()
+    lines = (Path(__file__).parents[2] / "docs" / "settings.md").read_text().splitlines()
     start = next(n for n, line in enumerate(lines) if line.startswith("| option | until_executed"))
     modes = [cell.strip() for cell in lines[start].strip("|").split("|")][1:]
     table = {}

@@ -26,7 +26,7 @@ import pytest
 from celery_dedup import DedupConfigError, DedupKeyError
 from celery_dedup.keys import KeyOption, KeySpec, new_task_id, task_from_namespace, task_namespace
 
-ROOT = Path(__file__).resolve().parent.parent
+ROOT = Path(__file__).resolve().parents[2]
 TASK = "shop.charge"
 # Escapes are %XX with upper-case hex; a '%' outside that shape would make decoding ambiguous.
 ESCAPED = re.compile(r"(?:[^%]|%[0-9A-F]{2})*")

@@ -11,7 +11,7 @@ import ast
 from collections.abc import Iterator
 from pathlib import Path
 
-PACKAGE = Path(__file__).resolve().parent.parent / "celery_dedup"
+PACKAGE = Path(__file__).resolve().parents[2] / "celery_dedup"
 STORE = PACKAGE / "store"
 #: Where every Lua script lives (package data, read by ``store/scripts.py``).
 LUA = STORE / "lua"
