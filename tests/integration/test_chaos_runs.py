@@ -23,6 +23,9 @@ from chaos.checker import Report, check
 
 from ..conftest import ROOT
 
+# Each run keeps both cores busy (prefork workers, producers, a nemesis): one at a time, with the other CPU-bound tests.
+pytestmark = pytest.mark.xdist_group("cpu")
+
 SUMMARY = re.compile(r"^chaos: (\d+) operations, (\d+) faults, (\d+) violations, seed (\d+)$", re.MULTILINE)
 
 

@@ -105,6 +105,7 @@ def wait_until_drained(r: redis.Redis, worker: WorkerProcess, timeout: float = 6
 
 
 @pytest.mark.slow
+@pytest.mark.xdist_group("cpu")  # publisher processes of many threads each: not beside the other CPU-bound tests
 def test_racing_publishers_enqueue_each_key_once_and_it_runs_once(server: Server, r: redis.Redis) -> None:
     """4 processes x 16 threads call charge(order) for the same 200 orders at once.
 

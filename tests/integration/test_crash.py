@@ -873,6 +873,7 @@ def test_storm_is_drained_when_a_lost_message_is_made_up_by_no_second_run(r: red
 
 
 @pytest.mark.slow
+@pytest.mark.xdist_group("cpu")  # prefork workers and publishers busy at once: not beside the other CPU-bound tests
 def test_storm_of_duplicates_while_workers_are_killed_runs_each_key_once_or_explains_it(
     fleet: Fleet, tasks: crash_app.Tasks, r: redis.Redis
 ) -> None:
