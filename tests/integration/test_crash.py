@@ -731,6 +731,11 @@ def test_followers_of_a_run_declared_lost_keep_that_answer_when_the_run_finishes
             os.kill(child, signal.SIGCONT)
 
 
+def blocked_in_brpop(client: dict[str, Any]) -> bool:
+    """Whether a connection of CLIENT LIST is blocked in a BRPOP now (not only its last command was one)."""
+    return client.get("cmd") == "brpop" and "b" in client.get("flags", "")
+
+
 @pytest.mark.slow
 def test_worker_killed_holding_a_fetched_but_unrecorded_message_leaves_no_key_stuck(
     fleet: Fleet, tasks: crash_app.Tasks, r: redis.Redis
@@ -749,9 +754,10 @@ def test_worker_killed_holding_a_fetched_but_unrecorded_message_leaves_no_key_st
     """
     conf = crash_conf(acks_late=True)
     transport = {"visibility_timeout": 4, **RESTORE_EVERY_SECOND}
-    (worker,) = fleet.start(conf=conf, transport=transport)
+    # Its BRPOP blocks 30 s, not 1: stalled while blocked, it stays blocked until the call is published.
+    (worker,) = fleet.start(conf=conf, transport={**transport, "polling_interval": 30})
     key, hang = "hang:1", member("hang", "hang:1")
-    wait_for(lambda: any(client.get("cmd") == "brpop" for client in r.client_list()), 10, "the worker waits in BRPOP")
+    wait_for(lambda: any(blocked_in_brpop(client) for client in r.client_list()), 10, "the worker waits in BRPOP")
     os.kill(worker.process.pid, signal.SIGSTOP)
     run = tasks.hang.apply_async((1,))
     assert not run.deduplicated
