@@ -16,7 +16,7 @@ rendering, and two values render alike only if they are the same value:
 - tuples and lists render as ``[a,b]``, dicts as ``{k=v,...}`` and sets as
   ``{set}[...]``, entries and members sorted by their rendering.
 
-docs/concepts.md states the rules and why; tests/test_keys_property.py checks
+docs/concepts.md states the rules and why; tests/integration/test_keys_property.py checks
 them. Keys longer than ``dedup_max_key_length`` keep a readable prefix
 followed by ``#`` and a hash of the whole key.
 

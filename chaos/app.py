@@ -50,7 +50,7 @@ VISIBILITY_TIMEOUT = 6
 RETRY_COUNTDOWN = 0.5
 REAP_INTERVAL = 1.0
 REAP_GRACE = 3.0
-#: kombu's restore sweep every second, and a short mutex (see tests/test_crash.py).
+#: kombu's restore sweep every second, and a short mutex (see tests/integration/test_crash.py).
 TRANSPORT_OPTIONS = {
     "visibility_timeout": VISIBILITY_TIMEOUT,
     "unacked_restore_interval": 1,

@@ -1,4 +1,4 @@
-"""An importable Celery app for the periodic-task test (tests/test_beat.py): a beat and a worker run it.
+"""An importable Celery app for the periodic-task test (tests/integration/test_beat.py): a beat and a worker run it.
 
 Configured from the environment (``CELERY_DEDUP_TEST_BROKER``), so ``celery
 -A tests.beat_app beat`` and ``celery -A tests.beat_app worker`` build the

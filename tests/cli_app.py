@@ -1,4 +1,4 @@
-"""Celery apps for tests/test_cli.py, importable by ``celery -A tests.cli_app[:<name>]``.
+"""Celery apps for tests/integration/test_cli.py, importable by ``celery -A tests.cli_app[:<name>]``.
 
 Configured from ``CELERY_DEDUP_TEST_BROKER`` like tests/proj.py, so a
 ``celery`` subprocess and a worker subprocess build the same apps:

@@ -85,6 +85,61 @@ def pytest_terminal_summary(terminalreporter: Any) -> None:
                 terminalreporter.write_line(f"  {line}")
 
 
+#: Fixtures that start something once per worker process or module (a RabbitMQ node, a cluster, a
+#: demo, a worker matrix, a build) or drive a browser, and the group their tests form: run-tests runs
+#: tests in parallel with ``--dist loadgroup``, which sends each group to one worker, so each of these
+#: starts once and no two browsers or demos run at the same time. The first fixture of a test named
+#: here decides; a test's own ``xdist_group`` mark takes precedence.
+SHARED_FIXTURE_GROUPS = {
+    "chromium": "browser",
+    "rabbitmq": "rabbitmq",
+    "redis_cluster": "cluster",
+    "demo": "demo",
+    "prefork_matrix": "guard-prefork-matrix",
+    "inprocess_matrix": "guard-inprocess-matrix",
+    "postgres": "postgres",
+    "built": "packaging",
+}
+#: Fixtures that reach a server or a worker, which no test under tests/unit may use.
+SERVER_FIXTURES = frozenset({"server", "r", "make_app", "rabbitmq", "redis_cluster", "cluster", "make_rabbit_app"})
+UNIT_TESTS = Path(__file__).resolve().parent / "unit"
+
+
+@pytest.hookimpl(tryfirst=True)  # before xdist reads the groups
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    """Group the tests that share an expensive fixture; keep tests/unit free of servers and workers."""
+    misplaced = []
+    for item in items:
+        fixtures = set(getattr(item, "fixturenames", ()))
+        if item.path.is_relative_to(UNIT_TESTS) and fixtures & SERVER_FIXTURES:
+            misplaced.append(f"{item.nodeid} uses {', '.join(sorted(fixtures & SERVER_FIXTURES))}")
+        if item.get_closest_marker("xdist_group") is None:
+            group = next((g for fixture, g in SHARED_FIXTURE_GROUPS.items() if fixture in fixtures), None)
+            if group is not None:
+                item.add_marker(pytest.mark.xdist_group(group))
+    if misplaced:
+        raise pytest.UsageError(
+            "tests/unit is for tests without a server or worker; move these:\n" + "\n".join(misplaced)
+        )
+
+
+@pytest.hookimpl(wrapper=True)
+def pytest_report_to_serializable(config: pytest.Config, report: pytest.TestReport) -> Iterator[Any]:
+    """A worker process's report as UTF-8 can carry it: lone surrogates (in captured logs, say) escaped."""
+    data = yield
+    return _utf8_safe(data)
+
+
+def _utf8_safe(value: Any) -> Any:
+    if isinstance(value, str):
+        return value.encode("utf-8", "backslashreplace").decode("utf-8")
+    if isinstance(value, dict):
+        return {_utf8_safe(k): _utf8_safe(v) for k, v in value.items()}
+    if isinstance(value, (list, tuple)):
+        return type(value)(_utf8_safe(v) for v in value)
+    return value
+
+
 class Server:
     """Where the session's server listens."""
 

@@ -1,4 +1,4 @@
-"""An importable Celery app for the crash tests (tests/test_crash.py): workers it runs get killed.
+"""An importable Celery app for the crash tests (tests/integration/test_crash.py): workers it runs get killed.
 
 Configured from the environment, so a spawned ``celery -A tests.crash_app
 worker`` builds the same app as the test:

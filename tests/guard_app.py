@@ -1,4 +1,4 @@
-"""Tasks for tests/test_guard.py, importable by worker subprocesses.
+"""Tasks for tests/integration/test_guard.py, importable by worker subprocesses.
 
 ``register(app)`` defines the tasks on any app: the in-process test apps and
 this module's own ``app``, which ``celery -A tests.guard_app worker`` runs

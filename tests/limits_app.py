@@ -1,4 +1,4 @@
-"""An importable Celery app for the limit tests (tests/test_limits.py), run by prefork worker processes.
+"""An importable Celery app for the limit tests (tests/integration/test_limits.py), run by prefork worker processes.
 
 Configured from the environment, as tests/crash_app.py is:
 ``CELERY_DEDUP_TEST_BROKER`` (broker, result backend and dedup store) and

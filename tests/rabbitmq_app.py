@@ -1,4 +1,4 @@
-"""Tasks on a RabbitMQ broker, for tests/test_rabbitmq.py; importable by worker subprocesses.
+"""Tasks on a RabbitMQ broker, for tests/integration/test_rabbitmq.py; importable by worker subprocesses.
 
 ``register(app)`` defines the tasks on any app: the test's own (from
 conftest's ``make_rabbit_app``) and this module's ``app``, which

@@ -1,4 +1,4 @@
-"""A debounced task for tests/test_modes_windowed.py, importable by worker subprocesses.
+"""A debounced task for tests/integration/test_modes_windowed.py, importable by worker subprocesses.
 
 ``register(app)`` defines it on any app: an in-process test app, or this
 module's own ``app``, which ``celery -A tests.windowed_app worker`` runs

@@ -190,7 +190,9 @@ def pytest_collection_finish(session: Any) -> None:
     """Install the Debian packages the selected tests need (as root), one installer at a time, before they run.
 
     Nothing for a run that only lists tests or fixtures; tests whose package
-    could not be installed skip themselves, saying why.
+    could not be installed skip themselves, saying why. In a parallel run each
+    worker process collects and gets here: the first to take the lock
+    installs, the others then find the packages there and install nothing.
     """
     option = session.config.option
     if option.collectonly or getattr(option, "showfixtures", False):

@@ -1,0 +1,500 @@
+"""The chaos checker (run-chaos): its invariants on hand-written histories.
+
+Each test feeds the checker a small history written by hand: each invariant
+must flag the violation it exists for and let the allowed cases pass. Real
+runs are in tests/integration/test_chaos_runs.py.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any
+
+import pytest
+from celery.exceptions import Reject
+
+from chaos.app import outcome_of
+from chaos.checker import Report, check
+
+# --- the checker on hand-written histories ---------------------------------------------------
+
+T0 = 1_800_000_000.0
+MEMBER = "chaos.until_executed:k1"
+
+
+class Story:
+    """Builds a run directory event by event, as the processes of a run would write it."""
+
+    def __init__(self, run_dir: Path) -> None:
+        run_dir.mkdir(parents=True, exist_ok=True)
+        self.run_dir = run_dir
+        self.events: list[dict[str, Any]] = []
+        self.members: dict[str, dict[str, Any]] = {}
+
+    def add(self, t: float, ev: str, *, pid: int = 100, role: str = "worker-0.1", **fields: Any) -> Story:
+        self.events.append({"t": T0 + t, "ev": ev, "pid": pid, "role": role, **fields})
+        return self
+
+    def call(self, t: float, task_id: str, outcome: str = "accepted", member: str = MEMBER, **fields: Any) -> Story:
+        mode = member.split(":", maxsplit=1)[0].removeprefix("chaos.")
+        call_id = fields.pop("call", f"c{len(self.events)}")
+        way, replace = fields.pop("way", "delay"), fields.pop("replace", "")
+        common = {"call": call_id, "member": member, "mode": mode, "way": way, "delay": 0.0, "replace": replace}
+        self.add(t, "call_start", role="producer-0.1", pid=50, **common)
+        return self.add(t + 0.01, "call", role="producer-0.1", pid=50, outcome=outcome, id=task_id, **common, **fields)
+
+    def body(
+        self, start: float, end: float | None, task_id: str, *, pid: int = 100, outcome: str = "succeeded", **extra: Any
+    ) -> Story:
+        common = {"task_id": task_id, "member": extra.pop("member", MEMBER), "call": extra.pop("call", "c")}
+        common["tid"] = extra.pop("tid", 0)
+        role = extra.pop("role", "worker-0.1")
+        lock_lost = extra.pop("lock_lost", False)
+        self.add(start, "body_start", pid=pid, role=role, **common, **extra)  # extra: a limited body's group
+        if end is not None:
+            self.add(end, "body_end", pid=pid, role=role, outcome=outcome, lock_lost=lock_lost, **common)
+        return self
+
+    def server(self, member: str, *entries: tuple[float, str, str, str]) -> Story:
+        """Server history entries ``(t, state, task id, note)`` of ``member``."""
+        info = self.members.setdefault(member, {"record": {}, "history": [], "held": False, "lock": None})
+        for t, state, task_id, note in entries:
+            info["history"].insert(0, f"{int((T0 + t) * 1000)} {state} {task_id} {note}".rstrip())
+        return self
+
+    def check(self) -> Report:
+        self.add(100, "phase", role="runner", name="stopped")
+        with (self.run_dir / "story-1.jsonl").open("w") as out:
+            for event in self.events:
+                out.write(json.dumps(event) + "\n")
+        final = {"server_ms": int((T0 + 100) * 1000), "members": self.members, "queued_ids": [], "due_members": []}
+        (self.run_dir / "final.json").write_text(json.dumps(final))
+        return check(self.run_dir, seed=0)
+
+
+def invariants(report: Report) -> list[str]:
+    return [violation.invariant for violation in report.violations]
+
+
+@pytest.fixture
+def story(tmp_path: Path) -> Story:
+    return Story(tmp_path)
+
+
+def test_a_worker_exiting_on_its_own_because_of_the_library_is_a_crash(story: Story) -> None:
+    story.add(0, "spawn", role="runner", slot="worker-0", generation=1, process=99)
+    error = 'Unrecoverable error: TypeError("DedupUnavailableError.__init__() missing 2 required arguments")'
+    story.add(5, "crash", role="runner", slot="worker-0", pids=[99], status=1, log=error, trace="")
+    story.add(9, "crash", role="runner", slot="worker-1", pids=[98], status=1, log="AttributeError", trace="kombu")
+    report = story.check()
+    assert invariants(report) == ["crash"]
+    assert "DedupUnavailableError" in report.violations[0].message
+    assert [item.kind for item in report.explained] == ["crash"], "a crash in kombu alone is explained"
+
+
+def test_two_bodies_of_one_key_at_once_is_an_overlap(story: Story) -> None:
+    report = story.call(0, "a").body(1, 3, "a", pid=100).body(2, 4, "a", pid=200).check()  # a redelivered copy
+    assert invariants(report) == ["overlap"]
+    assert "never reported losing its lock" in report.violations[0].message
+    assert any("body_start" in line for line in report.violations[0].excerpt), "the excerpt shows the history"
+
+
+def test_a_body_that_lost_its_lock_to_a_sigstop_overlaps_explained(story: Story) -> None:
+    story.call(0, "a").body(1, 9, "a", pid=100, lock_lost=True)
+    story.add(1.5, "fault", role="nemesis", kind="stop-worker", pids=[99, 100])
+    report = story.body(6, 7, "a", pid=200).check()
+    assert invariants(report) == []
+    assert [item.kind for item in report.explained] == ["overlap"]
+    assert "SIGSTOPped" in report.explained[0].message
+
+
+def test_a_lock_lost_without_any_fault_is_a_lock_taken(story: Story) -> None:
+    story.call(0, "a").body(1, 9, "a", pid=100, lock_lost=True)
+    report = story.body(2, 3, "a", pid=200).check()
+    assert invariants(report) == ["overlap"]
+    assert "a live lock was taken" in report.violations[0].message
+
+
+def test_a_killed_body_ends_when_it_was_killed(story: Story) -> None:
+    story.call(0, "a").body(1, None, "a", pid=100)
+    story.add(2, "kill", role="runner", pids=[100], why="kill-child")
+    report = story.body(5.5, 6, "a", pid=200).check()  # the acks_late copy, after the lock expired
+    assert invariants(report) == []
+
+
+def test_a_body_ends_when_its_process_exited_however_it_died(story: Story) -> None:
+    story.call(0, "a").body(1, None, "a", pid=100)
+    story.add(2, "exit", role="runner", pids=[100])
+    assert invariants(story.body(5.5, 6, "a", pid=200).check()) == []
+
+
+def test_a_run_executing_again_after_success(story: Story) -> None:
+    report = story.call(0, "a").body(1, 2, "a", pid=100).body(5, 6, "a", pid=200).check()
+    assert invariants(report) == ["again-after-end"]
+
+
+def test_a_retry_or_a_wipe_of_the_server_allows_another_execution(story: Story) -> None:
+    story.call(0, "a").body(1, 2, "a", pid=100, outcome="retry").body(3, 4, "a", pid=200)
+    story.call(10, "b").body(11, 12, "b", pid=100)
+    story.add(13, "fault", role="nemesis", kind="restart", wipe=True)
+    report = story.body(15, 16, "b", pid=200).check()
+    assert invariants(report) == []
+
+
+def test_only_the_bodys_own_process_settling_it_records_its_ending(tmp_path: Path) -> None:
+    """Another worker's deferred copy settled (``IGNORED``) while the body's worker, through a server restart,
+    was still recording the ending, and was killed before it did: the run had not ended, its re-run is right."""
+
+    def rerun(story: Story, *, own_settle: bool) -> Report:
+        story.call(0, "a").body(1, 2, "a", pid=100, tid=7)
+        story.add(1.9, "fault", role="runner", kind="restart", wipe=False)
+        if own_settle:
+            story.add(2.5, "settled", pid=100, task_id="a", state="SUCCESS", tid=7)
+        story.add(3, "settled", pid=200, role="worker-1.1", task_id="a", state="IGNORED", tid=1)
+        story.add(3.5, "kill", role="runner", pids=[100], why="kill-worker")
+        return story.body(5, 6, "a", pid=300).check()
+
+    assert invariants(rerun(Story(tmp_path / "unsettled"), own_settle=False)) == []
+    assert invariants(rerun(Story(tmp_path / "settled"), own_settle=True)) == ["again-after-end"]
+
+
+def test_an_accepted_run_that_never_ran_and_left_no_ending_is_unresolved(story: Story) -> None:
+    report = story.call(0, "a").call(0.5, "a", outcome="duplicate").check()
+    assert sorted(invariants(report)) == ["unresolved-duplicate", "unresolved-run"]
+
+
+def test_a_recorded_ending_resolves_a_run_that_never_ran(story: Story) -> None:
+    story.call(0, "a").call(0.5, "a", outcome="duplicate")
+    report = story.server(MEMBER, (0.0, "queued", "a", ""), (8.0, "lost", "a", "message lost by the transport")).check()
+    assert invariants(report) == []
+
+
+def test_a_run_queued_by_a_producer_killed_mid_publish_must_resolve(story: Story) -> None:
+    report = story.server(MEMBER, (0.0, "queued", "orphan", "")).check()
+    assert invariants(report) == ["unresolved-run"]
+
+
+def test_an_ungated_run_lost_in_transit_is_explained_only_by_a_fault(tmp_path: Path) -> None:
+    ungated = "chaos.while_executing:k1"
+    assert invariants(Story(tmp_path / "calm").call(0, "a", member=ungated).check()) == ["unresolved-run"]
+    story = Story(tmp_path / "cut").call(0, "a", member=ungated)
+    report = story.add(0.5, "fault", role="runner", kind="proxy", action="reset", target="worker-0").check()
+    assert invariants(report) == []
+    assert [item.kind for item in report.explained] == ["transit"]
+
+
+def test_a_second_run_accepted_while_the_first_is_queued(story: Story) -> None:
+    report = story.call(0, "a").call(1, "b").body(2, 3, "a").body(4, 5, "b").check()
+    assert invariants(report) == ["double-accept"]
+
+
+def test_a_second_run_after_the_first_ended_is_fine(story: Story) -> None:
+    report = story.call(0, "a").body(1, 2, "a").call(3, "b").body(4, 5, "b").check()
+    assert invariants(report) == []
+
+
+def test_a_reject_without_requeue_ends_the_run_and_frees_its_key(tmp_path: Path) -> None:
+    """Celery's retry rejects its message without requeue when it cannot publish the retry: the run ended
+    ``rejected``. A reject with requeue redelivers the message: the first run still holds the key."""
+    assert [outcome_of(Reject("publish failed", requeue=requeue)) for requeue in (False, True)] == [
+        "rejected",
+        "requeued",
+    ], "the body records which it was"
+
+    def rejected(story: Story, outcome: str, *, retry: bool = False) -> Report:
+        story.call(0, "a", call="first", retry=retry).body(1, 2, "a", call="first", outcome=outcome)
+        return story.call(3, "b").body(4, 5, "b").check()
+
+    assert invariants(rejected(Story(tmp_path / "dropped"), "rejected")) == []
+    assert invariants(rejected(Story(tmp_path / "requeued"), "requeued")) == ["double-accept"]
+    # A history from before the two were told apart: a body told to retry raised it from Task.retry.
+    assert invariants(rejected(Story(tmp_path / "retrying"), "Reject", retry=True)) == []
+    assert invariants(rejected(Story(tmp_path / "unknown"), "Reject")) == ["double-accept"]
+
+
+def test_throttle_one_run_per_window_unless_the_first_failed(story: Story) -> None:
+    throttled = "chaos.throttle:k1"
+    story.call(0, "a", member=throttled).body(0.2, 0.3, "a", member=throttled)
+    story.call(1, "b", member=throttled).body(1.2, 1.3, "b", member=throttled)
+    assert invariants(story.check()) == ["window"]
+
+
+def test_throttle_a_failed_run_frees_its_window(tmp_path: Path) -> None:
+    throttled = "chaos.throttle:k1"
+    story = Story(tmp_path)
+    story.call(0, "a", member=throttled).body(0.2, 0.3, "a", member=throttled, outcome="failed")
+    story.call(1, "b", member=throttled).body(1.2, 1.3, "b", member=throttled)
+    assert invariants(story.check()) == []
+
+
+def test_debounce_runs_with_the_last_call_of_its_burst(story: Story) -> None:
+    debounced = "chaos.debounce:k1"
+    story.call(0, "r", member=debounced, call="first")
+    story.call(0.2, "r", outcome="collapsed", member=debounced, call="last")
+    report = story.body(1, 1.1, "r", member=debounced, call="first").check()
+    assert invariants(report) == ["debounce-args"]
+
+
+def test_debounce_calls_after_the_body_started_are_not_its_burst(story: Story) -> None:
+    debounced = "chaos.debounce:k1"
+    story.call(0, "r", member=debounced, call="first").body(1, 1.1, "r", member=debounced, call="first")
+    assert invariants(story.call(1.05, "r", outcome="collapsed", member=debounced, call="late").check()) == []
+
+
+def test_debounce_with_the_last_call_passes(story: Story) -> None:
+    debounced = "chaos.debounce:k1"
+    story.call(0, "r", member=debounced, call="first")
+    story.call(0.2, "r", outcome="collapsed", member=debounced, call="last")
+    assert invariants(story.body(1, 1.1, "r", member=debounced, call="last").check()) == []
+
+
+def test_debounce_a_wipe_between_a_joining_call_and_the_body_explains_older_arguments(tmp_path: Path) -> None:
+    """The joining call's arguments went with the server's record: the worker's copy ran with the ones it carried."""
+    debounced = "chaos.debounce:k1"
+
+    def burst(story: Story, wiped_at: float) -> Report:
+        story.call(0, "r", member=debounced, call="first")
+        story.call(0.2, "r", outcome="collapsed", member=debounced, call="last")
+        story.add(wiped_at, "fault", role="runner", kind="restart", wipe=True)
+        return story.body(1, 1.1, "r", member=debounced, call="first").check()
+
+    explained = burst(Story(tmp_path / "before"), 0.5)
+    assert invariants(explained) == [] and [item.kind for item in explained.explained] == ["wiped"]
+    assert invariants(burst(Story(tmp_path / "after"), 1.5)) == ["debounce-args"]
+
+
+def test_a_run_replaced_by_a_plain_task_frees_its_key(story: Story) -> None:
+    story.call(0, "a", call="head", replace="plain").body(1, 1.1, "a", call="head", outcome="replaced")
+    assert invariants(story.call(2, "b").body(3, 4, "b").check()) == []
+
+
+def test_a_run_replaced_under_its_key_still_holds_it(story: Story) -> None:
+    story.call(0, "a", call="head", replace="same").body(1, 1.1, "a", call="head", outcome="replaced")
+    assert invariants(story.call(2, "b").body(3, 4, "b").body(5, 6, "a", call="head").check()) == ["double-accept"]
+
+
+def test_a_chain_whose_run_succeeded_must_go_on(story: Story) -> None:
+    story.call(0, "a", call="head", way="chain").body(1, 2, "a", call="head")
+    story.call(0.5, "a", outcome="duplicate", call="follower", way="chain", own="f")
+    story.add(2.5, "decision", pid=300, decision="followed", task_id="f", message="resolved as run a ended")
+    report = story.add(2.6, "continued", pid=300, call="follower").check()
+    assert [(v.invariant, v.message.split()[1]) for v in report.violations] == [("continuation", "head")]
+
+
+def test_a_chain_goes_on_with_its_runs_result(story: Story) -> None:
+    story.call(0, "a", call="head", way="chain").body(1, 2, "a", call="head")
+    report = story.add(2.5, "continued", pid=300, call="head", result="some-other-call").check()
+    assert invariants(report) == ["continuation"]
+    assert "not the result of its run" in report.violations[0].message
+
+
+def test_a_follower_of_a_run_declared_lost_that_finished_after_stops(story: Story) -> None:
+    """The first ending settled for a run stands: its followers fail as lost; its late success changes nothing."""
+    story.call(0, "a").body(1, None, "a", pid=100).add(2, "kill", role="runner", pids=[100])
+    story.call(0.5, "a", outcome="duplicate", call="follower", way="chain", own="f")
+    story.body(4, 5, "a", pid=200)
+    story.server(MEMBER, (0.0, "queued", "a", ""), (1.0, "started", "a", ""), (3.0, "lost", "a", ""))
+    story.server(MEMBER, (4.0, "started", "a", ""), (5.0, "succeeded", "a", ""))
+    assert invariants(story.check()) == []
+
+
+def test_a_follower_of_a_run_that_succeeded_first_still_must_go_on(story: Story) -> None:
+    """A loss recorded only after the success settled nothing: the chain must go on."""
+    story.call(0, "a").body(1, 2, "a", pid=100)
+    story.call(0.5, "a", outcome="duplicate", call="follower", way="chain", own="f")
+    story.server(MEMBER, (0.0, "queued", "a", ""), (1.0, "started", "a", ""), (2.0, "succeeded", "a", ""))
+    story.server(MEMBER, (3.0, "lost", "a", ""))
+    assert invariants(story.check()) == ["continuation"]
+
+
+def test_a_wipe_before_a_follower_went_on_explains_another_runs_result(story: Story) -> None:
+    """Its parked entry went with the server's data: redelivered, it followed the key's next run."""
+    story.call(0, "a", call="first").body(1, 2, "a", call="first")
+    story.call(0.5, "a", outcome="duplicate", call="follower", way="chain", own="f")
+    story.add(2.5, "fault", role="runner", kind="restart", wipe=True)
+    story.call(4, "b", call="second").body(5, 6, "b", call="second")
+    report = story.add(6.5, "continued", pid=300, call="follower", result="second").check()
+    assert invariants(report) == []
+    assert [e.kind for e in report.explained] == ["wiped"]
+
+
+def test_a_wipe_after_a_follower_went_on_explains_nothing(story: Story) -> None:
+    story.call(0, "a", call="first").body(1, 2, "a", call="first")
+    story.call(0.5, "a", outcome="duplicate", call="follower", way="chain", own="f")
+    story.call(4, "b", call="second").body(5, 6, "b", call="second")
+    story.add(6.5, "continued", pid=300, call="follower", result="second")
+    report = story.add(7, "fault", role="runner", kind="restart", wipe=True).check()
+    assert invariants(report) == ["continuation"]
+
+
+def replaced_run(story: Story) -> Story:
+    """Run ``a`` replaced itself by a plain task, which ran and returned the run's result; ``follower`` followed it."""
+    story.call(0, "a", call="head", replace="plain").body(1, 1.1, "a", call="head", outcome="replaced")
+    story.server(MEMBER, (0.0, "queued", "a", ""), (1.0, "started", "a", ""), (1.1, "replaced", "a", ""))
+    story.add(1.3, "replacement_ran", pid=300, result="head")
+    story.call(0.5, "a", outcome="duplicate", call="follower", way="chain", own="f")
+    return story.add(1.4, "decision", pid=300, decision="followed", task_id="f", message="resolved as run a ended")
+
+
+def test_a_follower_of_a_run_replaced_by_a_plain_task_must_go_on(story: Story) -> None:
+    report = replaced_run(story).check()
+    assert invariants(report) == ["continuation"]
+    assert "its replacement ran" in report.violations[0].message
+
+
+def test_a_follower_of_a_replaced_run_goes_on_with_the_replacements_result(tmp_path: Path) -> None:
+    good = replaced_run(Story(tmp_path / "good")).add(1.5, "continued", pid=300, call="follower", result="head")
+    assert invariants(good.check()) == []
+    bad = replaced_run(Story(tmp_path / "bad")).add(1.5, "continued", pid=300, call="follower", result="replaced")
+    assert invariants(bad.check()) == ["continuation"]
+
+
+def test_a_chain_goes_on_with_its_next_step(story: Story) -> None:
+    story.call(0, "a", call="head", way="chain").body(1, 2, "a", call="head")
+    assert invariants(story.add(2.5, "continued", pid=300, call="head").check()) == []
+
+
+def test_a_chain_whose_run_failed_stops(story: Story) -> None:
+    story.call(0, "a", call="head", way="chain").body(1, 2, "a", call="head", outcome="failed")
+    assert invariants(story.check()) == []
+
+
+def test_a_sent_next_step_that_never_ran_is_explained_only_by_a_transit_fault_soon_after(story: Story) -> None:
+    story.call(0, "a", call="head", way="chain").body(1, 2, "a", call="head", pid=100)
+    story.server(MEMBER, (0.0, "queued", "a", ""), (1.0, "started", "a", ""), (2.0, "succeeded", "a", ""))
+    story.add(2.1, "continuation_sent", pid=100, call="head")
+    story.add(5, "fault", role="runner", kind="kill-producer")  # a producer holds no worker's message
+    story.add(60, "fault", role="runner", kind="kill-worker", slot="worker-1")  # a worker, but long after
+    assert invariants(story.check()) == ["continuation"]
+
+
+def test_a_sent_next_step_lost_in_transit_soon_after_is_explained(story: Story) -> None:
+    story.call(0, "a", call="head", way="chain").body(1, 2, "a", call="head", pid=100)
+    story.server(MEMBER, (0.0, "queued", "a", ""), (1.0, "started", "a", ""), (2.0, "succeeded", "a", ""))
+    story.add(2.1, "continuation_sent", pid=100, call="head")
+    report = story.add(4, "fault", role="runner", kind="restart").check()  # a fetch's reply cut by the restart
+    assert invariants(report) == []
+    assert [e.kind for e in report.explained] == ["continuation"]
+
+
+def test_a_next_step_lost_with_a_kill_right_after_the_head_is_explained(story: Story) -> None:
+    story.call(0, "a", call="head", way="chain").body(1, 2, "a", call="head", pid=100)
+    story.server(MEMBER, (0.0, "queued", "a", ""), (1.0, "started", "a", ""), (2.0, "succeeded", "a", ""))
+    report = story.add(2.5, "kill", role="runner", pids=[100]).check()
+    assert invariants(report) == []
+    assert [e.kind for e in report.explained] == ["continuation"]
+
+
+def test_a_key_held_after_the_quiet_period_with_no_live_run_is_stuck(story: Story) -> None:
+    story.call(0, "a").body(1, 2, "a")
+    story.add(3, "phase", role="runner", name="producers_stopped")
+    story.server(MEMBER, (0.0, "queued", "a", ""), (2.0, "succeeded", "a", ""))
+    held_until = int((T0 + 500) * 1000)
+    story.members[MEMBER].update(held=True, record={"task_id": "a", "state": "succeeded", "held_until": held_until})
+    assert invariants(story.check()) == ["stuck-key"]
+
+
+LIMITED = "chaos.limit1:g0"
+
+
+def test_more_bodies_of_a_limit_group_than_its_limit_at_once(story: Story) -> None:
+    """Two sibling threads of one process (one pid) in a group of limit 1: what a threads pool did."""
+    group: dict[str, Any] = {"group": LIMITED, "limit": 1}
+    story.call(0, "a", member="chaos.limit1:k0").call(0, "b", member="chaos.limit1:k3")
+    story.body(1, 3, "a", pid=100, tid=1, member="chaos.limit1:k0", **group)
+    report = story.body(2, 4, "b", pid=100, tid=2, member="chaos.limit1:k3", **group).check()
+    assert invariants(report) == ["limit"]
+    assert "2 bodies of a group of limit 1 ran at once" in report.violations[0].message
+
+
+def test_bodies_of_a_limit_group_one_after_another_keep_its_limit(story: Story) -> None:
+    group: dict[str, Any] = {"group": LIMITED, "limit": 1}
+    story.call(0, "a", member="chaos.limit1:k0").call(0, "b", member="chaos.limit1:k3")
+    story.body(1, 2, "a", pid=100, tid=1, member="chaos.limit1:k0", **group)
+    report = story.body(2.5, 4, "b", pid=100, tid=2, member="chaos.limit1:k3", **group).check()
+    assert invariants(report) == []
+    assert report.checked["limit"] == 2
+
+
+def test_a_slot_lost_to_a_sigstop_explains_a_group_over_its_limit(story: Story) -> None:
+    group: dict[str, Any] = {"group": LIMITED, "limit": 1}
+    story.call(0, "a", member="chaos.limit1:k0").call(0, "b", member="chaos.limit1:k3")
+    story.body(1, 9, "a", pid=100, member="chaos.limit1:k0", **group)
+    story.add(1.5, "fault", role="nemesis", kind="stop-worker", pids=[99, 100])
+    story.add(6.5, "slot_lost_log", pid=100, group=LIMITED, message="limit slot lost")
+    report = story.body(6, 7, "b", pid=200, member="chaos.limit1:k3", **group).check()
+    assert invariants(report) == []
+    assert [item.kind for item in report.explained] == ["limit"]
+
+
+def test_a_slot_lost_reported_as_its_body_ends_explains_but_a_lost_lock_alone_does_not(tmp_path: Path) -> None:
+    """A body SIGSTOPped past its lease wakes and ends before its renewer runs: the library reports the lost slot as
+    it gives it back, after the newer body started. Its lost lock alone says nothing of its slot: no excuse."""
+
+    def paused(story: Story, *, reported: bool) -> Story:
+        group: dict[str, Any] = {"group": LIMITED, "limit": 1}
+        story.call(0, "a", member="chaos.limit1:k0").call(0, "b", member="chaos.limit1:k3")
+        story.body(1, 8, "a", pid=100, member="chaos.limit1:k0", **group)
+        story.add(1.5, "fault", role="nemesis", kind="stop-worker", pids=[99, 100])
+        lost = "lock_lost: chaos.limit1[a] key 'k0': ended succeeded after losing its execution lock"
+        story.add(8.01, "decision", pid=100, decision="lock_lost", task_id="a", key="k0", message=lost)
+        if reported:
+            story.add(8.02, "slot_lost_log", pid=100, group=LIMITED, message="limit slot lost")
+        return story.body(6, 6.5, "b", pid=200, member="chaos.limit1:k3", **group)
+
+    explained = paused(Story(tmp_path / "reported"), reported=True).check()
+    assert invariants(explained) == [] and [item.kind for item in explained.explained] == ["limit"]
+    assert invariants(paused(Story(tmp_path / "unreported"), reported=False).check()) == ["limit"]
+
+
+def test_a_slot_lost_without_a_fault_is_no_excuse(story: Story) -> None:
+    """The evicted sibling's renewer reports the loss: without a fault to account for it, it is a violation."""
+    group: dict[str, Any] = {"group": LIMITED, "limit": 1}
+    story.call(0, "a", member="chaos.limit1:k0").call(0, "b", member="chaos.limit1:k3")
+    story.body(1, 9, "a", pid=100, tid=1, member="chaos.limit1:k0", **group)
+    story.add(2.5, "slot_lost_log", pid=100, group=LIMITED, message="limit slot lost")
+    report = story.body(2, 3, "b", pid=100, tid=2, member="chaos.limit1:k3", **group).check()
+    assert invariants(report) == ["limit"]
+
+
+def recovery_story(story: Story, *, acks_late: bool = True) -> Story:
+    """Worker-0 (pid 99, child 100) runs run ``a``; worker-1 (pid 199) is ready throughout; worker-0 is killed."""
+    story.add(0, "spawn", role="runner", slot="worker-0", generation=1, process=99, pool="prefork", acks_late=acks_late)
+    story.add(0, "spawn", role="runner", slot="worker-1", generation=1, process=199, pool="threads", acks_late=False)
+    story.add(0.5, "worker_ready", pid=99, node="worker-0.1")
+    story.add(0.5, "worker_ready", pid=199, role="worker-1.1", node="worker-1.1")
+    story.call(1, "a").add(1.5, "received", pid=99, task_id="a").body(1.6, None, "a", pid=100)
+    story.add(2, "fault", role="nemesis", kind="restart-worker", slot="worker-0", pids=[99, 100])
+    return story.add(3, "kill", role="runner", slot="worker-0", pids=[99, 100], why="restart-worker")
+
+
+def test_a_run_killed_with_its_worker_must_be_put_back_before_its_lock_expires(story: Story) -> None:
+    """Its message came back only with the visibility timeout: what a restart under the same node name did."""
+    recovery_story(story).add(8.0, "received", pid=199, role="worker-1.1", task_id="a")
+    report = story.body(8.1, 8.5, "a", pid=199, role="worker-1.1").check()
+    assert invariants(report) == ["recovery"]
+    assert "was not put back within 4s" in report.violations[0].message
+
+
+def test_a_run_put_back_by_a_reaper_pass_keeps_the_promise(story: Story) -> None:
+    recovery_story(story).add(3.8, "recovered", pid=199, role="worker-1.1", task_id="a", message="recovered: ...")
+    report = story.add(3.9, "received", pid=199, role="worker-1.1", task_id="a").check()
+    assert invariants(report) == []
+    assert report.checked["recovery"] == 1
+
+
+def test_a_run_whose_record_passed_to_the_next_call_is_not_held_to_recovery(story: Story) -> None:
+    """until_executing and debounce free the key as a body starts: recovery finds runs by record, and cannot see it."""
+    recovery_story(story).server(MEMBER, (2.5, "started", "a", "still running; key passed to the next run"))
+    report = story.add(8.0, "received", pid=199, role="worker-1.1", task_id="a").check()
+    assert invariants(report) == [] and report.checked["recovery"] == 0
+
+
+def test_an_early_acknowledged_run_or_a_fault_in_between_is_not_held_to_recovery(tmp_path: Path) -> None:
+    early = recovery_story(Story(tmp_path / "early"), acks_late=False).check()
+    assert invariants(early) == [] and early.checked["recovery"] == 0
+    stopped = recovery_story(Story(tmp_path / "stopped"))
+    stopped.add(3.5, "fault", role="nemesis", kind="stop-worker", pids=[199])
+    report = stopped.check()
+    assert invariants(report) == [] and report.checked["recovery"] == 0
