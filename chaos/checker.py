@@ -310,6 +310,7 @@ class History:
         self.bodies = self._bodies()
         self._mark_plain_replacements(events)
         self._mark_retries_rejected(events)
+        self._mark_failed_replacements(events)
         self.bodies_by_task: dict[str, list[Body]] = defaultdict(list)
         for body in self.bodies:
             self.bodies_by_task[body.task_id].append(body)
@@ -429,6 +430,21 @@ class History:
         for body in self.bodies:
             if body.outcome == "replaced" and body.call in plain:
                 body.outcome = REPLACED_BY_PLAIN
+
+    def _mark_failed_replacements(self, events: list[Event]) -> None:
+        """A body records ``replaced`` before ``Task.replace`` publishes; when that publish fails, the task
+        raises and its own process settles it ``FAILURE``: the run ended failed, nothing replaced it."""
+        failures = {
+            (e["task_id"], int(e["pid"]), int(e.get("tid") or 0), e["t"])
+            for e in events
+            if e["ev"] == "settled" and e.get("state") == "FAILURE"
+        }
+        for body in self.bodies:
+            if body.outcome in ("replaced", REPLACED_BY_PLAIN) and any(
+                task_id == body.task_id and pid == body.pid and tid in (0, body.tid) and t >= body.end
+                for task_id, pid, tid, t in failures
+            ):
+                body.outcome = "failed"
 
     def _mark_retries_rejected(self, events: list[Event]) -> None:
         """In a history from before rejects told whether they requeue, a ``Reject`` from a body told to retry
@@ -1148,8 +1164,8 @@ def _freed_by_server(h: History, first: Call, spec: ModeSpec, before: float) -> 
 
 def _freed_by_bodies(h: History, first: Call, spec: ModeSpec, before: float) -> str | None:
     for body in h.bodies_by_task.get(first.task_id, []):
-        if spec.releases_at_start and body.start <= before:
-            return "it started"
+        if spec.releases_at_start and h.started_at(body) <= before:
+            return "it started"  # the key went as the server let it start, a little before its event
         if body.start <= before and not spec.holds_after_success and h.lock_loss(body) and h.loss_cause(body, before):
             return "its body lost its lock to a fault"
         if body.end > before:

@@ -213,6 +213,32 @@ def test_a_reject_without_requeue_ends_the_run_and_frees_its_key(tmp_path: Path)
     assert invariants(rejected(Story(tmp_path / "unknown"), "Reject")) == ["double-accept"]
 
 
+def test_a_body_whose_replace_failed_to_publish_ended_its_run(tmp_path: Path) -> None:
+    """A body records ``replaced`` before ``Task.replace`` publishes; if the publish fails, the task raises and
+    its process settles it ``FAILURE``: the run ended failed and freed its key, nothing replaced it."""
+
+    def replaced(story: Story, state: str) -> Report:
+        story.call(0, "a", call="first").body(1, 2, "a", call="first", outcome="replaced")
+        story.add(2.5, "settled", task_id="a", state=state)
+        return story.call(3, "b").body(4, 5, "b").check()
+
+    assert invariants(replaced(Story(tmp_path / "failed"), "FAILURE")) == []
+    assert invariants(replaced(Story(tmp_path / "handed-on"), "IGNORED")) == ["double-accept"]
+
+
+def test_a_key_freed_at_start_is_free_a_little_before_the_bodys_event(tmp_path: Path) -> None:
+    """until_executing frees its key when the server lets the run start, which the body's own event follows by
+    the worker's own work: a call accepted between the two is no double accept; one well before it is."""
+    starting = "chaos.until_executing:k1"
+
+    def accepted_before_the_event(story: Story, gap: float) -> Report:
+        story.call(0, "a", member=starting).body(2, 2.5, "a", member=starting)
+        return story.call(2 - gap, "b", member=starting).body(3, 3.5, "b", member=starting).check()
+
+    assert invariants(accepted_before_the_event(Story(tmp_path / "between"), 0.03)) == []
+    assert invariants(accepted_before_the_event(Story(tmp_path / "before"), 0.5)) == ["double-accept"]
+
+
 def test_throttle_one_run_per_window_unless_the_first_failed(story: Story) -> None:
     throttled = "chaos.throttle:k1"
     story.call(0, "a", member=throttled).body(0.2, 0.3, "a", member=throttled)
