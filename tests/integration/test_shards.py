@@ -78,7 +78,7 @@ def test_filters_and_prefix_search_merge_the_shards(store: DedupStore) -> None:
     for member in names:
         gate(store, member, f"{member}~run")
     for member in names[:30]:
-        store.finish(member, f"{member}~run", "succeeded", drop=True, record_ms=60_000, role="report")
+        store.finish(member, f"{member}~run", "failed", drop=True, record_ms=60_000, role="report")
 
     def listed(**filters: str) -> list[str]:
         found, cursor = [], None
@@ -89,14 +89,14 @@ def test_filters_and_prefix_search_merge_the_shards(store: DedupStore) -> None:
                 return found
             cursor = page.cursor
 
-    assert sorted(listed(state="succeeded")) == sorted(names[:30])
+    assert sorted(listed(state="failed")) == sorted(names[:30])
     assert sorted(listed(state="queued")) == sorted(names[30:])
     assert sorted(listed(task="shop.refund")) == sorted(m for m in names if m.startswith("shop.refund"))
     by_key = listed(prefix="order:00")
     assert by_key == sorted(by_key, key=lambda m: m.split(":", 1)[1]), "key order across shards"
     assert sorted(by_key) == sorted(m for m in names if m.split(":", 1)[1].startswith("order:00"))
-    sizes = store.index_sizes(states=("queued", "succeeded"), tasks=TASKS)
-    assert (sizes.total, sizes.states, sizes.tasks) == (120, {"queued": 90, "succeeded": 30}, dict.fromkeys(TASKS, 60))
+    sizes = store.index_sizes(states=("queued", "failed"), tasks=TASKS)
+    assert (sizes.total, sizes.states, sizes.tasks) == (120, {"queued": 90, "failed": 30}, dict.fromkeys(TASKS, 60))
 
 
 def test_a_cursor_of_another_layout_is_refused(store: DedupStore) -> None:
@@ -116,7 +116,7 @@ def test_stats_reaper_and_purge_cover_every_shard(store: DedupStore, r: redis.Re
     report = store.reap(record_ms=60_000)
     assert report.released == 64, "expired holds of every shard released"
     for member in names:
-        store.finish(member, f"{member}~run", "succeeded", drop=True, record_ms=60_000, role="report")
+        store.finish(member, f"{member}~run", "failed", drop=True, record_ms=60_000, role="report")
     purged = store.purge(budget=1000)
     assert (purged.purged, purged.more) == (64, False)
     assert store.records().total == 0
