@@ -165,9 +165,9 @@ class RabbitMQNode:
         deadline = began + timeout
         while not self._accepts_amqp():
             if self.process.poll() is not None:
-                code = self.process.returncode
+                code, tail = self.process.returncode, self.log_tail()  # before stop() deletes the log
                 self.stop()
-                raise RuntimeError(f"rabbitmq-server exited with {code}:\n{self.log_tail()}")
+                raise RuntimeError(f"rabbitmq-server exited with {code}:\n{tail}")
             if time.monotonic() > deadline:
                 tail = self.log_tail()
                 self.stop()
