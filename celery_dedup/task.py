@@ -366,7 +366,7 @@ class DedupTask(_TaskBase):
             window_ms=window_ms,
             max_wait_ms=max_wait_ms,
             latest=policy.debounce == "latest",
-            continues=continues or defers,
+            continues=continues,
             defers=defers,
             follow=config.max_followers if follows else 0,
         )

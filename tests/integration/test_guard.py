@@ -813,6 +813,38 @@ def test_a_deferred_copy_of_a_run_that_freed_its_key_leaves_it_free(make_app: Ap
     assert [entry.decode() for entry in r.lrange(ran, 0, -1)] == [first.id, second.id]
 
 
+def test_a_retry_of_a_run_that_freed_its_key_holds_it_again(make_app: AppFactory, r: redis.Redis) -> None:
+    """The other side of the deferral rule: until_executing freed the key as the body started, and the body
+    calls ``self.retry()``. Proves: the retry holds the key again, so a call during its countdown is a
+    duplicate of the retrying run (only a deferred copy leaves the key free)."""
+    app = make_app(dedup_lock_ttl=LOCK_TTL)
+    ran = f"test:ran:{uuid.uuid4().hex}"
+
+    @app.task(
+        base=DedupTask,
+        bind=True,
+        shared=False,
+        name="guard.retrying",
+        dedup_key="again:{k}",
+        dedup_mode="until_executing",
+    )
+    def retrying(self: Any, k: str) -> str:
+        r.rpush(ran, str(self.request.id))
+        if not self.request.retries:
+            raise self.retry(countdown=1.5)
+        return k
+
+    member = member_for(retrying.name, "again:k")
+    first = retrying.delay("k")
+    with in_process_worker(app, pool="threads", concurrency=2):
+        wait_for(lambda: (record_of(r, member) or {}).get("state") == "retry", 10, "the run to retry")
+        assert is_held(r, member), "the retry left the key free"
+        second = retrying.delay("k")
+        assert second.deduplicated and second.id == first.id, "a call during the retry's countdown ran on its own"
+        assert first.get(timeout=15) == "k"
+    assert [entry.decode() for entry in r.lrange(ran, 0, -1)] == [first.id, first.id]
+
+
 def test_copy_refused_just_before_the_run_finishes_is_not_run_again(make_app: AppFactory, r: redis.Redis) -> None:
     """A copy refused while the run holds the lock, whose deferral is published just after the run succeeded.
 
