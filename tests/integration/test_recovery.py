@@ -524,8 +524,11 @@ def test_an_ungated_run_s_message_goes_back_where_kombu_would_restore_it(
     (worker,) = fleet.start(conf=conf, transport={})
     r.set(crash_app.hang_key("hang_while:1"), 1)
     run = tasks.hang_while.apply_async((1,), priority=5)
-    started_pid(r, "hang_while:1")
+    child = started_pid(r, "hang_while:1")
     worker.stop(signal.SIGKILL)
+    # SIGKILL is delivered asynchronously: on a busy machine the pool child may still run for a moment after
+    # the main process is reaped, and recovery acts only on proof of death.
+    wait_for(lambda: processes.gone(child), 10, "the pool child is dead")
     assert r.hlen("unacked") == 1, "premise: the message waits, unacknowledged"
     app = tasks.hang_while.app
     store = runtime.store_for(app)
