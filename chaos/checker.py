@@ -90,10 +90,11 @@ from itertools import pairwise
 from pathlib import Path
 from typing import Any
 
+from celery_dedup.store import schema
 from celery_dedup.store.schema import ENDED_STATES
 
 from .app import LOCK_TTL, MODE_BY_TASK, MODES, REAP_INTERVAL, VISIBILITY_TIMEOUT, ModeSpec
-from .history import Event, read_events
+from .history import SERVER_LOG, Event, read_events
 
 INVARIANTS = (
     "crash",
@@ -108,6 +109,7 @@ INVARIANTS = (
     "continuation",
     "limit",
     "recovery",
+    "transition",
 )
 #: States after which a run has ended (the store schema's), and those that count as its fate.
 ENDED = frozenset(ENDED_STATES)
@@ -1206,6 +1208,7 @@ def check(run_dir: Path | str, seed: int | None = None) -> Report:
         seed = next((e.get("seed") for e in events if e["ev"] == "phase" and e["name"] == "started"), None)
     ops = sum(1 for e in events if e["ev"] == "call")
     kinds = Counter(e["kind"] for e in history.faults)
+    transitions(run_dir, checker)
     checker.violations.sort(key=lambda v: v.t)
     return Report(
         ops=ops,
@@ -1217,3 +1220,21 @@ def check(run_dir: Path | str, seed: int | None = None) -> Report:
         bodies=len(history.bodies),
         seed=seed,
     )
+
+
+def transitions(run_dir: Path, checker: Checker) -> None:
+    """Every transition the scripts reported in the server's log must be one the store's schema allows."""
+    log = run_dir / SERVER_LOG
+    if not log.exists():
+        return
+    reports = schema.reported(log.read_text(errors="replace"))
+    checker.checked["transition"] += len(reports)
+    for report in schema.unexpected(reports):
+        checker.violations.append(
+            Violation(
+                "transition",
+                report.member,
+                f"{report.script} moved a record {report.old} -> {report.new}, which the schema's table does not allow",
+                0.0,
+            )
+        )

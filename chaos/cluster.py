@@ -28,7 +28,7 @@ import redis
 
 from celery_dedup.testing import RedisServer
 
-from .history import History
+from .history import SERVER_LOG, History
 from .proxy import FaultProxy
 
 #: The database of the dedup store when it is apart from the broker's (database 0).
@@ -131,11 +131,13 @@ class Server:
 
     data_dir: Path
     persistent: bool
+    #: Where the server logs, outside ``data_dir`` (a wipe deletes that): the scripts' transition reports.
+    log: Path
     process: RedisServer = field(init=False)
 
     def __post_init__(self) -> None:
         self.data_dir.mkdir(parents=True, exist_ok=True)
-        extra: tuple[str, ...] = ("--dir", str(self.data_dir))
+        extra: tuple[str, ...] = ("--dir", str(self.data_dir), "--logfile", str(self.log))
         if self.persistent:
             extra += ("--appendonly", "yes", "--appendfsync", "always")
         self.process = RedisServer(extra=extra)
@@ -249,7 +251,7 @@ class Cluster:
     server: Server = field(init=False)
 
     def __post_init__(self) -> None:
-        self.server = Server(self.run_dir / "server", self.persistent)
+        self.server = Server(self.run_dir / "server", self.persistent, self.run_dir / SERVER_LOG)
 
     # --- the whole --------------------------------------------------------------------------
 

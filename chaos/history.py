@@ -48,6 +48,9 @@ from typing import Any
 
 Event = dict[str, Any]
 
+#: The server's log in a run's folder: the scripts report their transitions there (the checker reads them).
+SERVER_LOG = "server.log"
+
 
 class History:
     """This process's append-only event file in ``run_dir`` (one per pid, reopened after fork)."""

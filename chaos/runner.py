@@ -29,6 +29,8 @@ from typing import Any
 
 import redis
 
+from celery_dedup.store import schema
+
 from . import app as chaos_app
 from .checker import Report, check
 from .cluster import POOLS, Cluster, DeathWatch
@@ -290,6 +292,9 @@ def main(argv: list[str] | None = None) -> int:
     if options.check is not None:
         return report(check(options.check), options.check, kept=True)
     seed = options.seed if options.seed is not None else random.SystemRandom().randrange(1_000_000)
+    # Before any script loads, here and in every worker and producer: the scripts report each transition to
+    # the server's log, and the checker holds them against the schema's table.
+    os.environ[schema.CHECK_VARIABLE] = "1"
     kept = options.keep is not None
     if kept:
         run_dir = options.keep.resolve()

@@ -14,8 +14,10 @@ from typing import Any
 import pytest
 from celery.exceptions import Reject
 
+from celery_dedup.store import schema
 from chaos.app import outcome_of
 from chaos.checker import Report, check
+from chaos.history import SERVER_LOG
 
 # --- the checker on hand-written histories ---------------------------------------------------
 
@@ -524,3 +526,25 @@ def test_an_early_acknowledged_run_or_a_fault_in_between_is_not_held_to_recovery
     stopped.add(3.5, "fault", role="nemesis", kind="stop-worker", pids=[199])
     report = stopped.check()
     assert invariants(report) == [] and report.checked["recovery"] == 0
+
+
+def test_a_transition_the_schema_does_not_allow_is_a_violation(tmp_path: Path) -> None:
+    story = Story(tmp_path / "run").call(0, "a")
+    (story.run_dir / SERVER_LOG).write_text(
+        f"1:M 27 Nov 2026 06:00:00.000 # {schema.REPORT_MARK} gate none queued m:a\n"
+        f"1:M 27 Nov 2026 06:00:01.000 # {schema.REPORT_MARK} finish succeeded started m:a\n"
+    )
+    report = story.check()
+    assert [(v.invariant, v.member) for v in report.violations if v.invariant == "transition"] == [
+        ("transition", "m:a")
+    ]
+    assert "finish moved a record succeeded -> started" in report.render()
+    assert report.checked["transition"] == 2
+
+
+def test_allowed_transitions_are_no_violation(tmp_path: Path) -> None:
+    story = Story(tmp_path / "run").call(0, "a")
+    (story.run_dir / SERVER_LOG).write_text(
+        f"1:M 27 Nov 2026 06:00:00.000 # {schema.REPORT_MARK} gate none queued m:a\n"
+    )
+    assert [v for v in story.check().violations if v.invariant == "transition"] == []
