@@ -31,15 +31,14 @@ visibility timeout.
 
 from __future__ import annotations
 
+import functools
 import logging
 import os
 from dataclasses import dataclass
 from typing import Any
 
-import redis
-from kombu.utils.json import dumps, loads
-
 from .. import runtime
+from ..store.broker import restore_unacked
 from ..store.store import DedupStore
 from .processes import owner_gone, owner_of, token
 
@@ -124,7 +123,8 @@ def restore(app: Any, store: DedupStore, found: list[Orphan]) -> int:
             holder = store.lock_holder(orphan.member)
             if holder is not None and holder != orphan.token:
                 continue
-            if _restore(store.client, unacked, index, orphan, router):
+            route = functools.partial(_gated, orphan.queue) if orphan.queue else router.queues
+            if restore_unacked(store.client, unacked, index, orphan.tag, orphan.task_id, route):
                 restored += 1
                 logger.warning(
                     "recovered: %s[%s] key %r: its process is gone (lock %s); its message is back in its queue",
@@ -188,45 +188,9 @@ class _Router:
         return [prefix + channel._q_for_pri(queue, priority) for queue in channel._lookup(exchange, routing_key)]
 
 
-def _restore(client: redis.Redis, unacked: str, index: str, orphan: Orphan, router: _Router) -> bool:
-    moved = False
-
-    def move(pipe: Any) -> None:
-        nonlocal moved
-        moved = False
-        kept = _kept(pipe.hget(unacked, orphan.tag))
-        if kept is None or str(kept[0]["headers"].get("id")) != orphan.task_id:
-            return
-        message, exchange, routing_key = kept
-        queues = [orphan.queue] if orphan.queue else router.queues(message, exchange, routing_key)
-        if not queues:
-            return
-        message["headers"]["redelivered"] = True
-        delivery = message.get("properties", {}).get("delivery_info")
-        if isinstance(delivery, dict):
-            delivery["redelivered"] = True
-        pipe.multi()
-        pipe.zrem(index, orphan.tag)
-        pipe.hdel(unacked, orphan.tag)
-        for queue in queues:
-            pipe.rpush(queue, dumps(message))
-        moved = True
-
-    client.transaction(move, unacked)
-    return moved
-
-
-def _kept(raw: bytes | str | None) -> tuple[dict[str, Any], str, str] | None:
-    """What kombu keeps in its unacknowledged hash: ``[message, exchange, routing key]``."""
-    if raw is None:
-        return None
-    try:
-        message, exchange, routing_key = loads(raw)
-    except (ValueError, TypeError):
-        return None
-    if not isinstance(message, dict) or not isinstance(message.get("headers"), dict):
-        return None
-    return message, str(exchange or ""), str(routing_key or "")
+def _gated(queue: str, *_: object) -> list[str]:
+    """A message the gate routed goes back to the list it pushed it onto."""
+    return [queue]
 
 
 #: The token of this worker's main process (see :func:`incarnate`); "" outside a worker.
