@@ -205,6 +205,24 @@ def error_reply(exc: BaseException) -> str:
     return f"{code} {text}" if code and not text.startswith(code) else text
 
 
+class DedupStoreFormatError(DedupError):
+    """The dedup store's keys are in a newer format than this release of celery-dedup reads.
+
+    A release never guesses at a layout it does not know: it refuses, at
+    worker start and at its first use of the store, until it is upgraded.
+    """
+
+    def __init__(self, prefix: str, stored: int, supported: int) -> None:
+        self.prefix = prefix
+        self.stored = stored
+        self.supported = supported
+        super().__init__(
+            f"the dedup store under prefix {prefix!r} has format {stored}, but this celery-dedup release reads "
+            f"format {supported}: a newer release wrote it. Upgrade celery-dedup on this host "
+            "(pip install --upgrade celery-dedup) before it uses this store"
+        )
+
+
 class DedupRoutingError(DedupError):
     """A keyed task was routed in a way the gate cannot make atomic.
 

@@ -344,6 +344,11 @@ class KeySchema:
     def held(self) -> str:
         return f"{self.prefix}:held"
 
+    @property
+    def format(self) -> str:
+        """STRING: the layout of the keys under the prefix (``schema.FORMAT``, see ``store/format.py``)."""
+        return f"{self.prefix}:format"
+
     def record(self, member: str) -> str:
         return f"{self.prefix}:rec:{member}"
 

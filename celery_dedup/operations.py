@@ -15,6 +15,8 @@ from . import decisions, runtime
 from .exceptions import DedupArgumentError, DedupOperationError
 from .keys import split_member, task_from_namespace
 from .payloads import decode_payload
+from .store import format as store_format
+from .store.format import MigrateReport
 from .store.status import ENDED_STATES
 from .store.store import KeyDetail, PurgeReport, ReleaseResult
 from .task import DedupTask
@@ -22,11 +24,13 @@ from .task import DedupTask
 __all__ = [
     "REQUEUE_STATES",
     "KeyDetail",
+    "MigrateReport",
     "PurgeReport",
     "ReleaseResult",
     "RequeueResult",
     "can_requeue",
     "detail",
+    "migrate",
     "purge",
     "release",
     "requeue",
@@ -139,3 +143,19 @@ def requeue(app: Any, member: str, *, by: str = "") -> RequeueResult:
         note = f"re-enqueued by {by or 'an operator'} from {record.get('task_id', '?')}"
         runtime.store_for(app).annotate(member, result.id, note)
     return RequeueResult(result.id, result.deduplicated)
+
+
+def migrate(app: Any, *, dry_run: bool = False) -> MigrateReport:
+    """Move the store's format-1 leftovers to this release's format, then mark the store with it.
+
+    Run once every producer and worker runs this release (a previous release
+    still running writes them again: run it again then). Each format-1
+    history list is folded into its record's history fields (deleted where
+    the record is gone), format 1's indexes are deleted, and the store's
+    ``format`` key is set. Idempotent, a SCAN (never KEYS), safe while this
+    release's workers run. ``dry_run``: count what it would do, change nothing.
+
+    Raises:
+        DedupStoreFormatError: the store is in a newer format than this release's.
+    """
+    return store_format.migrate(runtime.store_for(app), dry_run=dry_run)

@@ -92,6 +92,7 @@ class Runtime:
                         history_length=self.config.history_length,
                         wait_replicas=self.config.cluster_wait_replicas,
                     )
+        self._store.check_format(self.app.main)  # once per store: its first use in a process
         return self._store
 
     def _client(self) -> redis.Redis:

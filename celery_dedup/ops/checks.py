@@ -18,8 +18,11 @@ from kombu.transport import redis as kombu_redis
 from redis.cluster import RedisCluster
 
 from .. import runtime
-from ..exceptions import DedupError
+from ..exceptions import DedupError, DedupStoreFormatError
+from ..store import format as store_format
 from ..store.connection import masked_url
+from ..store.schema import FORMAT
+from ..store.store import DedupStore
 from ..task import DedupTask
 
 #: kombu's Redis transport redelivers an unacknowledged message after this many seconds by default.
@@ -228,7 +231,18 @@ def run_checks(app: Celery, *, countdown: float = 0) -> list[Finding]:
         )
     store_url = masked_url(config.redis_url or broker)
     try:
+        findings.append(format_finding(state.store, app.main))
         findings += _store_findings(state.store.client, on_broker)
+    except DedupStoreFormatError as exc:
+        findings.append(Finding("format", "error", str(exc)))
     except (redis.RedisError, DedupError) as exc:
         findings.append(Finding("server", "error", f"cannot inspect the dedup store at {store_url}: {exc}"))
     return findings
+
+
+def format_finding(store: DedupStore, app_name: str | None) -> Finding:
+    """The store's format (see ``store/format.py``), with a scan for format 1's history lists."""
+    found = store_format.check(store, app_name, scan=True, warn=False)
+    if found.leftovers:
+        return Finding("format", "warning", store_format.leftovers_message(found, app_name))
+    return Finding("format", "ok", f"format {FORMAT}, no format-1 structures left")

@@ -5,7 +5,7 @@ project's own app and settings. Every action goes through
 :mod:`celery_dedup.operations` and the store, as the Django admin's do.
 
 Commands: ``list``, ``show``, ``release``, ``purge``, ``reap``, ``stats``,
-``limits`` and ``check``. Tables are for people, fitted to the terminal's width;
+``limits``, ``check`` and ``migrate``. Tables are for people, fitted to the terminal's width;
 ``--json`` prints one JSON document for scripts, whatever the outcome: a
 failure prints ``{"error": <message>, "code": <exit code>}``, and never asks
 for confirmation. Errors also go to stderr.
@@ -646,6 +646,30 @@ def limits_(ctx: click.Context, limit: int, as_json: bool) -> None:
         for g in groups
     ]
     click.echo(_table(rows, ("TASK", "GROUP", "SLOTS", "WAITING", "RATE", "MEAN BODY", "LAST USED"), shorten=(0, 1)))
+
+
+@dedup.command()
+@click.option("--dry-run", is_flag=True, help="Print what it would do; change nothing.")
+@_json_flag
+@click.pass_context
+def migrate(ctx: click.Context, dry_run: bool, as_json: bool) -> None:
+    """Move the store's format-1 leftovers to this release's format, once every producer and worker runs it.
+
+    Folds the history lists into their records, deletes the old indexes and
+    marks the store's format. Safe to run again, and while workers run.
+    """
+    report = operations.migrate(_app(ctx), dry_run=dry_run)
+    if as_json:
+        _emit_json(asdict(report))
+        return
+    would = "would " if dry_run else ""
+    was = "no format key" if report.was is None else f"format {report.was}"
+    click.echo(
+        f"{report.prefix}: {was}; {would}fold {report.folded} history lists into their records, "
+        f"{would}delete {report.deleted} history lists whose record is gone and {report.indexes} old indexes"
+    )
+    if not dry_run:
+        click.echo(f"{report.prefix}: format {report.format}")
 
 
 @dedup.command()

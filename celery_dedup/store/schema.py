@@ -122,6 +122,13 @@ def allowed_transitions(table: Iterable[Transition] = TRANSITIONS) -> dict[tuple
     return {move: frozenset(scripts) for move, scripts in allowed.items()}
 
 
+# Format -----------------------------------------------------------------------------------------------------------
+
+#: The layout of the stored keys this release writes, kept in the store's ``format`` key (see
+#: ``store/format.py``). Format 1 had no such key: a store without one is format 1 if it holds any of
+#: format 1's structures, and a new store otherwise.
+FORMAT = 2
+
 # Keys -------------------------------------------------------------------------------------------------------------
 
 
@@ -155,6 +162,7 @@ class KeyKind:
 #: Cluster ``prefix`` is a shard's hash-tagged prefix (keys.KeySchema.shard_of).
 KEY_KINDS = (
     KeyKind("held", "{prefix}:held", "SET", "members whose key is held"),
+    KeyKind("format", "{prefix}:format", "STRING", "the layout of the keys under the prefix: FORMAT"),
     KeyKind("record", "{prefix}:rec:{member}", "HASH", "the member's status record (FIELD_DOCS)"),
     KeyKind("lock", "{prefix}:lock:{member}", "STRING", "the execution lock: the owner token of the delivery running"),
     KeyKind("history", "{prefix}:hist:{member}", "LIST", '"<ms> <state> <task id> [note]", newest first, capped'),

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import logging
+import time
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
 from typing import Any, NamedTuple, cast
@@ -11,9 +12,10 @@ import redis
 from redis.cluster import RedisCluster
 from redis.crc import key_slot
 
-from ..exceptions import DedupArgumentError
+from ..exceptions import STORE_ERRORS, DedupArgumentError, DedupStoreFormatError
 from ..keys import CLUSTER_SHARDS, KeySchema, split_member, task_namespace
 from . import commands
+from . import format as store_format
 from .commands import ConfirmCode, GateCode, PeekCode, ReleaseCode, StartCode
 from .scripts import Scripts
 from .status import ENDED_STATES, STATES, Status
@@ -229,6 +231,9 @@ class LockRef:
 #: The longest a decision waits for its replicas on a Redis Cluster (see ``DedupStore._replicated``), ms.
 WAIT_MS = 100
 
+#: A store that could not be reached for its format check is tried again after this many seconds.
+FORMAT_RETRY = 5.0
+
 #: Cursors beyond this read from here: past any index, and within the range Redis takes.
 _MAX_OFFSET = 2**62
 
@@ -259,6 +264,33 @@ class DedupStore:
         self.history_length = history_length
         #: On a Redis Cluster: replicas that must have a decision's writes before it is answered.
         self.wait_replicas = wait_replicas if isinstance(client, RedisCluster) else 0
+        #: How the store's format stood when this object first checked it (None: not checked yet).
+        self.format_state: store_format.FormatState | None = None
+        self._format_tried = -FORMAT_RETRY
+        self._format_error: DedupStoreFormatError | None = None
+
+    def check_format(self, app_name: str | None = None) -> store_format.FormatState | None:
+        """Check the store's format once for this object (see ``format.py``): a new store is marked,
+        format 1's leftovers are warned of, a newer format is refused.
+
+        A store that cannot be reached is checked again on a later call, at most every
+        :data:`FORMAT_RETRY` seconds; None until then.
+
+        Raises:
+            DedupStoreFormatError: the store's format is newer than this release reads.
+        """
+        if self._format_error is not None:
+            raise self._format_error
+        if self.format_state is None and time.monotonic() - self._format_tried >= FORMAT_RETRY:
+            self._format_tried = time.monotonic()
+            try:
+                self.format_state = store_format.check(self, app_name)
+            except STORE_ERRORS as exc:
+                logger.debug("dedup store format not checked: %s", exc)
+            except DedupStoreFormatError as exc:
+                self._format_error = exc  # refused for good: this release cannot read the store
+                raise
+        return self.format_state
 
     def with_prefix(self, prefix: str) -> DedupStore:
         """The same server and scripts under another key prefix (a message's own)."""

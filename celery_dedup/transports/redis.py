@@ -55,6 +55,7 @@ class GatedChannelMixin:
         key = (prefix, history_length)
         if key not in stores:
             stores[key] = DedupStore(self._dedup_client, prefix, self._dedup_scripts, history_length=history_length)
+        stores[key].check_format()  # once per store: a newer format is refused before its first gate
         return stores[key]
 
     def basic_publish(self, message: dict[str, Any], exchange: str, routing_key: str, **kwargs: Any) -> Any:

@@ -45,6 +45,8 @@ class ReaperStep(bootsteps.StartStopStep):
         recovery.incarnate()
 
     def start(self, worker: Any) -> None:
+        # The store's format, before this worker takes a message: a newer one stops it here.
+        runtime.store_for(worker.app).check_format(worker.app.main)
         self.recovery = worker.timer.call_after(0.0, self.recover, (worker.app,), priority=10)
         interval = runtime.config_for(worker.app).reap_interval
         if interval > 0:

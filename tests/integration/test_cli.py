@@ -658,6 +658,7 @@ def test_check_flags_an_evicting_policy_and_passes_noeviction(
         "maxmemory-policy": "ok",
         "persistence": "ok",
         "clock": "ok",
+        "format": "ok",
     }
     assert json.loads(passing.stdout)["failed"] is False
     text = dedup("check").stdout.splitlines()
