@@ -41,7 +41,8 @@ from .publish.ticket import open_ticket, report
 from .store.status import Status
 from .store.store import DedupStore, Outcome
 from .worker import relay
-from .worker.guard import guarded_call, hand_over, lock_lost, replacing
+from .worker.delivery import Participant, guarded_call, hand_over, lock_lost, replacing
+from .worker.limits import LIMITS
 
 logger = logging.getLogger("celery_dedup")
 
@@ -152,6 +153,9 @@ class DedupTask(_TaskBase):
     limit_rate: ClassVar[str | None] = None
 
     _dedup_policy: ClassVar[TaskPolicy | None] = None
+    #: What takes part in every delivery of the task on a worker besides its guard: its limits
+    #: (see :class:`celery_dedup.worker.delivery.Participant`).
+    worker_participants: ClassVar[tuple[Participant, ...]] = (LIMITS,)
 
     @classmethod
     def on_bound(cls, app: Any) -> None:
@@ -299,7 +303,7 @@ class DedupTask(_TaskBase):
         return runtime.store_for(self.app).status(member)
 
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
-        """Run the body under the execution guard (see :mod:`celery_dedup.worker.guard`).
+        """Run the body as a delivery under the execution guard (see :mod:`celery_dedup.worker.delivery`).
 
         The key is settled here, before Celery stores the result: a caller who
         sees the result and calls again starts a new run, never the finished one.
@@ -342,7 +346,7 @@ class DedupTask(_TaskBase):
         (throttle: for ``dedup_window``; debounce: ``dedup_max_wait`` longer).
         ``continues``: the publish continues a run under its id (a retry, a
         deferred copy) instead of being a new call; ``defers``: it is a
-        deferred copy (see ``guard.defer``). ``follows``: the call
+        deferred copy (see ``Delivery.defer``). ``follows``: the call
         carries something to continue (see :func:`carries_continuation`), so
         as a duplicate it becomes a follower of the accepted run.
         """
