@@ -16,7 +16,7 @@ HEADER = "dedup"
 UNGATED = "ungated"
 
 
-#: The ``apply_async`` option by which ``guard.defer`` marks its publish a deferred copy.
+#: The ``apply_async`` option by which ``Delivery.defer`` marks its publish a deferred copy.
 DEFERS_OPTION = "dedup_defers"
 
 
@@ -43,7 +43,7 @@ class GateHeader:
     #: This publish continues its run (``Task.retry``, a deferred copy, a
     #: replacement under the same key) rather than being a call of its own.
     continues: bool = False
-    #: A deferred copy of a run (see ``guard.defer``): it continues its run and
+    #: A deferred copy of a run (see ``Delivery.defer``): it continues its run and
     #: leaves the key as the run left it, free if freed as the run started.
     defers: bool = False
     #: The call carries something to continue or resolve (its id in a group

@@ -9,7 +9,7 @@ from celery import Celery
 
 from celery_dedup import DedupTask, runtime
 from celery_dedup.keys import member_for
-from celery_dedup.worker.guard import kept_payload
+from celery_dedup.worker.delivery import kept_payload
 from celery_dedup.worker.lock import new_token
 
 

@@ -15,8 +15,9 @@ from kombu.utils.imports import symbol_by_name
 from .. import runtime
 from ..header import HEADER, GateHeader
 from ..keys import member_for
-from ..task import DedupTask, carries_continuation
+from ..task import DedupTask
 from ..transports import redis as gated_redis
+from .call import carries_continuation
 from .delay import delay_seconds
 from .ticket import Ticket, open_ticket
 

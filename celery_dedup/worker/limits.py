@@ -18,9 +18,11 @@ before it runs (``limit_acquire.lua``, on the server clock):
   free place waits for the runs ahead only while they are due back: a late
   line never keeps it from a run that is there.
 
-The decision is taken before the execution guard's own: a run that may not
-start has taken nothing else (its key stays held, its record ``queued``,
-annotated with why it waits).
+The limits take part in a delivery as a :class:`~.delivery.Participant`
+(:data:`LIMITS`): asked before the execution guard's own start decision, so
+a run that may not start has taken nothing else (its key stays held, its
+record ``queued``, annotated with why it waits), and told after its end. A
+delivery's lease is kept on the delivery (``delivery.held[LIMITS]``).
 """
 
 from __future__ import annotations
@@ -29,12 +31,11 @@ import logging
 import random
 import threading
 from collections.abc import Hashable
-from typing import TYPE_CHECKING, Any, ClassVar, NoReturn
+from typing import TYPE_CHECKING, Any, ClassVar
 
 import redis
-from celery.exceptions import Ignore
 
-from .. import decisions, runtime
+from .. import decisions
 from ..exceptions import DedupError
 from ..header import GateHeader
 from ..keys import member_for, split_member
@@ -42,6 +43,7 @@ from ..policy import LimitPolicy
 from ..store.limits import Denial, Grant, acquire, give_back, leave_line, note, release, renew_leases
 from ..store.store import DedupStore
 from . import processes
+from .delivery import Delivery, Report, live
 from .lock import renewer
 
 if TYPE_CHECKING:
@@ -76,8 +78,6 @@ class SlotLease:
         self.run_id = run_id
         self.ttl_ms = ttl_ms
         self.grant = grant
-        #: Set once the guard let its delivery start: of two deliveries of one run here, the one whose body runs.
-        self.running = False
         self.lost = threading.Event()
         self.valid_until = now + ttl_ms / 1000
         self.renew_at = now + ttl_ms / 3000
@@ -95,10 +95,6 @@ class SlotLease:
         slot_lost(self, why)
 
 
-#: The leases this process holds, by delivery (token): two deliveries of one run may both hold one a moment.
-_held: dict[str, SlotLease] = {}
-
-
 def current(task_id: str | None) -> Grant | None:
     """The grant of run ``task_id`` executing in this process (None: no limits, or not running here).
 
@@ -106,10 +102,11 @@ def current(task_id: str | None) -> Grant | None:
     """
     if task_id is None:
         return None
-    leases = [lease for lease in list(_held.values()) if lease.run_id == task_id]
-    if len(leases) > 1:  # a copy of the run on its way to being refused: its body does not run
-        leases = [lease for lease in leases if lease.running] or leases
-    return leases[0].grant if leases else None
+    held = [(delivery, delivery.held.get(LIMITS)) for delivery in live(task_id)]
+    leases = [(delivery, lease) for delivery, lease in held if isinstance(lease, SlotLease)]
+    # Two deliveries of one run: a copy on its way to being refused holds a slot a moment, its body does not run.
+    ran = [lease for delivery, lease in leases if delivery.running] or [lease for _, lease in leases]
+    return ran[-1].grant if ran else None
 
 
 def owner_gone(token: str) -> bool:
@@ -138,8 +135,8 @@ def group_of(task: KeyedTask, args: Any, kwargs: Any, member: str | None = None)
         return None
 
 
-def admit(task: KeyedTask, store: DedupStore, member: str | None, token: str) -> SlotLease | None:
-    """Take the current delivery's place in its group, or defer it (raises ``Ignore``) until its turn.
+def admit(task: KeyedTask, store: DedupStore, member: str | None, token: str) -> SlotLease | Denial | None:
+    """Take the current delivery's place in its group, or defer it until its turn (a :class:`Denial`).
 
     Returns the lease to renew and give back (None: the task has no limits).
     ``member``: the run's dedup member, whose record says that it waits.
@@ -164,6 +161,7 @@ def admit(task: KeyedTask, store: DedupStore, member: str | None, token: str) ->
             answer = acquire(store, group, token, run_id, limit, lease_ms=lease_ms, task_name=task.name, evict=dead)
     if isinstance(answer, Denial):
         wait(task, store, member, answer, limit)
+        return answer
     grant = answer
     if member is not None and grant.waited_ms:
         try:
@@ -174,7 +172,6 @@ def admit(task: KeyedTask, store: DedupStore, member: str | None, token: str) ->
     lease = SlotLease(
         store, group, token, run_id, lease_ms, grant, now=keeper.clock(), slot=limit.concurrency is not None
     )
-    _held[token] = lease
     if lease.slot:  # a rate limit counts starts: it holds no place to renew
         keeper.add(lease)
     return lease
@@ -193,7 +190,6 @@ def leave(lease: SlotLease | None, *, ran: bool) -> None:
     if lease is None:
         return
     renewer().remove(lease)
-    _held.pop(lease.token, None)
     try:
         held = give_back(lease.store, lease.member, lease.token, ran=ran)
     except redis.RedisError:
@@ -213,8 +209,8 @@ def slot_lost(lease: SlotLease, why: str) -> None:
         logger.error("limit slot lost in group %r (%s)", lease.member, why)
 
 
-def wait(task: KeyedTask, store: DedupStore, member: str | None, denial: Denial, limit: LimitPolicy) -> NoReturn:
-    """Re-publish the current run to come back when its turn should come, note why, and raise ``Ignore``."""
+def wait(task: KeyedTask, store: DedupStore, member: str | None, denial: Denial, limit: LimitPolicy) -> None:
+    """Re-publish the current run to come back when its turn should come, and note why."""
     request = task.request
     key = split_member(denial.group)[1]
     if denial.reason == "rate" and limit.rate is not None:
@@ -230,7 +226,6 @@ def wait(task: KeyedTask, store: DedupStore, member: str | None, denial: Denial,
             logger.exception("%s[%s]: could not record that it waits", task.name, request.id)
     decisions.log("limited", task.name, key, request.id, detail)
     task.signature_from_request(request, countdown=countdown).apply_async()
-    raise Ignore()
 
 
 def reported_ending(
@@ -253,14 +248,29 @@ def reported_ending(
         logger.exception("could not take run %s out of group %r; its lease and place expire", run_id, group)
 
 
-def limited_call(task: KeyedTask, args: tuple[Any, ...], kwargs: dict[str, Any], body: Any) -> Any:
-    """Run ``body`` under the task's limits only (``dedup_mode="off"``: no key, no lock, no record)."""
-    token = processes.claim()
-    try:
-        lease = admit(task, runtime.store_for(task.app), None, token)
-        try:
-            return body(args, kwargs)
-        finally:
-            leave(lease, ran=True)
-    finally:
-        processes.retire(token)
+class Limits:
+    """The limits as a participant in every delivery of a task (see :class:`~.delivery.Participant`)."""
+
+    def __repr__(self) -> str:
+        return "<limits>"
+
+    def before_start(self, delivery: Delivery) -> bool:
+        """Its place in its group (kept in ``delivery.held``), or False: re-published to come back at its turn."""
+        answer = admit(delivery.task, delivery.store, delivery.member, delivery.token)
+        if isinstance(answer, Denial):
+            return False
+        if answer is not None:
+            delivery.held[self] = answer
+        return True
+
+    def after_end(self, delivery: Delivery, *, ran: bool) -> None:
+        leave(delivery.held.pop(self, None), ran=ran)
+
+    def after_report(self, report: Report) -> None:
+        reported_ending(
+            report.task, report.store, report.member, report.args, report.kwargs, report.run_id, report.token
+        )
+
+
+#: The participant every DedupTask's deliveries have (``DedupTask.worker_participants``).
+LIMITS = Limits()

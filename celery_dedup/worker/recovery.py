@@ -9,7 +9,7 @@ that both the run's owner (its lock token, see
 that delivered it (which alone acknowledges, rejects or requeues the message)
 are dead: then the message goes back to the head of its queue at once
 (where the store is the broker: the atomic gate's path), and its copy takes
-the dead owner's lock over (``guard.take_over``).
+the dead owner's lock over (``Delivery.take_over``).
 
 The record says where the message waits: its delivery tag and kombu's
 unacknowledged hash. The gate writes them at publish, with the queue list it

@@ -32,7 +32,7 @@ from celery._state import get_current_worker_task
 from celery.exceptions import Reject
 
 from .. import runtime
-from .guard import FAILED, LOST, REVOKED, SUCCEEDED, error_summary, kept_result
+from .delivery import FAILED, LOST, REVOKED, SUCCEEDED, error_summary, kept_result
 
 logger = logging.getLogger("celery_dedup")
 

@@ -22,7 +22,7 @@ from .. import runtime
 from ..header import GateHeader
 from ..task import DedupTask
 from . import relay, results
-from .guard import FAILED, LOST, REJECTED, REVOKED, settle_elsewhere
+from .delivery import FAILED, LOST, REJECTED, REVOKED, settle_elsewhere
 
 logger = logging.getLogger("celery_dedup")
 

@@ -31,7 +31,7 @@ from celery_dedup import DedupTask, ReapReport
 from celery_dedup import runtime as dedup_runtime
 from celery_dedup.keys import KeySchema, member_for, task_namespace
 from celery_dedup.store.scripts import load_script
-from celery_dedup.worker import guard, limits, processes
+from celery_dedup.worker import delivery, limits, processes
 from celery_dedup.worker.lock import RENEW_FRACTION
 from chaos.proxy import FaultProxy
 
@@ -1228,17 +1228,17 @@ def test_a_lock_a_sibling_thread_just_took_is_not_judged_ended(
 
         member = member_for(charge.name, "order:1")
         proxy.arm("after", hold=True)
-        delivery = threading.Thread(target=charge.apply, args=((1,),), kwargs={"task_id": "run-1"}, daemon=True)
-        delivery.start()
+        thread = threading.Thread(target=charge.apply, args=((1,),), kwargs={"task_id": "run-1"}, daemon=True)
+        thread.start()
         assert proxy.fired.wait(10), "the delivery's start reached the server"
         holder = r.get(SCHEMA.lock(member))
         assert holder is not None
         token = holder.decode()
         assert processes.token_pid(token) == os.getpid(), "premise: the sibling's lock, taken in this process"
-        assert not guard.delivery_gone(token)
+        assert not delivery.delivery_gone(token)
         assert not limits.owner_gone(token)
-        guard.settle_elsewhere(charge, "revoked", "run-1", None, [1], {}, stopping=False)
+        delivery.settle_elsewhere(charge, "revoked", "run-1", None, [1], {}, stopping=False)
         assert r.get(SCHEMA.lock(member)) == holder, "the running delivery keeps its lock"
         proxy.release()
-        delivery.join(30)
-    assert not delivery.is_alive()
+        thread.join(30)
+    assert not thread.is_alive()

@@ -33,6 +33,7 @@ from celery_dedup.runtime import store_for
 from celery_dedup.store import limits as store_limits
 from celery_dedup.store.limits import Denial, Grant
 from celery_dedup.worker import limits, processes
+from celery_dedup.worker.delivery import Delivery
 from chaos.proxy import FaultProxy
 
 from .. import limits_app
@@ -414,7 +415,7 @@ def test_limits_combine_with_every_dedup_mode(server: Server, r: redis.Redis, ta
 
 def test_a_run_revoked_while_it_waits_leaves_the_line(make_app: AppFactory, r: redis.Redis) -> None:
     """An ending reported from outside the body (here a revoke) takes the run out of its group's waiting line."""
-    from celery_dedup.worker.guard import settle_elsewhere  # noqa: PLC0415
+    from celery_dedup.worker.delivery import settle_elsewhere  # noqa: PLC0415
 
     app = make_app("limits_app")
     tasks = limits_app.register(app)
@@ -535,7 +536,7 @@ def test_a_rate_only_run_holds_no_slot_and_reports_none_lost(
 
 
 def test_a_limits_only_run_revoked_while_it_waits_leaves_the_line(make_app: AppFactory, r: redis.Redis) -> None:
-    from celery_dedup.worker.guard import settle_elsewhere  # noqa: PLC0415
+    from celery_dedup.worker.delivery import settle_elsewhere  # noqa: PLC0415
 
     app = make_app("limits_app")
     task = limits_app.register(app).by_mode["off"]
@@ -613,27 +614,29 @@ def test_two_deliveries_of_one_run_in_one_process_keep_their_own_slots(
     """
     store = store_for(tasks.job.app)
     task: Any = tasks.job
-    leases = []
+    deliveries = []
     for _ in range(2):
-        token = processes.claim()
         task.push_request(id="run-1", args=[1, "T"], kwargs={}, headers=None, is_eager=False)
         try:
-            leases.append(limits.admit(task, store, None, token))
+            delivery = Delivery(task, (1, "T"), {}, task.run, member=None, store=store, gated=False)
+            delivery.claim()
+            assert limits.LIMITS.before_start(delivery)
+            deliveries.append(delivery)
         finally:
             task.pop_request()
-    copy, running = leases  # the copy came first: the order the registry keeps must not decide
-    assert running is not None and copy is not None
-    running.running = True  # as the guard marks the delivery it lets start
+    copy, running = deliveries  # the copy came first: the order the registry keeps must not decide
+    running.running = True  # as the delivery marks itself once its start lets it run
+    granted = running.held[limits.LIMITS].grant
     try:
-        assert limits.current("run-1") is running.grant, "while both hold a slot, the running delivery's grant"
-        limits.leave(copy, ran=False)
-        processes.retire(copy.token)
-        assert limits.current("run-1") == running.grant
+        assert limits.current("run-1") is granted, "while both hold a slot, the running delivery's grant"
+        limits.LIMITS.after_end(copy, ran=False)
+        copy.retire()
+        assert limits.current("run-1") == granted
         assert not limits.owner_gone(running.token), "a delivery of this process that still holds its slot"
         assert limits.owner_gone(copy.token), "one that gave its slot back has ended"
     finally:
-        limits.leave(running, ran=True)
-        processes.retire(running.token)
+        limits.LIMITS.after_end(running, ran=True)
+        running.retire()
     assert limits.current("run-1") is None
     assert r.zcard(SCHEMA.limit_slots("tests.limits_app.job:tenant:T")) == 0
 

@@ -20,7 +20,7 @@ from celery_dedup.store import commands, schema
 from celery_dedup.store.commands import argv_prelude
 from celery_dedup.store.scripts import _WITH_LIB, load_script, with_lib
 from celery_dedup.testing import RedisServer
-from celery_dedup.worker import guard
+from celery_dedup.worker import delivery
 
 ROOT = Path(__file__).resolve().parents[2]
 LUA = ROOT / "celery_dedup" / "store" / "lua"
@@ -180,7 +180,7 @@ def test_the_table_names_only_states_and_scripts_that_make_transitions() -> None
 
 def test_the_worker_names_only_states_of_the_schema() -> None:
     names = ("SUCCEEDED", "FAILED", "RETRY", "REVOKED", "REJECTED", "IGNORED", "LOST", "SKIPPED", "QUEUED", "REPLACED")
-    assert {getattr(guard, name) for name in names} <= set(schema.STATES)
+    assert {getattr(delivery, name) for name in names} <= set(schema.STATES)
 
 
 def run_checked(client: redis.Redis, name: str, body: str, keys: list[str], args: list[str | int]) -> object:
