@@ -61,7 +61,7 @@ STATE_HELP = {
 NO_RECORD = "none"
 
 _UNENDED = ("pending", "publishing", "queued", "started", "retry", "lost")
-#: What finish.lua records for a run (worker/guard.py's endings and the reports of signals and relays).
+#: What finish.lua records for a run (worker/delivery.py's endings and the reports of signals and relays).
 _FINISH_ENDINGS = ("succeeded", "failed", "revoked", "rejected", "ignored", "replaced", "lost", "retry", "queued")
 
 
@@ -106,7 +106,7 @@ TRANSITIONS: tuple[Transition, ...] = (
         ["publishing", "queued", "retry", "lost"],
         ["skipped"],
         ("finish",),
-        "its delivery refused: another run of its key holds the execution lock (guard.refuse)",
+        "its delivery refused: another run of its key holds the execution lock (delivery.refuse)",
     ),
     *_each(["publishing", "queued", "retry"], ["lost"], ("reap",), "the publish lease ended, or the message vanished"),
     *_each(_UNENDED, ["released"], ("release",), "an operator released the key of a run that had not ended"),
