@@ -307,7 +307,6 @@ def start(
         hostname=request.hostname or socket.gethostname(),
         pid=os.getpid(),
         retries=request.retries or 0,
-        task_name=task.name,
         record_ms=record_ms,
         want_payload=policy.mode.parks and policy.debounce == "latest",
         on_locked=policy.on_locked,

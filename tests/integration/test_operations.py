@@ -60,7 +60,6 @@ def test_release_queued_key_ends_its_run_and_frees_the_key(app: Celery, records:
         hostname="h",
         pid=1,
         retries=0,
-        task_name=records.task.name,
         record_ms=1000,
     )
     assert decision == StartDecision(StartDecision.DONE, "released")
@@ -128,7 +127,7 @@ def test_release_of_a_held_key_without_record_drops_the_hold(app: Celery, r: red
     member = "shop.charge:order:5"
     store = runtime.store_for(app)
     # A hold whose record expired (hold 50 ms + 1 ms grace) stays in the held set until the reaper runs.
-    assert store.gate(member, "order:5~run", "nonce", hold_ms=50, grace_ms=1, task_name="shop.charge").accepted
+    assert store.gate(member, "order:5~run", "nonce", hold_ms=50, grace_ms=1).accepted
     wait_for(lambda: store.record(member) is None, 5, "the record to expire")
     assert r.sismember(SCHEMA.held, member)
 

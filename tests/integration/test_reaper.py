@@ -77,7 +77,6 @@ def start(store: DedupStore, task: Any, n: str, *, lock_ms: int) -> str:
         hostname="host",
         pid=1,
         retries=0,
-        task_name=task.name,
         record_ms=86_400_000,
     )
     assert decision.run

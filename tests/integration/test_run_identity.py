@@ -210,9 +210,9 @@ def test_a_run_whose_hold_expired_before_it_ran_is_recorded_when_another_run_tak
     """Its record is replaced by the next run's: the key's history says what became of it."""
     store = DedupStore(r, "dedup")
     member = "identity.task:k"
-    store.gate(member, "A", "n-a", hold_ms=50, grace_ms=60_000, task_name="identity.task")
+    store.gate(member, "A", "n-a", hold_ms=50, grace_ms=60_000)
     time.sleep(0.1)
-    outcome = store.gate(member, "B", "n-b", hold_ms=60_000, grace_ms=60_000, task_name="identity.task")
+    outcome = store.gate(member, "B", "n-b", hold_ms=60_000, grace_ms=60_000)
     assert outcome.accepted and outcome.task_id == "B"
     newest_first = [entry.decode().split(" ", 1)[1] for entry in r.lrange(SCHEMA.history(member), 0, -1)]
     assert newest_first == ["queued B", "lost A hold expired; key taken over by B", "queued A"]
