@@ -69,8 +69,8 @@ from benchmarks.storm_app import (
     build_app,
 )
 from celery_dedup.keys import KeySchema, member_for
-from celery_dedup.testing import RedisServer
 from celery_dedup.store.status import record_history
+from celery_dedup.testing import RedisServer
 
 GO = "bench-storm:go"
 READY = "bench-storm:ready"
