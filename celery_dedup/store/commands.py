@@ -89,7 +89,6 @@ class Gate(NamedTuple):
     task_id: str
     nonce: str
     hold_ms: Number
-    task_name: str
     grace_ms: Number
     prefix: str
     history_len: Number
@@ -157,7 +156,7 @@ class PeekCode(IntEnum):
     DUPLICATE = 0
 
 
-@script("annotate", keys=("record", "hist"))
+@script("annotate", keys=("record",))
 class Annotate(NamedTuple):
     task_id: str
     note: str
@@ -184,8 +183,7 @@ class Start(NamedTuple):
     key_mode: str
     hostname: str
     pid: int
-    retries: int
-    task_name: str
+    retries: Number
     prefix: str
     history_len: Number
     record_ms: Number
@@ -344,7 +342,7 @@ class LimitRenew(NamedTuple):
     tokens: Rest
 
 
-@script("limit_note", keys=("record", "history"))
+@script("limit_note", keys=("record",))
 class LimitNote(NamedTuple):
     task_id: str
     what: str

@@ -8,6 +8,7 @@ integers and the parsed history, and keeps the raw strings in ``fields``.
 from __future__ import annotations
 
 import datetime
+import re
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -28,6 +29,7 @@ __all__ = [
     "HistoryEntry",
     "Status",
     "from_ms",
+    "record_history",
     "to_ms",
 ]
 
@@ -85,6 +87,41 @@ class HistoryEntry:
         """JSON-ready: ``at`` in ISO 8601, ``at_ms`` as stored."""
         at_ms = to_ms(self.at) if self.at is not None else None
         return {"at": _iso(self.at), "at_ms": at_ms, "state": self.state, "task_id": self.task_id, "note": self.note}
+
+
+_ENTRY = re.compile(r"^h(\d+)$")
+
+
+def record_history(fields: Mapping[str, str]) -> list[str]:
+    """A format 2 record's history (its ``h<n>`` fields), newest first, as ``"<ms> <state> <task id> [note]"``.
+
+    An entry's time is its offset plus the record's ``queued_at``; its run ``-`` is the record's ``task_id``.
+    """
+    base = _int(fields.get("queued_at")) or 0
+    entries: list[tuple[int, str]] = []
+    for name, value in fields.items():
+        found = _ENTRY.match(name)
+        offset, _, rest = value.partition(" ")
+        if not found or not offset.lstrip("-").isdigit():
+            continue
+        state, _, rest = rest.partition(" ")
+        run, _, note = rest.partition(" ")
+        run = fields.get("task_id", "") if run in ("", "-") else run
+        entry = f"{base + int(offset)} {state} {run}"
+        entries.append((int(found.group(1)), f"{entry} {note}" if note else entry))
+    return [entry for _, entry in sorted(entries, reverse=True)]
+
+
+def _updated_ms(fields: Mapping[str, str]) -> str | None:
+    """When the record last changed: its ``updated_at`` (format 1), else its newest history entry's time, else the
+    latest of its other times."""
+    if fields.get("updated_at"):
+        return fields["updated_at"]
+    history = record_history(fields)
+    if history:
+        return history[0].split(" ", 1)[0]
+    times = [_int(fields.get(doc.name)) or 0 for doc in FIELD_DOCS if doc.time and not doc.derived]
+    return str(max(times)) if any(times) else None
 
 
 @dataclass(frozen=True)
@@ -171,7 +208,7 @@ class Status:
             queued_at=from_ms(get("queued_at")),
             started_at=from_ms(get("started_at")),
             finished_at=from_ms(get("finished_at")),
-            updated_at=from_ms(get("updated_at")),
+            updated_at=from_ms(_updated_ms(raw)),
             held_until=from_ms(get("held_until")),
             lock_lost_at=from_ms(get("lock_lost_at")),
             first_at=from_ms(get("first_at")),

@@ -18,7 +18,7 @@ from . import commands
 from . import format as store_format
 from .commands import ConfirmCode, GateCode, PeekCode, ReleaseCode, StartCode
 from .scripts import Scripts
-from .status import ENDED_STATES, STATES, Status
+from .status import ENDED_STATES, STATES, Status, record_history
 
 logger = logging.getLogger("celery_dedup")
 
@@ -341,7 +341,6 @@ class DedupStore:
         *,
         hold_ms: int,
         grace_ms: int,
-        task_name: str,
         argsrepr: str = "",
         kwargsrepr: str = "",
         queue: str | None = None,
@@ -383,7 +382,6 @@ class DedupStore:
             task_id=task_id,
             nonce=nonce,
             hold_ms=hold_ms,
-            task_name=task_name,
             grace_ms=grace_ms,
             prefix=at.prefix,
             history_len=self.history_length,
@@ -508,7 +506,6 @@ class DedupStore:
         hostname: str,
         pid: int,
         retries: int,
-        task_name: str,
         record_ms: int,
         want_payload: bool = False,
         on_locked: str = "skip",
@@ -536,7 +533,6 @@ class DedupStore:
             hostname=hostname,
             pid=pid,
             retries=retries,
-            task_name=task_name,
             prefix=at.prefix,
             history_len=self.history_length,
             record_ms=record_ms,
@@ -680,17 +676,14 @@ class DedupStore:
 
     def status(self, member: str) -> Status | None:
         """The member's record and history as a :class:`Status` (one round trip), or None without a record."""
-        with self.client.pipeline(transaction=True) as pipe:
-            pipe.hgetall(self._at(member).record(member))
-            pipe.lrange(self._at(member).history(member), 0, -1)
-            raw, history = pipe.execute()
-        if not raw:
+        fields = self.record(member)
+        if fields is None:
             return None
-        return Status.from_record(member, {_text(k): _text(v) for k, v in raw.items()}, [_text(e) for e in history])
+        return Status.from_record(member, fields, record_history(fields))
 
     def history(self, member: str) -> list[str]:
         """The member's recent transitions, newest first: ``"<ms> <state> <task id> [note]"``."""
-        return [_text(entry) for entry in self.client.lrange(self._at(member).history(member), 0, -1)]
+        return record_history(self.record(member) or {})
 
     def replacing(self, member: str, task_id: str, token: str, by: str) -> bool:
         """Mark run ``task_id``, run by the delivery holding lock ``token``, as replacing itself with ``by``.
@@ -708,7 +701,7 @@ class DedupStore:
 
         False, and nothing written, once the record names another run.
         """
-        keys = [self._at(member).record(member), self._at(member).history(member)]
+        keys = [self._at(member).record(member)]
         return bool(
             self.scripts.run(keys, commands.Annotate(task_id=task_id, note=note, history_len=self.history_length))
         )
@@ -745,41 +738,58 @@ class DedupStore:
         schema = self._at(member)
         with self.client.pipeline(transaction=True) as pipe:
             pipe.hgetall(schema.record(member))
-            pipe.lrange(schema.history(member), 0, -1)
             pipe.sismember(schema.held, member)
             pipe.get(schema.lock(member))
             pipe.pttl(schema.lock(member))
-            raw, history, held, token, pttl = pipe.execute()
+            raw, held, token, pttl = pipe.execute()
+        record = {_text(k): _text(v) for k, v in raw.items()}
         return KeyDetail(
             member=member,
-            record={_text(k): _text(v) for k, v in raw.items()} or None,
-            history=[_text(entry) for entry in history],
+            record=record or None,
+            history=record_history(record),
             held=bool(held),
             lock_token=None if token is None else _text(token),
             lock_ttl_ms=max(int(pttl), 0) if token is not None else 0,
         )
 
     def index_sizes(self, *, states: Sequence[str] = STATES, tasks: Sequence[str] = ()) -> IndexSizes:
-        """How many records the whole index, each state's and each task's index hold.
+        """How many records each state's index holds, all of them together, and those of each task.
 
-        One round trip of ZCARDs (constant time each); counts include entries
-        whose record expired and the reaper has not removed yet.
+        The state counts are ZCARDs (constant time each); a task's count reads
+        the state indexes' members. Counts include entries whose record
+        expired and the reaper has not removed yet.
         """
         with self.client.pipeline(transaction=False) as pipe:
             for schema in self.schema.shards_all():
-                pipe.zcard(schema.index)
-                for state in states:
+                for state in STATES:
                     pipe.zcard(schema.state_index(state))
-                for task in tasks:
-                    pipe.zcard(schema.task_index(task_namespace(task)))
             replies = [int(n) for n in pipe.execute()]
-        width = 1 + len(states) + len(tasks)
-        sizes = [sum(replies[i::width]) for i in range(width)]
-        return IndexSizes(
-            total=sizes[0],
-            states=dict(zip(states, sizes[1 : 1 + len(states)], strict=True)),
-            tasks=dict(zip(tasks, sizes[1 + len(states) :], strict=True)),
-        )
+        per_state = {state: sum(replies[i :: len(STATES)]) for i, state in enumerate(STATES)}
+        counts = dict.fromkeys(tasks, 0)
+        if tasks:
+            wanted = {task_namespace(task): task for task in tasks}
+            for at in self.schema.shards_all():
+                for _, member in self._merged(at, None, None):
+                    task = wanted.get(split_member(member)[0])
+                    if task is not None:
+                        counts[task] += 1
+        return IndexSizes(total=sum(per_state.values()), states={s: per_state[s] for s in states}, tasks=counts)
+
+    def _merged(self, at: KeySchema, namespace: str | None, upto: int | None) -> list[tuple[float, str]]:
+        """The shard's records newest first, as ``(score, member)``: its state indexes merged by last update.
+
+        Only the task's (by ``namespace``) when given; at most ``upto`` of them (None: all).
+        """
+        stop = -1 if upto is None or namespace is not None else upto - 1
+        with self.client.pipeline(transaction=False) as pipe:
+            for state in STATES:
+                pipe.zrevrange(at.state_index(state), 0, stop, withscores=True)
+            replies = pipe.execute()
+        merged = [(float(score), _text(member)) for entries in replies for member, score in entries]
+        if namespace is not None:
+            merged = [entry for entry in merged if split_member(entry[1])[0] == namespace]
+        merged.sort(key=lambda entry: (-entry[0], entry[1]))
+        return merged if upto is None else merged[:upto]
 
     def records(
         self,
@@ -847,6 +857,19 @@ class DedupStore:
         Newest first by last update; by business key for a prefix search.
         """
         shards = self.schema.shards_all()
+        if prefix is None and state is None:
+            # Every record, or a task's: derived from the state indexes (format 2 keeps no other).
+            derived: list[tuple[float, int, str]] = []
+            total = 0
+            for shard, (at, offset) in enumerate(zip(shards, offsets, strict=True)):
+                entries = self._merged(at, namespace, None if namespace is not None else offset + count)
+                if namespace is None:
+                    total += sum(int(n) for n in self._state_sizes(at))
+                else:
+                    total += len(entries)
+                derived += [(-score, shard, member) for score, member in entries[offset : offset + count]]
+            derived.sort(key=lambda item: item[0])
+            return [(shard, member) for _, shard, member in derived[:count]], total
         with self.client.pipeline(transaction=False) as pipe:
             for at, offset in zip(shards, offsets, strict=True):
                 if prefix is not None:
@@ -854,7 +877,7 @@ class DedupStore:
                     pipe.zrangebylex(at.name_index, low, high, start=offset, num=count)
                     pipe.zlexcount(at.name_index, low, high)
                 else:
-                    index = at.state_index(state) if state else at.task_index(namespace) if namespace else at.index
+                    index = at.state_index(str(state))
                     pipe.zrevrange(index, offset, offset + count - 1, withscores=True)
                     pipe.zcard(index)
             replies = pipe.execute()
@@ -870,6 +893,12 @@ class DedupStore:
         merged.sort(key=lambda item: item[0])  # stable: ties keep each shard's own order
         total = sum(int(n) for n in replies[1::2])
         return [(shard, member) for _, shard, member in merged[:count]], total
+
+    def _state_sizes(self, at: KeySchema) -> list[int]:
+        with self.client.pipeline(transaction=False) as pipe:
+            for state in STATES:
+                pipe.zcard(at.state_index(state))
+            return [int(n) for n in pipe.execute()]
 
     def _fetch(self, members: Sequence[str]) -> list[dict[str, str]]:
         with self.client.pipeline(transaction=False) as pipe:

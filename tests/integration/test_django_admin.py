@@ -611,7 +611,7 @@ def test_hostile_text_is_escaped_on_every_page(app: Celery, root: Client) -> Non
     store = runtime.store_for(app)
     member = member_for(f"shop.{MARKUP}", f"order:{MARKUP}")
     task_id = f"order:{MARKUP}~1"
-    assert store.gate(member, task_id, "n1", hold_ms=60_000, grace_ms=1000, task_name=f"shop.{MARKUP}").accepted
+    assert store.gate(member, task_id, "n1", hold_ms=60_000, grace_ms=1000).accepted
     token = f"{MARKUP}:1:ab"
     started = store.start(
         member,
@@ -623,7 +623,6 @@ def test_hostile_text_is_escaped_on_every_page(app: Celery, root: Client) -> Non
         hostname=MARKUP,
         pid=1,
         retries=0,
-        task_name=f"shop.{MARKUP}",
         record_ms=60_000,
     )
     assert started.run
@@ -741,9 +740,7 @@ def seed(app: Celery, tasks: tuple[str, ...], count: int, *, batch: int = 1000) 
             task = tasks[n % len(tasks)]
             key = f"order:{n:06d}"
             member = member_for(task, key)
-            call = store.gate_call(
-                member, new_task_id(key), new_nonce(), hold_ms=3_600_000, grace_ms=60_000, task_name=task
-            )
+            call = store.gate_call(member, new_task_id(key), new_nonce(), hold_ms=3_600_000, grace_ms=60_000)
             store.scripts.run(call.keys, call.command, client=pipe)
             if len(pipe) >= batch:
                 assert all(code == 1 for code, _ in pipe.execute())

@@ -1080,7 +1080,6 @@ def dead_run(app: Celery, task: Any, key: str, task_id: str, *, lock_ms: int) ->
         hostname="deadhost",
         pid=1,
         retries=0,
-        task_name=task.name,
         record_ms=86_400_000,
     )
     assert decision.run
@@ -1157,7 +1156,7 @@ def test_worker_reaper_step_reaps_without_being_asked(make_app: AppFactory, r: r
     lost_member = member_for(work.name, "job:dead")
     hold_member = member_for(work.name, "job:hold")
     for member, task_id, hold_ms in ((lost_member, "job:dead~run", 60_000), (hold_member, "job:hold~run", 200)):
-        outcome = store.gate(member, task_id, "nonce", hold_ms=hold_ms, grace_ms=60_000, task_name=work.name)
+        outcome = store.gate(member, task_id, "nonce", hold_ms=hold_ms, grace_ms=60_000)
         assert outcome.accepted
     dead_run(app, work, "dead", "job:dead~run", lock_ms=300)
     wait_for(lambda: not lock_exists(r, lost_member), 5, "the dead run's lock to expire")

@@ -315,7 +315,6 @@ def test_a_delivery_of_an_unknown_worker_leaves_no_earlier_delivery_s_main_proce
             hostname="h",
             pid=1,
             retries=0,
-            task_name=TASK,
             record_ms=86_400_000,
             main=main,
         )
@@ -351,7 +350,6 @@ def test_a_delivery_records_its_message_where_the_gate_recorded_none(r: redis.Re
             hostname="h",
             pid=1,
             retries=0,
-            task_name=at.partition(":")[0],
             record_ms=86_400_000,
             delivery=(tag, "unacked") if tag else ("", ""),
         )

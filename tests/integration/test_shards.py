@@ -28,8 +28,7 @@ def store(r: redis.Redis) -> DedupStore:
 
 
 def gate(store: DedupStore, member: str, run: str, hold_ms: int = 60_000) -> None:
-    task = member.split(":", 1)[0]
-    assert store.gate(member, run, new_nonce(), hold_ms=hold_ms, grace_ms=60_000, task_name=task).accepted
+    assert store.gate(member, run, new_nonce(), hold_ms=hold_ms, grace_ms=60_000).accepted
 
 
 def members(count: int) -> list[str]:
