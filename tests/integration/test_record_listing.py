@@ -26,15 +26,15 @@ def write_v2(store: DedupStore, member: str, state: str, at_ms: int, run: str = 
     run = run or f"{key}~r"
     with store.client.pipeline(transaction=True) as pipe:
         pipe.delete(at.record(member))
-        fields = {
+        fields: dict[str, str] = {
             "state": state,
             "task_id": run,
-            "queued_at": T0,
-            "hn": 2,
+            "queued_at": str(T0),
+            "hn": "2",
             "h0": "0 queued",
             "h1": f"{at_ms - T0} {state}",
         }
-        pipe.hset(at.record(member), mapping=fields)
+        pipe.hset(at.record(member), items=[part for pair in fields.items() for part in pair])
         for each in ("queued", "started", "succeeded", "failed"):
             pipe.zrem(at.state_index(each), member)
         pipe.zadd(at.state_index(state), {member: at_ms})
@@ -46,7 +46,7 @@ def every_page(store: DedupStore, limit: int, between: object = None, **filters:
     pages: list[list[str]] = []
     cursor = None
     while True:
-        page: Page = store.records(cursor=cursor, limit=limit, **filters)  # type: ignore[arg-type]
+        page: Page = store.records(cursor=cursor, limit=limit, **filters)
         pages.append([status.member for status in page.records])
         if page.cursor is None:
             return pages
