@@ -100,7 +100,7 @@ def seed(app: Celery, count: int, *, batch: int = 1000) -> None:
         record = store.record(member) or {}
         token = new_token()
         harness.start_run(
-            store, member, record["task_id"], token, task_name=record["task"], hostname="bench-worker", pid=1
+            store, member, record["task_id"], token, task_name=TASKS[n % len(TASKS)], hostname="bench-worker", pid=1
         )
         store.finish(
             member, record["task_id"], "failed", drop=True, record_ms=86_400_000, token=token, role="run", error="bench"
