@@ -56,7 +56,6 @@ import zlib
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
-from urllib.parse import unquote
 
 from .exceptions import DedupConfigError, DedupKeyError
 
@@ -273,9 +272,26 @@ def task_namespace(task_name: str) -> str:
     return _escape(task_name, _UNSAFE_IN_NAMES)
 
 
+_ESCAPES = re.compile(r"(?:%[0-9A-Fa-f]{2})+")
+
+
 def task_from_namespace(namespace: str) -> str:
-    """The task name an escaped namespace stands for (the inverse of :func:`task_namespace`)."""
-    return unquote(namespace)
+    """The task name an escaped namespace stands for: the inverse of :func:`task_namespace`.
+
+    Format 2 records keep no ``task`` field; their task is read back from
+    their member with this. Every name comes back, lone surrogates included
+    (they were escaped as their ``surrogatepass`` bytes); text that is no
+    escape is kept as it is.
+    """
+    return _ESCAPES.sub(lambda run: _unescape(run.group()), namespace)
+
+
+def _unescape(run: str) -> str:
+    raw = bytes.fromhex(run.replace("%", ""))
+    try:
+        return raw.decode("utf-8", "surrogatepass")
+    except UnicodeDecodeError:  # not escapes task_namespace made: read what can be read
+        return raw.decode("utf-8", "replace")
 
 
 def member_for(task_name: str, business_key: str) -> str:

@@ -30,6 +30,7 @@ from typing import Any
 import redis
 
 from celery_dedup.store import schema
+from celery_dedup.store.status import history_of, is_history_field
 
 from . import app as chaos_app
 from .checker import Report, check
@@ -239,6 +240,14 @@ def _text(value: Any) -> str:
     return value.decode("utf-8", "surrogateescape") if isinstance(value, bytes) else str(value)
 
 
+def history_strings(record: dict[str, str], listed: list[str]) -> list[str]:
+    """A member's history as the checker reads it, ``"<ms> <state> <task id> [note]"`` newest first, from
+    either stored format: the ``hist:`` list as it is, or the record's ``h<n>`` fields merged with it."""
+    if not any(is_history_field(name) for name in record):
+        return listed
+    return [entry.text() for entry in history_of(record, listed)]
+
+
 def snapshot(client: redis.Redis, store: redis.Redis | None = None) -> dict[str, Any]:
     """Everything the checker reads from the server at the end: records, histories, holds, locks (``store``),
     messages (``client``)."""
@@ -259,7 +268,9 @@ def snapshot(client: redis.Redis, store: redis.Redis | None = None) -> dict[str,
         lock = client.get(f"dedup:lock:{member}")
         info[member] = {
             "record": record,
-            "history": [_text(entry) for entry in client.lrange(f"dedup:hist:{member}", 0, -1)],
+            "history": history_strings(
+                record, [_text(entry) for entry in client.lrange(f"dedup:hist:{member}", 0, -1)]
+            ),
             "held": member in held,
             "lock": None if lock is None else _text(lock),
             "lock_pttl": int(client.pttl(f"dedup:lock:{member}")),

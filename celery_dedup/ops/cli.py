@@ -47,7 +47,16 @@ from ..decisions import DECISIONS
 from ..exceptions import DedupError
 from ..keys import member_for, split_member, task_from_namespace
 from ..store import limits as limit_groups
-from ..store.status import ENDED_STATES, FIELD_DOC, FIELD_DOCS, STATES, HistoryEntry, Status, from_ms
+from ..store.status import (
+    ENDED_STATES,
+    FIELD_DOC,
+    FIELD_DOCS,
+    STATES,
+    HistoryEntry,
+    Status,
+    from_ms,
+    is_history_field,
+)
 from ..store.store import KeyDetail, ReleaseResult
 from ..task import DedupTask
 from .checks import run_checks
@@ -449,8 +458,16 @@ def _detail_json(found: KeyDetail) -> dict[str, Any]:
         "lock": lock,
         "record": found.record,
         "status": status.as_dict() if status is not None else None,
-        "history": [HistoryEntry.parse(entry).as_dict() for entry in found.history],
+        "history": [entry.as_dict() for entry in _history(found)],
     }
+
+
+def _history(found: KeyDetail) -> tuple[HistoryEntry, ...]:
+    """The key's history, newest first, from both formats (a list without a record is still shown)."""
+    status = found.status
+    if status is not None:
+        return status.history or ()
+    return tuple(HistoryEntry.parse(entry) for entry in found.history)
 
 
 def _field_rows(status: Status, now: float) -> list[tuple[str, str]]:
@@ -460,7 +477,11 @@ def _field_rows(status: Status, now: float) -> list[tuple[str, str]]:
         value = status.fields.get(doc.name)
         if value is not None:
             rows.append((doc.name, _when(from_ms(value), now) if doc.time else value))
-    rows += sorted((name, value) for name, value in status.fields.items() if name not in FIELD_DOC)
+    rows += sorted(
+        (name, value)
+        for name, value in status.fields.items()
+        if name not in FIELD_DOC and not is_history_field(name)  # the history is shown as its own table
+    )
     return rows
 
 
@@ -491,7 +512,7 @@ def show(ctx: click.Context, key: str, task: str | None, as_json: bool) -> None:
         tombstone = " (purged: only the run id, how it ended and its nonces remain)" if status.purged else ""
         click.echo(f"\nrecord{tombstone}:")
         click.echo(_table(_field_rows(status, now), indent="  "))
-    entries = status.history if status is not None and status.history else ()
+    entries = _history(found)
     click.echo("\nhistory (newest first):" if entries else "\nhistory: none")
     if entries:
         rows = [(_when(e.at, now), e.state, e.task_id, e.note) for e in entries]

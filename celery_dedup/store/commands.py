@@ -156,6 +156,24 @@ class PeekCode(IntEnum):
     DUPLICATE = 0
 
 
+# --- reading -------------------------------------------------------------------------------------
+
+
+@script("records", keys=("state_index",))
+class Records(NamedTuple):
+    """One page of records merged from the per-state indexes (KEYS: one index per state of ``states``)."""
+
+    record_prefix: str
+    #: ``"<escaped task name>:"``, or "" for every task.
+    task_prefix: str
+    #: The position the page starts after: score (ms) and member; ``""`` for the newest entry.
+    after_score: str
+    after_member: str
+    limit: Number
+    budget: Number
+    states: Rest
+
+
 @script("annotate", keys=("record",))
 class Annotate(NamedTuple):
     task_id: str

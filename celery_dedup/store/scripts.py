@@ -70,6 +70,7 @@ class Scripts:
         self.purge: Script = client.register_script(load_script("purge"))
         self.settle: Script = client.register_script(load_script("settle"))
         self.annotate: Script = client.register_script(load_script("annotate"))
+        self.records: Script = client.register_script(load_script("records"))
         self.replacing: Script = client.register_script(load_script("replacing"))
         self.limit_acquire: Script = client.register_script(load_script("limit_acquire"))
         self.limit_release: Script = client.register_script(load_script("limit_release"))

@@ -29,7 +29,8 @@ __all__ = [
     "HistoryEntry",
     "Status",
     "from_ms",
-    "record_history",
+    "history_of",
+    "is_history_field",
     "to_ms",
 ]
 
@@ -83,45 +84,76 @@ class HistoryEntry:
         state, task_id, note = [*rest.split(" ", 2), "", ""][:3]
         return cls(moment, state, task_id, note)
 
+    @classmethod
+    def parse_field(cls, value: str, queued_ms: int, run: str) -> HistoryEntry:
+        """Read one ``h<n>`` field of a format 2 record: ``"<offset> <state> [<run> [note]]"``.
+
+        ``<offset>`` is ms from the record's ``queued_at`` (``queued_ms``); a
+        run of ``-`` (or none) is the record's own run, ``run``.
+        """
+        first, _, rest = value.partition(" ")
+        try:
+            offset = int(first) if first.isascii() else None
+        except ValueError:
+            offset = None
+        if offset is None:
+            moment, rest = None, value
+        else:
+            moment = from_ms(queued_ms + offset)
+        state, task_id, note = [*rest.split(" ", 2), "", ""][:3]
+        return cls(moment, state, run if task_id in ("", "-") else task_id, note)
+
+    def text(self) -> str:
+        """The entry as format 1 stores it: ``"<ms> <state> <task id> [note]"``."""
+        head = f"{to_ms(self.at)} " if self.at is not None else ""
+        return f"{head}{self.state} {self.task_id} {self.note}".rstrip(" ")
+
     def as_dict(self) -> dict[str, Any]:
         """JSON-ready: ``at`` in ISO 8601, ``at_ms`` as stored."""
         at_ms = to_ms(self.at) if self.at is not None else None
         return {"at": _iso(self.at), "at_ms": at_ms, "state": self.state, "task_id": self.task_id, "note": self.note}
 
 
-_ENTRY = re.compile(r"^h(\d+)$")
+#: A format 2 record's history fields: ``h<n>`` (one entry each) and ``hn`` (the next n).
+_HISTORY_FIELD = re.compile(r"h(?:n|0|[1-9][0-9]*)")
+_TIMES = ("queued_at", "started_at", "finished_at", "lock_lost_at", "first_at", "due_at", "pushed_at")
 
 
-def record_history(fields: Mapping[str, str]) -> list[str]:
-    """A format 2 record's history (its ``h<n>`` fields), newest first, as ``"<ms> <state> <task id> [note]"``.
+def is_history_field(name: str) -> bool:
+    """Whether ``name`` is one of a format 2 record's history fields (``h<n>``, ``hn``), not a field of its own."""
+    return _HISTORY_FIELD.fullmatch(name) is not None
 
-    An entry's time is its offset plus the record's ``queued_at``; its run ``-`` is the record's ``task_id``.
+
+def history_of(fields: Mapping[str, str], listed: Sequence[str] = ()) -> tuple[HistoryEntry, ...]:
+    """A record's history, newest first, from both formats.
+
+    Format 2 keeps it in the record (``h<n>`` fields, the highest n newest);
+    format 1 in the ``hist:`` list (``listed``, newest first). During a
+    rolling deploy one record can have both: they are merged by time, an
+    entry without a time after those with one.
     """
-    base = _int(fields.get("queued_at")) or 0
-    entries: list[tuple[int, str]] = []
-    for name, value in fields.items():
-        found = _ENTRY.match(name)
-        offset, _, rest = value.partition(" ")
-        if not found or not offset.lstrip("-").isdigit():
-            continue
-        state, _, rest = rest.partition(" ")
-        run, _, note = rest.partition(" ")
-        run = fields.get("task_id", "") if run in ("", "-") else run
-        entry = f"{base + int(offset)} {state} {run}"
-        entries.append((int(found.group(1)), f"{entry} {note}" if note else entry))
-    return [entry for _, entry in sorted(entries, reverse=True)]
+    queued_ms = _int(fields.get("queued_at")) or 0
+    run = fields.get("task_id", "")
+    numbered = sorted(
+        ((int(name[1:]), value) for name, value in fields.items() if name != "hn" and is_history_field(name)),
+        reverse=True,
+    )
+    entries = [HistoryEntry.parse_field(value, queued_ms, run) for _, value in numbered]
+    entries += [HistoryEntry.parse(entry) for entry in listed]
+    if numbered and listed:
+        entries.sort(key=lambda entry: -to_ms(entry.at) if entry.at is not None else 0)  # stable: ties keep order
+    return tuple(entries)
 
 
-def _updated_ms(fields: Mapping[str, str]) -> str | None:
-    """When the record last changed: its ``updated_at`` (format 1), else its newest history entry's time, else the
-    latest of its other times."""
+def _updated(fields: Mapping[str, str], history: Sequence[HistoryEntry]) -> datetime.datetime | None:
+    """The record's last update: its ``updated_at`` (format 1), else its newest entry's time, else its latest time."""
     if fields.get("updated_at"):
-        return fields["updated_at"]
-    history = record_history(fields)
-    if history:
-        return history[0].split(" ", 1)[0]
-    times = [_int(fields.get(doc.name)) or 0 for doc in FIELD_DOCS if doc.time and not doc.derived]
-    return str(max(times)) if any(times) else None
+        return from_ms(fields["updated_at"])
+    for entry in history:
+        if entry.at is not None:
+            return entry.at
+    times = [moment for moment in (from_ms(fields.get(name)) for name in _TIMES) if moment is not None]
+    return max(times, default=None)
 
 
 @dataclass(frozen=True)
@@ -185,7 +217,7 @@ class Status:
     queue: str
     #: True for a purge's tombstone.
     purged: bool
-    #: Newest first; None when not read (pages of :func:`celery_dedup.records` do not read histories).
+    #: Newest first; None when not read (pages of :func:`celery_dedup.records` do not read format 1 histories).
     history: tuple[HistoryEntry, ...] | None
     #: The record as stored: field name to string.
     fields: dict[str, str]
@@ -195,10 +227,15 @@ class Status:
 
     @classmethod
     def from_record(cls, member: str, fields: Mapping[str, str], history: Sequence[str] | None = None) -> Status:
-        """The status of ``member`` from its record's raw fields and (if read) its raw history entries."""
+        """The status of ``member`` from its record's raw fields and (if read) its ``hist:`` list's entries.
+
+        Reads both formats: format 2's history fields are read whether or not
+        ``history`` is given; ``history`` stays None only when neither holds any.
+        """
         namespace, key = split_member(member)
         raw = dict(fields)
         get = raw.get
+        entries = history_of(raw, history or ())
         return cls(
             member=member,
             task=get("task") or task_from_namespace(namespace),
@@ -208,7 +245,7 @@ class Status:
             queued_at=from_ms(get("queued_at")),
             started_at=from_ms(get("started_at")),
             finished_at=from_ms(get("finished_at")),
-            updated_at=from_ms(_updated_ms(raw)),
+            updated_at=_updated(raw, entries),
             held_until=from_ms(get("held_until")),
             lock_lost_at=from_ms(get("lock_lost_at")),
             first_at=from_ms(get("first_at")),
@@ -227,7 +264,7 @@ class Status:
             kwargs=get("kwargs", ""),
             queue=get("queue", ""),
             purged=get("purged") == "1",
-            history=None if history is None else tuple(HistoryEntry.parse(entry) for entry in history),
+            history=None if history is None and not entries else entries,
             fields=raw,
             limit_wait=get("limit_wait", ""),
             waited_ms=_int(get("waited_ms")) or 0,

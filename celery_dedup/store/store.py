@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import base64
 import logging
+import re
 import time
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
@@ -18,7 +20,7 @@ from . import commands
 from . import format as store_format
 from .commands import ConfirmCode, GateCode, PeekCode, ReleaseCode, StartCode
 from .scripts import Scripts
-from .status import ENDED_STATES, STATES, Status, record_history
+from .status import ENDED_STATES, STATES, Status, history_of, is_history_field
 
 logger = logging.getLogger("celery_dedup")
 
@@ -38,6 +40,30 @@ def storable(text: str) -> str:
 
 def _text(value: Any) -> str:
     return value.decode("utf-8", "surrogateescape") if isinstance(value, bytes) else str(value)
+
+
+_POSITION = re.compile(r"([0-9]{1,20})~([A-Za-z0-9_-]+)")
+
+
+def _cursor_at(score: float, member: bytes) -> str:
+    """A records page's cursor: the position after which the next page starts, ``"<ms>~<member, base64url>"``."""
+    return f"{int(score)}~{base64.urlsafe_b64encode(member).decode('ascii').rstrip('=')}"
+
+
+def _position(cursor: str | None) -> tuple[int, str] | None:
+    """The ``(score, member)`` a cursor of :func:`_cursor_at` names; None for the first page (None or ``"0"``)."""
+    if not cursor or cursor == "0":
+        return None
+    found = _POSITION.fullmatch(cursor)
+    if found is not None:
+        encoded = found.group(2)
+        try:
+            member = base64.urlsafe_b64decode(encoded + "=" * (-len(encoded) % 4))
+        except ValueError:
+            member = b""
+        if member and _cursor_at(int(found.group(1)), member) == cursor:
+            return int(found.group(1)), member.decode("utf-8", "surrogateescape")
+    raise DedupArgumentError("cursor", cursor, "must be the cursor of a page, or 0 for the first")
 
 
 @dataclass(frozen=True)
@@ -185,16 +211,19 @@ class KeyDetail:
     @property
     def status(self) -> Status | None:
         """The record with its history as typed values, or None without a record."""
-        return None if self.record is None else Status.from_record(self.member, self.record, self.history)
+        if self.record is None:
+            return None
+        # ``history`` holds the record's own entries already, merged with format 1's list.
+        fields = {name: value for name, value in self.record.items() if not is_history_field(name)}
+        return Status.from_record(self.member, fields, self.history)
 
 
 @dataclass(frozen=True)
 class IndexSizes:
-    """Entries per index: all records, per state, per task name."""
+    """Entries per index: all records, and per state."""
 
     total: int
     states: dict[str, int]
-    tasks: dict[str, int]
 
 
 @dataclass
@@ -676,14 +705,22 @@ class DedupStore:
 
     def status(self, member: str) -> Status | None:
         """The member's record and history as a :class:`Status` (one round trip), or None without a record."""
-        fields = self.record(member)
-        if fields is None:
-            return None
-        return Status.from_record(member, fields, record_history(fields))
+        fields, listed = self._record_and_old_history(member)
+        return Status.from_record(member, fields, listed) if fields else None
 
     def history(self, member: str) -> list[str]:
         """The member's recent transitions, newest first: ``"<ms> <state> <task id> [note]"``."""
-        return record_history(self.record(member) or {})
+        fields, listed = self._record_and_old_history(member)
+        return [entry.text() for entry in history_of(fields, listed)]
+
+    def _record_and_old_history(self, member: str) -> tuple[dict[str, str], list[str]]:
+        """The record's fields and format 1's history list of the member (a rolling upgrade's), in one round trip."""
+        at = self._at(member)
+        with self.client.pipeline(transaction=True) as pipe:
+            pipe.hgetall(at.record(member))
+            pipe.lrange(store_format.old_history(at, member), 0, -1)
+            raw, listed = pipe.execute()
+        return {_text(k): _text(v) for k, v in raw.items()}, [_text(entry) for entry in listed]
 
     def replacing(self, member: str, task_id: str, token: str, by: str) -> bool:
         """Mark run ``task_id``, run by the delivery holding lock ``token``, as replacing itself with ``by``.
@@ -738,58 +775,36 @@ class DedupStore:
         schema = self._at(member)
         with self.client.pipeline(transaction=True) as pipe:
             pipe.hgetall(schema.record(member))
+            pipe.lrange(store_format.old_history(schema, member), 0, -1)
             pipe.sismember(schema.held, member)
             pipe.get(schema.lock(member))
             pipe.pttl(schema.lock(member))
-            raw, held, token, pttl = pipe.execute()
+            raw, listed, held, token, pttl = pipe.execute()
         record = {_text(k): _text(v) for k, v in raw.items()}
         return KeyDetail(
             member=member,
             record=record or None,
-            history=record_history(record),
+            history=[entry.text() for entry in history_of(record, [_text(entry) for entry in listed])],
             held=bool(held),
             lock_token=None if token is None else _text(token),
             lock_ttl_ms=max(int(pttl), 0) if token is not None else 0,
         )
 
-    def index_sizes(self, *, states: Sequence[str] = STATES, tasks: Sequence[str] = ()) -> IndexSizes:
-        """How many records each state's index holds, all of them together, and those of each task.
+    def index_sizes(self, *, states: Sequence[str] = STATES) -> IndexSizes:
+        """How many records there are in all and in each of ``states``, from the per-state indexes.
 
-        The state counts are ZCARDs (constant time each); a task's count reads
-        the state indexes' members. Counts include entries whose record
-        expired and the reaper has not removed yet.
+        One round trip of ZCARDs (constant time each); counts include entries
+        whose record expired and the reaper has not removed yet. There is no
+        per-task count: format 2 keeps no per-task index.
         """
         with self.client.pipeline(transaction=False) as pipe:
             for schema in self.schema.shards_all():
                 for state in STATES:
                     pipe.zcard(schema.state_index(state))
             replies = [int(n) for n in pipe.execute()]
-        per_state = {state: sum(replies[i :: len(STATES)]) for i, state in enumerate(STATES)}
-        counts = dict.fromkeys(tasks, 0)
-        if tasks:
-            wanted = {task_namespace(task): task for task in tasks}
-            for at in self.schema.shards_all():
-                for _, member in self._merged(at, None, None):
-                    task = wanted.get(split_member(member)[0])
-                    if task is not None:
-                        counts[task] += 1
-        return IndexSizes(total=sum(per_state.values()), states={s: per_state[s] for s in states}, tasks=counts)
-
-    def _merged(self, at: KeySchema, namespace: str | None, upto: int | None) -> list[tuple[float, str]]:
-        """The shard's records newest first, as ``(score, member)``: its state indexes merged by last update.
-
-        Only the task's (by ``namespace``) when given; at most ``upto`` of them (None: all).
-        """
-        stop = -1 if upto is None or namespace is not None else upto - 1
-        with self.client.pipeline(transaction=False) as pipe:
-            for state in STATES:
-                pipe.zrevrange(at.state_index(state), 0, stop, withscores=True)
-            replies = pipe.execute()
-        merged = [(float(score), _text(member)) for entries in replies for member, score in entries]
-        if namespace is not None:
-            merged = [entry for entry in merged if split_member(entry[1])[0] == namespace]
-        merged.sort(key=lambda entry: (-entry[0], entry[1]))
-        return merged if upto is None else merged[:upto]
+        width = len(STATES)
+        sizes = dict(zip(STATES, (sum(replies[i::width]) for i in range(width)), strict=True))
+        return IndexSizes(total=sum(sizes.values()), states={state: sizes.get(state, 0) for state in states})
 
     def records(
         self,
@@ -802,15 +817,63 @@ class DedupStore:
     ) -> Page:
         """A page of records filtered by state, task name and business-key prefix.
 
-        Reads one index (never the keyspace) and at most ``20 * limit`` of its
-        entries per page; entries whose record expired are skipped (the reaper
-        removes them). A cursor past the end gives an empty last page.
+        Newest update first, merged from the per-state indexes (both stored
+        formats keep them) by one read-only script per shard (``records.lua``),
+        looking at most at ``20 * limit`` index entries per shard and page; the
+        cursor is a position in that order, so records that change state while
+        one pages neither repeat nor push others off a page. A key-prefix
+        search reads the name index in key order instead. Entries whose record
+        expired are skipped (the reaper removes them). A cursor past the end
+        gives an empty last page.
 
         Raises:
-            DedupArgumentError: ``limit`` below 1, or ``cursor`` not a decimal number.
+            DedupArgumentError: ``limit`` below 1, or ``cursor`` not one a page gave.
         """
         if limit < 1:
             raise DedupArgumentError("limit", limit, "must be at least 1")
+        if prefix is not None:
+            return self._by_name(state, task, prefix, cursor, limit)
+        after = _position(cursor)
+        states = (state,) if state else STATES
+        command = commands.Records(
+            record_prefix="",
+            task_prefix=f"{task_namespace(task)}:" if task is not None else "",
+            after_score=str(after[0]) if after else "",
+            after_member=after[1] if after else "",
+            limit=limit,
+            budget=20 * limit,
+            states=tuple(states),
+        )
+        shards = self.schema.shards_all()
+        with self.client.pipeline(transaction=False) as pipe:
+            for at in shards:
+                keys = [at.state_index(each) for each in states]
+                self.scripts.run(keys, command._replace(record_prefix=at.record("")), client=pipe)
+            replies = pipe.execute()
+        found: list[tuple[float, bytes, Status]] = []
+        frontier: tuple[float, bytes] | None = None  # the newest place some shard stopped looking short of its end
+        total = 0
+        for done, score, member, count, flat in replies:
+            total += int(count)
+            for i in range(0, len(flat), 3):
+                name = _text(flat[i + 1])
+                fields = flat[i + 2]
+                record = {_text(fields[j]): _text(fields[j + 1]) for j in range(0, len(fields), 2)}
+                found.append((float(flat[i]), bytes(flat[i + 1]), Status.from_record(name, record)))
+            if not int(done):
+                stop = (float(score), bytes(member))
+                frontier = stop if frontier is None or stop > frontier else frontier
+        found.sort(key=lambda item: (item[0], item[1]), reverse=True)
+        shown = [item for item in found if frontier is None or (item[0], item[1]) >= frontier][:limit]
+        if len(shown) == limit and (frontier is not None or len(found) > limit):
+            last = shown[-1]
+            return Page([item[2] for item in shown], _cursor_at(last[0], last[1]), total)
+        if frontier is not None:
+            return Page([item[2] for item in shown], _cursor_at(*frontier), total)
+        return Page([item[2] for item in shown], None, total)
+
+    def _by_name(self, state: str | None, task: str | None, prefix: str, cursor: str | None, limit: int) -> Page:
+        """A key-prefix search: the name index in key order, merged over the shards; offsets as the cursor."""
         offsets = self._offsets(cursor)
         namespace = task_namespace(task) if task is not None else None
         found: list[Status] = []
@@ -818,7 +881,7 @@ class DedupStore:
         total = 0
         while scanned < 20 * limit:
             batch = limit - len(found)  # each page reads what it shows, more only for skipped entries
-            entries, total = self._index_slice(state, namespace, prefix, offsets, batch)
+            entries, total = self._index_slice(prefix, offsets, batch)
             members = [member for _, member in entries]
             wanted = [m for m in members if namespace is None or split_member(m)[0] == namespace]
             fetched = dict(zip(wanted, self._fetch(wanted), strict=True))
@@ -849,47 +912,20 @@ class DedupStore:
     def _cursor(offsets: Sequence[int]) -> str:
         return ".".join(str(offset) for offset in offsets)
 
-    def _index_slice(
-        self, state: str | None, namespace: str | None, prefix: str | None, offsets: Sequence[int], count: int
-    ) -> tuple[list[tuple[int, str]], int]:
-        """The next ``count`` entries of the index in page order, merged over the shards, as ``(shard, member)``.
-
-        Newest first by last update; by business key for a prefix search.
-        """
+    def _index_slice(self, prefix: str, offsets: Sequence[int], count: int) -> tuple[list[tuple[int, str]], int]:
+        """The next ``count`` entries of the name index by business key, merged over the shards: ``(shard, member)``."""
         shards = self.schema.shards_all()
-        if prefix is None and state is None:
-            # Every record, or a task's: derived from the state indexes (format 2 keeps no other).
-            derived: list[tuple[float, int, str]] = []
-            total = 0
-            for shard, (at, offset) in enumerate(zip(shards, offsets, strict=True)):
-                entries = self._merged(at, namespace, None if namespace is not None else offset + count)
-                if namespace is None:
-                    total += sum(int(n) for n in self._state_sizes(at))
-                else:
-                    total += len(entries)
-                derived += [(-score, shard, member) for score, member in entries[offset : offset + count]]
-            derived.sort(key=lambda item: item[0])
-            return [(shard, member) for _, shard, member in derived[:count]], total
+        low, high = f"[{prefix}".encode(), f"[{prefix}".encode() + b"\xff"
         with self.client.pipeline(transaction=False) as pipe:
             for at, offset in zip(shards, offsets, strict=True):
-                if prefix is not None:
-                    low, high = f"[{prefix}".encode(), f"[{prefix}".encode() + b"\xff"
-                    pipe.zrangebylex(at.name_index, low, high, start=offset, num=count)
-                    pipe.zlexcount(at.name_index, low, high)
-                else:
-                    index = at.state_index(str(state))
-                    pipe.zrevrange(index, offset, offset + count - 1, withscores=True)
-                    pipe.zcard(index)
+                pipe.zrangebylex(at.name_index, low, high, start=offset, num=count)
+                pipe.zlexcount(at.name_index, low, high)
             replies = pipe.execute()
-        merged: list[tuple[Any, int, str]] = []
+        merged: list[tuple[bytes, int, str]] = []
         for shard, entries in enumerate(replies[0::2]):
-            for entry in entries:
-                if prefix is not None:  # in the index's own order: by the entry's bytes
-                    key, _, ns = _text(entry).rpartition("\0")
-                    merged.append((bytes(entry), shard, f"{ns}:{key}"))
-                else:
-                    member, score = entry
-                    merged.append((-float(score), shard, _text(member)))
+            for entry in entries:  # in the index's own order: by the entry's bytes
+                key, _, ns = _text(entry).rpartition("\0")
+                merged.append((bytes(entry), shard, f"{ns}:{key}"))
         merged.sort(key=lambda item: item[0])  # stable: ties keep each shard's own order
         total = sum(int(n) for n in replies[1::2])
         return [(shard, member) for _, shard, member in merged[:count]], total

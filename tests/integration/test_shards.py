@@ -65,8 +65,7 @@ def test_pages_list_every_record_once_newest_first_across_shards(store: DedupSto
         assert page.total == 300
         if page.cursor is None:
             break
-        assert page.cursor.count(".") == CLUSTER_SHARDS - 1
-        cursor = page.cursor
+        cursor = page.cursor  # one place in the merged order, whatever the number of shards
     assert sorted(seen) == sorted(names) and len(seen) == 300, "each record exactly once"
     assert updated == sorted(updated, reverse=True), "newest update first, across shards"
     assert pages == 43
@@ -94,15 +93,17 @@ def test_filters_and_prefix_search_merge_the_shards(store: DedupStore) -> None:
     by_key = listed(prefix="order:00")
     assert by_key == sorted(by_key, key=lambda m: m.split(":", 1)[1]), "key order across shards"
     assert sorted(by_key) == sorted(m for m in names if m.split(":", 1)[1].startswith("order:00"))
-    sizes = store.index_sizes(states=("queued", "failed"), tasks=TASKS)
-    assert (sizes.total, sizes.states, sizes.tasks) == (120, {"queued": 90, "failed": 30}, dict.fromkeys(TASKS, 60))
+    sizes = store.index_sizes(states=("queued", "failed"))
+    assert (sizes.total, sizes.states) == (120, {"queued": 90, "failed": 30})
 
 
 def test_a_cursor_of_another_layout_is_refused(store: DedupStore) -> None:
     with pytest.raises(DedupArgumentError):
-        store.records(cursor="12")
+        store.records(prefix="order:", cursor="12")
     with pytest.raises(DedupArgumentError):
-        store.records(cursor=".".join(["1"] * (CLUSTER_SHARDS - 1)))
+        store.records(prefix="order:", cursor=".".join(["1"] * (CLUSTER_SHARDS - 1)))
+    with pytest.raises(DedupArgumentError):
+        store.records(cursor="12")
 
 
 def test_stats_reaper_and_purge_cover_every_shard(store: DedupStore, r: redis.Redis) -> None:

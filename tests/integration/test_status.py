@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import base64
 import datetime
 
 import pytest
@@ -138,6 +139,10 @@ def test_as_dict_is_json_ready() -> None:
         ({"cursor": "1.5"}, "cursor"),
         ({"cursor": "next"}, "cursor"),
         ({"cursor": " 3"}, "cursor"),
+        ({"cursor": "3"}, "cursor"),
+        ({"cursor": "17~"}, "cursor"),
+        ({"cursor": "17~dDpr="}, "cursor"),
+        ({"cursor": "17~d"}, "cursor"),
     ],
 )
 def test_records_refuses_a_bad_limit_or_cursor_naming_it(
@@ -154,10 +159,12 @@ def test_records_refuses_a_bad_limit_or_cursor_naming_it(
 def test_a_cursor_past_the_end_is_the_last_page(app: Celery, records: Records) -> None:
     for order in range(3):
         records.queued(order)
-    for cursor in ("3", "99999999999999999999999"):
-        page = celery_dedup.records(app, cursor=cursor)
+    for cursor in ("3", "99999999999999999999999"):  # a key search's cursor counts entries
+        page = celery_dedup.records(app, prefix="order:", cursor=cursor)
         assert (page.records, page.cursor, page.total) == ([], None, 3)
-        assert celery_dedup.records(app, prefix="order:", cursor=cursor).records == []
+    # The listing's names a place in its order: one older than every record is past the end.
+    page = celery_dedup.records(app, cursor="1~" + base64.urlsafe_b64encode(b"t:k").decode().rstrip("="))
+    assert (page.records, page.cursor, page.total) == ([], None, 3)
     assert len(celery_dedup.records(app, cursor="0").records) == 3
 
 

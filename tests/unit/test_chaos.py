@@ -18,6 +18,7 @@ from celery_dedup.store import schema
 from chaos.app import outcome_of
 from chaos.checker import Report, check
 from chaos.history import SERVER_LOG
+from chaos.runner import history_strings
 
 # --- the checker on hand-written histories ---------------------------------------------------
 
@@ -548,3 +549,22 @@ def test_allowed_transitions_are_no_violation(tmp_path: Path) -> None:
         f"1:M 27 Nov 2026 06:00:00.000 # {schema.REPORT_MARK} gate none queued m:a\n"
     )
     assert [v for v in story.check().violations if v.invariant == "transition"] == []
+
+
+def test_the_snapshot_hands_the_checker_format_1_strings_from_either_format() -> None:
+    """A format 2 record's history (in its h<n> fields) reads as the list format 1 kept, merged with one."""
+    listed = [f"{T1 + 5} started k~1 old worker", f"{T1} queued k~1"]
+    assert history_strings({"state": "started", "task_id": "k~1"}, listed) == listed
+    record = {"task_id": "k~2", "queued_at": str(T1 + 100), "hn": "3", "h1": "-97 started k~1", "h2": "0 queued"}
+    assert history_strings(record, []) == [f"{T1 + 100} queued k~2", f"{T1 + 3} started k~1"]
+    record["h3"] = "7 succeeded - by alice"
+    assert history_strings(record, listed) == [
+        f"{T1 + 107} succeeded k~2 by alice",
+        f"{T1 + 100} queued k~2",
+        f"{T1 + 5} started k~1 old worker",
+        f"{T1 + 3} started k~1",
+        f"{T1} queued k~1",
+    ]
+
+
+T1 = 1_700_000_000_000

@@ -22,9 +22,11 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+from hypothesis import example, given, settings
+from hypothesis import strategies as st
 
 from celery_dedup import DedupConfigError, DedupKeyError
-from celery_dedup.keys import KeyOption, KeySpec, new_task_id, task_from_namespace, task_namespace
+from celery_dedup.keys import KeyOption, KeySpec, new_task_id, split_member, task_from_namespace, task_namespace
 
 ROOT = Path(__file__).resolve().parents[2]
 TASK = "shop.charge"
@@ -776,3 +778,19 @@ def test_a_task_namespace_gives_its_task_name_back(name: str) -> None:
     namespace = task_namespace(name)
     assert ":" not in namespace
     assert task_from_namespace(namespace) == name
+
+
+@settings(max_examples=500, deadline=None)
+@given(st.text(alphabet=st.one_of(st.characters(), st.characters(categories=["Cs"]), st.sampled_from("%:{}#*,= "))))
+@example("\ud800").via("a lone surrogate, as JSON's \\ud800 decodes to")
+def test_a_task_namespace_round_trips_for_any_name(name: str) -> None:
+    """Records of format 2 keep no ``task`` field: every name, lone surrogates included, comes back from its member."""
+    namespace = task_namespace(name)
+    assert ":" not in namespace and split_member(f"{namespace}:k") == (namespace, "k")
+    assert task_from_namespace(namespace) == name
+
+
+@pytest.mark.parametrize("namespace", ["a%3", "a%zz", "%", "50%25", "%e2%82%ac"])
+def test_reading_a_namespace_no_escaping_made_keeps_what_it_cannot_read(namespace: str) -> None:
+    """A namespace written by hand (or garbled) is read as far as it is escapes, never raising."""
+    assert isinstance(task_from_namespace(namespace), str)

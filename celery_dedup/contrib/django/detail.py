@@ -5,7 +5,7 @@ from __future__ import annotations
 import datetime
 from dataclasses import dataclass, field
 
-from celery_dedup.store.status import FIELD_DOC, GROUPS, Status, from_ms
+from celery_dedup.store.status import FIELD_DOC, GROUPS, Status, from_ms, is_history_field
 
 
 @dataclass(frozen=True)
@@ -45,7 +45,7 @@ def groups_of(status: Status) -> list[Group]:
     """
     groups = {name: Group(name, title) for name, title in GROUPS}
     for name, raw in status.fields.items():
-        if name in SUMMARY:
+        if name in SUMMARY or is_history_field(name):  # the history has its own table
             continue
         doc = FIELD_DOC.get(name)
         if doc is None:

@@ -6,6 +6,7 @@ page's cursor, and a short trail of earlier cursors makes "previous" work.
 
 from __future__ import annotations
 
+import re
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from typing import Any
@@ -20,10 +21,14 @@ TRAIL_LENGTH = 50
 STATE, TASK, SEARCH, CURSOR, TRAIL = "state", "task", "q", "cursor", "trail"
 
 
+_CURSOR = re.compile(r"[0-9]+(?:\.[0-9]+)*|[0-9]+~[A-Za-z0-9_-]+")
+
+
 def _is_number(text: str) -> bool:
-    """A page's cursor: ASCII digits (``"²".isdigit()`` and ``"٣".isdigit()`` are true too), one group
-    per shard joined by dots on a Redis Cluster store."""
-    return all(part.isascii() and part.isdigit() for part in text.split("."))
+    """A page's cursor: a key search's ASCII digits (``"²".isdigit()`` and ``"٣".isdigit()`` are true
+    too), one group per shard joined by dots on a Redis Cluster store; a listing's ``<ms>~<base64url>``.
+    The store refuses one of the right shape that no page gave."""
+    return text == "" or _CURSOR.fullmatch(text) is not None
 
 
 @dataclass(frozen=True)
