@@ -69,7 +69,7 @@ from benchmarks.storm_app import (
     build_app,
 )
 from celery_dedup.keys import KeySchema, member_for
-from celery_dedup.store.status import record_history
+from celery_dedup.store.status import history_of
 from celery_dedup.testing import RedisServer
 
 GO = "bench-storm:go"
@@ -361,7 +361,9 @@ def dedup_lost_records(client: redis.Redis, keys: Sequence[int]) -> dict[int, li
         for n in keys:
             pipe.hgetall(schema.record(member_for(TASK, f"storm:{n}")))
         records = pipe.execute()
-    histories = [record_history({text(k): text(v) for k, v in record.items()}) for record in records]
+    histories = [
+        [entry.text() for entry in history_of({text(k): text(v) for k, v in record.items()})] for record in records
+    ]
     return {
         n: list(reversed(history))
         for n, history in zip(keys, histories, strict=True)

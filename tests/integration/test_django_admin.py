@@ -32,6 +32,7 @@ from celery_dedup import DedupTask, operations, runtime  # noqa: E402
 from celery_dedup.contrib.django.conf import celery_app  # noqa: E402
 from celery_dedup.exceptions import DedupConfigError  # noqa: E402
 from celery_dedup.keys import KeySchema, member_for, new_nonce, new_task_id  # noqa: E402
+from celery_dedup.store.format import old_history  # noqa: E402
 from celery_dedup.store.status import FIELD_DOC  # noqa: E402
 
 from .._records import Records, keyed_tasks  # noqa: E402
@@ -304,7 +305,8 @@ def test_list_filters_by_state_and_task_and_searches_by_key_prefix(
 def test_list_pages_with_the_cursor(app: Celery, charges: Records, root: Client) -> None:
     runs = [charges.queued(n) for n in range(230)]
     client_redis: redis.Redis = runtime.store_for(app).client
-    newest_first = [m.decode() for m in client_redis.zrevrange(SCHEMA.index, 0, -1)]  # ties: by member
+    # Every record is queued: the listing is that state's index, newest first (ties: by member).
+    newest_first = [m.decode() for m in client_redis.zrevrange(SCHEMA.state_index("queued"), 0, -1)]
     assert sorted(newest_first) == sorted(run.member for run in runs)
 
     first = root.get(LIST)
@@ -628,7 +630,10 @@ def test_hostile_text_is_escaped_on_every_page(app: Celery, root: Client) -> Non
     )
     assert started.run
     store.client.hset(store.schema.record(member), mapping={"error": MARKUP, "args": MARKUP, MARKUP: MARKUP})
-    store.client.lpush(store.schema.history(member), f"1700000000000 started {task_id} {MARKUP}")
+    # The markup as a note in both formats: the record's own entry, and a previous release's history list.
+    n = int(store.client.hget(store.schema.record(member), "hn") or 0)
+    store.client.hset(store.schema.record(member), mapping={f"h{n}": f"5 started - {MARKUP}", "hn": n + 1})
+    store.client.lpush(old_history(store.schema, member), f"1700000000000 started {task_id} {MARKUP}")
 
     pages = [root.get(url) for url in (LIST, detail_url(member), release_url(member), requeue_url(member))]
     pages.append(root.get(LIST, {"q": "order:<", "task": MARKUP, "state": MARKUP}))
@@ -752,7 +757,8 @@ def seed(app: Celery, tasks: tuple[str, ...], count: int, *, batch: int = 1000) 
 def test_list_stays_correct_over_100k_records(app: Celery, tasks: tuple[Any, Any], root: Client) -> None:
     seed(app, ("shop.charge", "shop.refund"), 100_000)
     store = runtime.store_for(app)
-    index = [m.decode() for m in store.client.zrevrange(SCHEMA.index, 0, 199)]
+    # Every record is queued: the listing is that state's index, newest first.
+    index = [m.decode() for m in store.client.zrevrange(SCHEMA.state_index("queued"), 0, 199)]
 
     first = root.get(LIST)
     second = root.get(LIST + first.context["listing"].next_url)
@@ -762,7 +768,8 @@ def test_list_stays_correct_over_100k_records(app: Celery, tasks: tuple[Any, Any
     assert not set(listed(first)) & set(listed(second))
     assert first.context["total"] == 100_000
 
-    refunds = [m.decode() for m in store.client.zrevrange(SCHEMA.task_index("shop.refund"), 0, 199)]
+    queued = (m.decode() for m in store.client.zrevrange(SCHEMA.state_index("queued"), 0, -1))
+    refunds = [member for member in queued if member.startswith("shop.refund:")][:200]
     page = root.get(LIST, {"task": "shop.refund"})
     assert listed(page) == refunds[:100]
     assert listed(root.get(LIST + page.context["listing"].next_url)) == refunds[100:200]

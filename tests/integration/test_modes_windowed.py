@@ -27,7 +27,15 @@ from celery_dedup.keys import KeySchema, member_for
 from celery_dedup.runtime import config_for, store_for
 from celery_dedup.worker.bootsteps import DispatchStep
 
-from ..conftest import AppFactory, Server, WorkerProcess, in_process_worker, queued_messages, wait_for
+from ..conftest import (
+    AppFactory,
+    Server,
+    WorkerProcess,
+    history,
+    in_process_worker,
+    queued_messages,
+    wait_for,
+)
 from ..windowed_app import register, runs_key
 
 SCHEMA = KeySchema("dedup")
@@ -48,7 +56,7 @@ def record_of(r: redis.Redis, member: str) -> dict[str, str]:
 
 def history_of(r: redis.Redis, member: str) -> list[list[str]]:
     """``[state, task id, note]`` of each history entry, oldest first."""
-    entries = [raw.decode().split(" ", 3)[1:] for raw in reversed(r.lrange(SCHEMA.history(member), 0, -1))]
+    entries = [entry.split(" ", 3)[1:] for entry in reversed(history(r, member))]
     return [entry + [""] * (3 - len(entry)) for entry in entries]
 
 

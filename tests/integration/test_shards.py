@@ -40,8 +40,8 @@ def test_every_key_of_a_member_is_in_its_shards_slot() -> None:
     slots_used = set()
     for member in members(200):
         at = schema.shard_of(member)
-        names = [at.held, at.record(member), at.lock(member), at.history(member), at.ended(member), at.index]
-        names += [at.state_index("queued"), at.task_index("shop.charge"), at.stats, at.due, at.followers(member)]
+        names = [at.held, at.record(member), at.lock(member), at.ended(member), at.format, at.name_index]
+        names += [at.state_index("queued"), at.stats, at.due, at.followers(member)]
         slots = {key_slot(name.encode()) for name in names}
         assert len(slots) == 1, (member, names)
         slots_used |= slots
