@@ -2,8 +2,9 @@
 --
 -- KEYS[1]  held: held set
 -- ARGV[1]  prefix: key prefix
--- ARGV[2]  budget: at most this many entries examined per step (step 4: per
---          index walked, and as many runs first seen missing a grace ago)
+-- ARGV[2]  budget: at most this many entries examined per step (step 3: over
+--          the indexes it walks; step 4: per index walked, and as many runs
+--          first seen missing a grace ago)
 -- ARGV[3]  record_ms: record TTL (for runs found dead)
 -- ARGV[4]  history_len: history length
 -- ARGV[5]  grace_ms: how long a message must stay missing to be judged lost
@@ -28,8 +29,10 @@
 --      worker: marked `lost`, their key released;
 --   3. state index entries of records that expired are removed: steps 2 and 4
 --      remove those they meet in their walks (started, queued, retry); the
---      other states' indexes are walked here, one state per walk, in turn
---      (P:reaper:walks "stale" names the state whose index is walked);
+--      other states' indexes are walked here in turn (P:reaper:walks "stale"
+--      names the state whose index is walked): a call whose walk of one
+--      state's index ends goes on with the next state's, each state at most
+--      once per call, until it has examined budget entries;
 --   4. queued (or retry-waiting) runs whose message the transport lost after
 --      fetching it (kombu's Redis transport pops a message before recording
 --      it as unacked: a worker killed in between loses it) are marked lost and
@@ -73,8 +76,10 @@ local suspects = KEY.reaper_missing(prefix)
 
 -- The next entries of the walk over `index`, as {members, scores, more, stop,
 -- after}: `more` if the walk goes on after them, `after` the entry they follow
--- ({member, score}, or nil). Pass it all to `walked` once they were examined.
-local function walk(index)
+-- ({member, score}, or nil). At most `limit` entries (default: budget). Pass it
+-- all to `walked` once they were examined.
+local function walk(index, limit)
+  limit = limit or budget
   local at = redis.call('HMGET', walks, index .. ':score', index .. ':member', index .. ':stop')
   local first, stop, after = 0, at[3], nil
   if stop then
@@ -92,15 +97,15 @@ local function walk(index)
     end
     stop = newest[2]
   end
-  local limit = tonumber(stop)
+  local last = tonumber(stop)
   -- One entry more than is read: whether the walk goes on after these.
-  local entries = redis.call('ZRANGE', index, first, first + budget, 'WITHSCORES')
+  local entries = redis.call('ZRANGE', index, first, first + limit, 'WITHSCORES')
   local step = {members = {}, scores = {}, more = false, stop = stop, after = after}
   for i = 1, #entries, 2 do
-    if tonumber(entries[i + 1]) > limit then
+    if tonumber(entries[i + 1]) > last then
       break
     end
-    if #step.members == budget then
+    if #step.members == limit then
       step.more = true
       break
     end
@@ -242,23 +247,32 @@ for _, state in ipairs(STATES) do
     STALE_STATES[#STALE_STATES + 1] = state
   end
 end
-local stale_state = redis.call('HGET', walks, 'stale') or STALE_STATES[1]
-local index = KEY.state_index(prefix, stale_state)
-local indexed = walk(index)
-for _, member in ipairs(indexed.members) do
-  stale_entry(member, stale_state)
-end
-walked(index, indexed)
-if not indexed.more then
-  -- This state's walk ended: the next call walks the next state's index.
-  local next_state = STALE_STATES[1]
-  for i, state in ipairs(STALE_STATES) do
-    if state == stale_state and STALE_STATES[i + 1] then
-      next_state = STALE_STATES[i + 1]
-    end
+local stale_at = 1
+local stale_state = redis.call('HGET', walks, 'stale')
+for i, state in ipairs(STALE_STATES) do
+  if state == stale_state then
+    stale_at = i
   end
-  redis.call('HSET', walks, 'stale', next_state)
 end
+local left = budget
+for _ = 1, #STALE_STATES do
+  local index = KEY.state_index(prefix, STALE_STATES[stale_at])
+  local indexed = walk(index, left)
+  for _, member in ipairs(indexed.members) do
+    stale_entry(member, STALE_STATES[stale_at])
+  end
+  walked(index, indexed)
+  left = left - #indexed.members
+  if indexed.more then
+    break  -- the budget is spent: the next call goes on with this walk
+  end
+  -- This state's walk ended: the next state's index is walked next, in this call while budget is left.
+  stale_at = stale_at % #STALE_STATES + 1
+  if left <= 0 then
+    break
+  end
+end
+redis.call('HSET', walks, 'stale', STALE_STATES[stale_at])
 
 local vanished = 0
 local waiting_states = {queued = true, retry = true}
