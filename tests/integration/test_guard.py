@@ -995,7 +995,8 @@ def test_records_filters_select_exactly_the_matching_records(record_set: RecordS
     rs = record_set
     everything = rs.one_page()
     assert {rec.member for rec in everything} == rs.everything and len(everything) == 300
-    updated = [int(rec.fields["updated_at"]) for rec in everything]
+    updated = [rec.updated_at for rec in everything]
+    assert None not in updated, "every record's last update is known (format 2 derives it from its history)"
     assert updated == sorted(updated, reverse=True), "newest first"
 
     succeeded = rs.one_page(state="succeeded")
