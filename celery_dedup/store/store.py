@@ -844,12 +844,17 @@ class DedupStore:
             budget=20 * limit,
             states=tuple(states),
         )
-        shards = self.schema.shards_all()
-        with self.client.pipeline(transaction=False) as pipe:
-            for at in shards:
-                keys = [at.state_index(each) for each in states]
-                self.scripts.run(keys, command._replace(record_prefix=at.record("")), client=pipe)
-            replies = pipe.execute()
+        calls = [
+            ([at.state_index(each) for each in states], command._replace(record_prefix=at.record("")))
+            for at in self.schema.shards_all()
+        ]
+        if isinstance(self.client, RedisCluster):  # a cluster's pipeline runs no script: a round trip per shard
+            replies = [self.scripts.run(keys, call) for keys, call in calls]
+        else:
+            with self.client.pipeline(transaction=False) as pipe:
+                for keys, call in calls:
+                    self.scripts.run(keys, call, client=pipe)
+                replies = pipe.execute()
         found: list[tuple[float, bytes, Status]] = []
         frontier: tuple[float, bytes] | None = None  # the newest place some shard stopped looking short of its end
         total = 0
