@@ -11,6 +11,7 @@ import dataclasses
 import os
 import re
 from pathlib import Path
+from typing import Any
 
 import pytest
 import redis
@@ -19,6 +20,7 @@ from celery_dedup.keys import KeySchema
 from celery_dedup.store import commands, schema
 from celery_dedup.store.commands import argv_prelude
 from celery_dedup.store.scripts import _WITH_LIB, load_script, with_lib
+from celery_dedup.store.store import DedupStore
 from celery_dedup.testing import RedisServer
 from celery_dedup.worker import delivery
 
@@ -240,3 +242,34 @@ def test_the_scripts_report_only_when_the_variable_says_so(monkeypatch: pytest.M
     monkeypatch.setenv(schema.CHECK_VARIABLE, "1")
     assert "local SCRIPT, CHECK, REPORT_MARK = 'finish', true," in load_script("finish")
     assert "if CHECK then" in lua("lib")
+
+
+def test_a_retry_of_a_run_whose_key_passed_on_and_came_back_is_a_transition_the_table_allows(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """until_executing frees the key as run A starts; B takes it and is refused (A holds the lock); A retries.
+
+    A's retry publish (a continuation) finds B's ended record and gives A a new one, queued; A's ending
+    then records retry on it: queued -> retry by finish, which the table must allow.
+    """
+    monkeypatch.setenv(schema.CHECK_VARIABLE, "1")
+    log = tmp_path / "server.log"
+    with RedisServer(extra=("--logfile", str(log))) as server:
+        client = redis.Redis.from_url(server.url)
+        store = DedupStore(client, "P")
+        member, ms = "t:k", 60_000
+        assert store.gate(member, "A", "nonce-a", hold_ms=ms, grace_ms=ms).accepted
+        common: dict[str, Any] = {"lock_ms": ms, "gated": True, "hostname": "w", "pid": 1, "record_ms": ms}
+        assert store.start(member, "A", "w:1:a", key_mode="release", retries=0, **common).run
+        assert store.gate(member, "B", "nonce-b", hold_ms=ms, grace_ms=ms).accepted, "the key passed on"
+        assert not store.start(member, "B", "w:1:b", key_mode="release", retries=0, **common).run
+        owned, *_ = store.finish(member, "B", "skipped", drop=True, record_ms=ms, token="", role="report")
+        assert owned
+        assert store.gate(member, "A", "nonce-a2", hold_ms=ms, grace_ms=ms, continues=True).accepted
+        owned, *_ = store.finish(member, "A", "retry", drop=False, record_ms=ms, token="w:1:a", role="run")
+        assert owned and (store.record(member) or {}).get("state") == "retry"
+        client.close()
+    reports = schema.reported(log.read_text())
+    print("reported:", *reports, sep="\n  ")
+    assert ("finish", "queued", "retry") in [(r.script, r.old, r.new) for r in reports]
+    assert schema.unexpected(reports) == []
