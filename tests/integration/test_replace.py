@@ -370,3 +370,73 @@ def test_a_replacement_that_is_itself_a_duplicate_resolves_the_run_and_its_follo
         wait_for(lambda: client.llen("replace:late_receipts"), 20, "the follower's callback")
     assert client.lrange("replace:late_receipts", 0, -1) == [b"published 8"]
     assert r.get("replace:published:8") == b"1"
+
+
+def test_a_debounced_run_replaced_under_its_own_key_runs_with_the_replacements_arguments(
+    make_app: AppFactory, r: redis.Redis
+) -> None:
+    """The burst's arguments ran once: the replacement goes on with its own, and the run ends.
+
+    A debounced run executes with the newest payload its record keeps; the
+    replacement's publish must leave its own there, or each step runs the
+    first one's arguments again and replaces itself forever.
+    """
+    app = make_app()
+    client = redis.Redis.from_url(str(app.conf.broker_url))
+
+    @app.task(
+        base=DedupTask,
+        name="replace.settle",
+        dedup_key="settle:{n}",
+        dedup_mode="debounce",
+        dedup_window=0.2,
+        bind=True,
+        shared=False,
+    )
+    def settle(self: DedupTask, n: int, i: int) -> Any:
+        client.rpush(f"replace:settled:{n}", i)
+        if i < STEPS:
+            return self.replace(settle.s(n, i + 1))
+        return f"settled {n} at step {i}"
+
+    member = member_for("replace.settle", "settle:4")
+    with in_process_worker(app, pool="threads", concurrency=2):
+        run = settle.delay(4, 1)
+        wait_for(
+            lambda: r.hget(SCHEMA.record(member), "state") == b"succeeded",
+            10,
+            lambda: f"the run to end; steps so far: {client.lrange('replace:settled:4', 0, 20)}",
+        )
+        assert run.get(timeout=10) == f"settled 4 at step {STEPS}"
+    assert client.lrange("replace:settled:4", 0, -1) == [str(i).encode() for i in range(1, STEPS + 1)]
+    assert not r.sismember(SCHEMA.held, member) and not r.exists(SCHEMA.lock(member))
+
+
+def test_a_debounced_run_retried_with_new_arguments_runs_with_them(make_app: AppFactory, r: redis.Redis) -> None:
+    """``Task.retry(args=...)`` of a debounced run: the retry runs the arguments it was given."""
+    app = make_app()
+    client = redis.Redis.from_url(str(app.conf.broker_url))
+
+    @app.task(
+        base=DedupTask,
+        name="replace.debounced_retry",
+        dedup_key="retry:{n}",
+        dedup_mode="debounce",
+        dedup_window=0.2,
+        bind=True,
+        shared=False,
+    )
+    def again(self: DedupTask, n: int, i: int) -> Any:
+        client.rpush(f"replace:retried:{n}", i)
+        if i == 1:
+            raise self.retry(args=(n, 2), countdown=0.1, max_retries=3)
+        return i
+
+    with in_process_worker(app, pool="threads", concurrency=2):
+        run = again.delay(5, 1)
+        try:
+            outcome: Any = run.get(timeout=10)
+        except Exception as exc:  # what it raised is the finding
+            outcome = exc
+    assert client.lrange("replace:retried:5", 0, -1) == [b"1", b"2"]
+    assert outcome == 2

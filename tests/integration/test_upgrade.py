@@ -221,9 +221,9 @@ def _run_all(release: Release, server: Server, r: redis.Redis, orders: Sequence[
             60,
             lambda: f"runs of {orders} not all succeeded",
         )
-    finally:
-        output = _stop(worker)
-    return output
+    except AssertionError as exc:
+        raise AssertionError(f"{exc}\n--- the worker's output:\n{_stop(worker)}") from None
+    return _stop(worker)
 
 
 def _is_subsequence(part: Sequence[str], whole: Sequence[str]) -> bool:

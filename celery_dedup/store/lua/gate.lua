@@ -57,7 +57,10 @@
 -- its member put in P:due, scored by when it is due; dispatch.lua pushes it
 -- then. A call (never a continuation) while the key is held joins that run: it pushes the due time
 -- back (pending runs only; never past first call + max wait) and, with
--- latest, leaves its payload and argument reprs for the run to use.
+-- latest, leaves its payload and argument reprs for the run to use. A retry or
+-- a replacement under the key (a continuation of the run itself, not a
+-- deferred copy) leaves its own: the run goes on with the arguments it was
+-- given, not with its burst's again.
 --
 -- Followers: a duplicate (or a debounce join) that carries something to
 -- continue (max_followers > 0: its id in a group or chord, callbacks, a chain) is
@@ -154,6 +157,15 @@ if same_run then
   end
   if not stays_free then
     redis.call('SADD', held, member)
+  end
+  if not defers and payload ~= '' then
+    -- A retry or a replacement under the key runs with the arguments it was
+    -- given: they become the run's newest (a deferred copy carries its
+    -- message's first arguments, and leaves the burst's in place).
+    redis.call('HSET', record, 'payload', payload)
+    if argsrepr ~= '' or kwargsrepr ~= '' then
+      redis.call('HSET', record, 'args', argsrepr, 'kwargs', kwargsrepr)
+    end
   end
 else
   local fresh = redis.call('SADD', held, member) == 1

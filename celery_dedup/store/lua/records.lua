@@ -40,14 +40,14 @@ end
 
 local batch = limit + 1
 
--- Up to `n` entries of `key` after position (score, member) in page order: {{score, member}, ...}.
+-- Up to `n` entries of `key` after position (score, member) in page order: {{score, member, score as a number}, ...}.
 local function fetch(key, score, member, n)
   local out = {}
   local rest
   if score then
     for _, m in ipairs(redis.call('ZREVRANGEBYSCORE', key, score, score)) do
       if before(m, member) then
-        out[#out + 1] = {score, m}
+        out[#out + 1] = {score, m, tonumber(score)}
         if #out == n then
           return out
         end
@@ -58,7 +58,7 @@ local function fetch(key, score, member, n)
     rest = redis.call('ZREVRANGEBYSCORE', key, '+inf', '-inf', 'WITHSCORES', 'LIMIT', 0, n)
   end
   for i = 1, #rest, 2 do
-    out[#out + 1] = {rest[i + 1], rest[i]}
+    out[#out + 1] = {rest[i + 1], rest[i], tonumber(rest[i + 1])}
   end
   return out
 end
@@ -66,9 +66,12 @@ end
 local start_score = after_score ~= '' and after_score or nil
 local streams, total = {}, 0
 for i, key in ipairs(KEYS) do
-  total = total + redis.call('ZCARD', key)
-  local entries = fetch(key, start_score, after_member, batch)
-  streams[i] = {key = key, state = states[i], entries = entries, at = 1, more = #entries == batch}
+  local size = redis.call('ZCARD', key)
+  total = total + size
+  if size > 0 then  -- most states' indexes are empty: nothing to fetch or merge
+    local entries = fetch(key, start_score, after_member, batch)
+    streams[#streams + 1] = {key = key, state = states[i], entries = entries, at = 1, more = #entries == batch}
+  end
 end
 
 local found, shown, scanned = {}, 0, 0
@@ -82,7 +85,7 @@ while shown < limit and scanned < budget do
       if not best_entry then
         best, best_entry = stream, entry
       else
-        local s, b = tonumber(entry[1]), tonumber(best_entry[1])
+        local s, b = entry[3], best_entry[3]
         if s > b or (s == b and before(best_entry[2], entry[2])) then
           best, best_entry = stream, entry
         end
