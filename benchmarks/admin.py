@@ -88,9 +88,7 @@ def seed(app: Celery, count: int, *, batch: int = 1000) -> None:
         for n in range(count):
             key, task = f"order:{n:06d}", TASKS[n % len(TASKS)]
             member = member_for(task, key)
-            call = store.gate_call(
-                member, new_task_id(key), new_nonce(), hold_ms=3_600_000, grace_ms=86_400_000, task_name=task
-            )
+            call = store.gate_call(member, new_task_id(key), new_nonce(), hold_ms=3_600_000, grace_ms=86_400_000)
             store.scripts.run(call.keys, call.command, client=pipe)
             if len(pipe) >= batch:
                 pipe.execute()
@@ -99,9 +97,7 @@ def seed(app: Celery, count: int, *, batch: int = 1000) -> None:
         member = member_for(TASKS[n % len(TASKS)], f"order:{n:06d}")
         record = store.record(member) or {}
         token = new_token()
-        harness.start_run(
-            store, member, record["task_id"], token, task_name=TASKS[n % len(TASKS)], hostname="bench-worker", pid=1
-        )
+        harness.start_run(store, member, record["task_id"], token, hostname="bench-worker", pid=1)
         store.finish(
             member, record["task_id"], "failed", drop=True, record_ms=86_400_000, token=token, role="run", error="bench"
         )

@@ -42,15 +42,13 @@ HOLD_MS, GRACE_MS, LEASE_MS = 3_600_000, 86_400_000, 30_000
 def new_key(store: DedupStore, member: str) -> None:
     """Hold ``member`` with a lease, then confirm it: the two Redis steps of a new key's two-phase call."""
     run, nonce = new_task_id(member), new_nonce()
-    outcome = store.gate(member, run, nonce, hold_ms=HOLD_MS, grace_ms=GRACE_MS, task_name="bench", lease_ms=LEASE_MS)
+    outcome = store.gate(member, run, nonce, hold_ms=HOLD_MS, grace_ms=GRACE_MS, lease_ms=LEASE_MS)
     assert outcome.accepted, outcome
     assert store.confirm(member, run, nonce, hold_ms=HOLD_MS, grace_ms=GRACE_MS).accepted
 
 
 def duplicate(store: DedupStore, member: str) -> None:
-    outcome = store.gate(
-        member, new_task_id(member), new_nonce(), hold_ms=HOLD_MS, grace_ms=GRACE_MS, task_name="bench"
-    )
+    outcome = store.gate(member, new_task_id(member), new_nonce(), hold_ms=HOLD_MS, grace_ms=GRACE_MS)
     assert not outcome.accepted, outcome
 
 

@@ -405,7 +405,6 @@ def start_run(
     task_id: str,
     token: str,
     *,
-    task_name: str,
     record_ms: int = 86_400_000,
     lock_ms: int = 60_000,
     hostname: str = "bench@host",
@@ -426,7 +425,6 @@ def start_run(
         hostname=hostname,
         pid=os.getpid() if pid is None else pid,
         retries=0,
-        task_name=task_name,
         record_ms=record_ms,
     )
     if not decision.run:

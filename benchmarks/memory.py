@@ -158,7 +158,6 @@ def start_all(store: DedupStore, keys: Keys, hostname: str) -> None:
             member,
             task_id,
             token,
-            task_name=TASK,
             lock_ms=LOCK_MS,
             hostname=f"celery@{hostname}",
             pid=DEFAULT_PID,
@@ -229,6 +228,11 @@ def owner_field_bytes(client: redis.Redis, records: Sequence[str]) -> float:
     return statistics.fmean(diffs) if diffs else 0.0
 
 
+def v1_key(schema: KeySchema, kind: str, part: str = "") -> str:
+    """A key of the stored format 1 that format 2 no longer writes (``idx``, ``idx:task:N``, ``hist:M``): 0 B now."""
+    return f"{schema.prefix}:{kind}{part}"
+
+
 def measure_state(
     client: redis.Redis, schema: KeySchema, keys: Keys, sample: Sequence[int], base: int, *, queue_key: str | None
 ) -> dict[str, Any]:
@@ -238,15 +242,15 @@ def measure_state(
     namespace = task_namespace(TASK)
     shared = {
         "held": schema.held,
-        "idx": schema.index,
+        "idx": v1_key(schema, "idx"),
         "idx_name": schema.name_index,
-        "idx_task": schema.task_index(namespace),
+        "idx_task": v1_key(schema, "idx:task:", namespace),
         **{f"idx_state_{state}": schema.state_index(state) for state in ("queued", "started", "succeeded")},
     }
     per_key = {name: usage(client, key) / count for name, key in shared.items()}
     per_key["idx_state"] = sum(v for k, v in per_key.items() if k.startswith("idx_state_"))
     record, record_enc = sample_usage(client, [schema.record(m) for m in members])
-    history, history_enc = sample_usage(client, [schema.history(m) for m in members])
+    history, history_enc = sample_usage(client, [v1_key(schema, "hist:", m) for m in members])
     lock, _ = sample_usage(client, [schema.lock(m) for m in members])
     per_key.update(record=record, history=history, lock=lock)
     per_key["owner_fields"] = owner_field_bytes(client, [schema.record(m) for m in members])
@@ -255,7 +259,7 @@ def measure_state(
     attributed = sum(per_key[k] for k in ATTRIBUTED)
     # Format 1 keeps the history in a list of its own; format 2 in the record (``h<n>`` fields, counted in ``record``).
     history_len = statistics.fmean(
-        int(client.llen(schema.history(m))) + sum(1 for f in client.hkeys(schema.record(m)) if _is_entry(f))
+        int(client.llen(v1_key(schema, "hist:", m))) + sum(1 for f in client.hkeys(schema.record(m)) if _is_entry(f))
         for m in members
     )
     name_bytes = statistics.fmean(sum(len(f) for f in client.hkeys(schema.record(m))) for m in members)
@@ -396,8 +400,8 @@ CHECKPOINTS = (1, 2, 10, 29, 100, 1000)
 
 def member_bytes(client: redis.Redis, schema: KeySchema, member: str) -> int:
     """``MEMORY USAGE`` of every key of one member (the held set and indexes are shared: not counted)."""
-    keys = (schema.record, schema.history, schema.lock, schema.ended, schema.followers, schema.outcomes)
-    return sum(usage(client, key(member)) for key in keys)
+    keys = (schema.record, schema.lock, schema.ended, schema.followers, schema.outcomes)
+    return sum(usage(client, key(member)) for key in keys) + usage(client, v1_key(schema, "hist:", member))
 
 
 def run_repeatedly(
@@ -433,7 +437,6 @@ def run_repeatedly(
                 member,
                 result.id,
                 token,
-                task_name=name,
                 lock_ms=LOCK_MS,
                 hostname=f"celery@{DEFAULT_HOST}",
                 pid=DEFAULT_PID,

@@ -89,7 +89,6 @@ class Scale:
                         new_nonce(),
                         hold_ms=HOLD_MS,
                         grace_ms=RECORD_MS,
-                        task_name=self.task.name,
                         argsrepr=f"({n},)",
                         kwargsrepr="{}",
                         queue=QUEUE,
@@ -142,7 +141,7 @@ class Scale:
             token = new_token()
 
             def pair(member: str = member, task_id: str = task_id, token: str = token) -> None:
-                harness.start_run(self.store, member, task_id, token, task_name=self.task.name, record_ms=RECORD_MS)
+                harness.start_run(self.store, member, task_id, token, record_ms=RECORD_MS)
                 self.store.finish(member, task_id, "succeeded", drop=True, record_ms=RECORD_MS, token=token, role="run")
 
             pairs.append(pair)

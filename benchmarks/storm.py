@@ -69,6 +69,7 @@ from benchmarks.storm_app import (
     build_app,
 )
 from celery_dedup.keys import KeySchema, member_for
+from celery_dedup.store.status import history_of
 from celery_dedup.testing import RedisServer
 
 GO = "bench-storm:go"
@@ -358,12 +359,15 @@ def dedup_lost_records(client: redis.Redis, keys: Sequence[int]) -> dict[int, li
     schema = KeySchema(DEDUP_PREFIX)
     with client.pipeline(transaction=False) as pipe:
         for n in keys:
-            pipe.lrange(schema.history(member_for(TASK, f"storm:{n}")), 0, -1)
-        histories = pipe.execute()
+            pipe.hgetall(schema.record(member_for(TASK, f"storm:{n}")))
+        records = pipe.execute()
+    histories = [
+        [entry.text() for entry in history_of({text(k): text(v) for k, v in record.items()})] for record in records
+    ]
     return {
-        n: [text(entry) for entry in reversed(history)]
+        n: list(reversed(history))
         for n, history in zip(keys, histories, strict=True)
-        if any(text(entry).split()[1] == "lost" for entry in history)
+        if any(entry.split()[1] == "lost" for entry in history)
     }
 
 

@@ -357,10 +357,10 @@ def time_guard_calls(bench: Bench, pairs: int) -> dict[str, float]:
     for i in range(pairs + 100):
         key = f"order:direct-{i}"
         member, task_id = member_for(task.name, key), new_task_id(key)
-        store.gate(member, task_id, new_nonce(), hold_ms=3_600_000, grace_ms=record_ms, task_name=task.name)
+        store.gate(member, task_id, new_nonce(), hold_ms=3_600_000, grace_ms=record_ms)
         token = new_token()
         t0 = time.perf_counter_ns()
-        harness.start_run(store, member, task_id, token, task_name=task.name, record_ms=record_ms)
+        harness.start_run(store, member, task_id, token, record_ms=record_ms)
         t1 = time.perf_counter_ns()
         store.finish(member, task_id, "succeeded", drop=True, record_ms=record_ms, token=token, role="run")
         t2 = time.perf_counter_ns()

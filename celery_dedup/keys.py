@@ -26,8 +26,8 @@ task name, ``:``, and the business key)::
     P:held      SET of members whose key is currently held
     P:rec:M     HASH, the member's status record (owner task id, state, times)
     P:lock:M    STRING, the execution lock: the running delivery's token
-    P:hist:M    LIST, the member's recent transitions, newest first
-    P:idx...    indexes over the records (see store/lua/lib.lua)
+    P:idx...    indexes over the records: per state, and by name (see store/lua/lib.lua)
+    P:format    STRING, the stored format's version (store/schema.py's FORMAT)
     P:reaper:*  where the reaper stands in its walks (see store/lua/reap.lua)
     P:fol:M     HASH, the member's followers: follower task id -> JSON
                 {run, queue, message, at} (message and queue gone once released)
@@ -371,23 +371,12 @@ class KeySchema:
     def lock(self, member: str) -> str:
         return f"{self.prefix}:lock:{member}"
 
-    def history(self, member: str) -> str:
-        return f"{self.prefix}:hist:{member}"
-
     def ended(self, member: str) -> str:
         """ZSET of the key's ended runs pushed out of its record's memory (lib.lua's ``remember_ended``)."""
         return f"{self.prefix}:ended:{member}"
 
-    @property
-    def index(self) -> str:
-        """ZSET of every member with a record, scored by last update (ms)."""
-        return f"{self.prefix}:idx"
-
     def state_index(self, state: str) -> str:
         return f"{self.prefix}:idx:state:{state}"
-
-    def task_index(self, task_name: str) -> str:
-        return f"{self.prefix}:idx:task:{task_name}"
 
     @property
     def stats(self) -> str:

@@ -131,9 +131,10 @@ def requeue(app: Any, member: str, *, by: str = "") -> RequeueResult:
         raise DedupOperationError(
             "requeue", member, "the record keeps no payload (kept on a Redis broker with dedup_record_args on)"
         )
-    task = app.tasks.get(record.get("task", ""))
+    name = record.get("task") or task_from_namespace(split_member(member)[0])  # format 2 derives it
+    task = app.tasks.get(name)
     if not isinstance(task, DedupTask):
-        raise DedupOperationError("requeue", member, f"task {record.get('task')!r} is no DedupTask of this app")
+        raise DedupOperationError("requeue", member, f"task {name!r} is no DedupTask of this app")
     try:
         args, kwargs = decode_payload(app, payload)
     except Exception as exc:  # kombu's decoders raise many kinds (ContentDisallowed, ValueError, ...)

@@ -161,8 +161,9 @@ WHOLE_WORKER_KILLS = frozenset({"kill-worker", "restart-worker"})
 #: How soon after its worker's SIGKILL a live run must be put back, seconds: before its lock (renewed every
 #: third of its TTL) expires, a reaper pass of another worker (every REAP_INTERVAL) proves the owner dead.
 RECOVERY_BOUND = LOCK_TTL + REAP_INTERVAL
-#: The server history's note for a run whose record went to the next call of its key while it ran.
-PASSED_ON = "key passed to the next run"
+#: The server history's note for a run whose record went to the next call of its key while it ran: format
+#: 2's, and format 1's (``"still running; key passed to the next run"``, of a store a previous release wrote).
+PASSED_ON = frozenset({"passed on", "key passed to the next run"})
 #: Faults that can keep a dead worker's run from being put back in time (they stop, cut or slow the
 #: workers that would restore it, or change the run's record). Workers killed or stopped by a restart
 #: meanwhile only do not count as the live worker that restores it.
@@ -664,6 +665,11 @@ def _is_sigkill(signum: Any) -> bool:
     return str(signum) in ("9", "SIGKILL", "Signals.SIGKILL")
 
 
+def passed_on(note: str) -> bool:
+    """Whether a history note says the run's record went to the next call of its key (one of its "; " parts)."""
+    return any(part.strip() in PASSED_ON for part in note.split(";"))
+
+
 def _entry(raw: str) -> Entry:
     parts = raw.split(" ", 3)
     return Entry(int(parts[0]) / 1000, parts[1], parts[2] if len(parts) > 2 else "", parts[3] if len(parts) > 3 else "")
@@ -1026,7 +1032,7 @@ class Checker:
             return  # the visibility timeout can bring it back first, and then there is nothing to restore
         if h.lock_loss(body) or h.loss_cause(body, deadline) or self._recovery_hindrance(body, killed_at, deadline):
             return
-        if any(PASSED_ON in e.note for e in h.entries(body.member, body.task_id) if e.t <= deadline):
+        if any(passed_on(e.note) for e in h.entries(body.member, body.task_id) if e.t <= deadline):
             return  # its record went to the next run of its key: recovery finds runs by their records
         stopping = {
             int(pid)

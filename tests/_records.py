@@ -69,7 +69,6 @@ class Records:
             hostname=hostname,
             pid=4242,
             retries=0,
-            task_name=self.task.name,
             record_ms=self.record_ms,
         )
         assert decision.run, decision

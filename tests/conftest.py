@@ -48,6 +48,7 @@ from kombu.utils.json import loads
 import celery_dedup
 from celery_dedup import testing
 from celery_dedup.store import schema
+from celery_dedup.store.store import DedupStore
 from celery_dedup.testing import RedisServer, ServerNotFound
 from tests.servers import ClusterNotSupported, RabbitMQNode, RabbitMQNotFound, RedisCluster
 
@@ -341,6 +342,14 @@ def in_process_worker(app: Celery, pool: str = "solo", concurrency: int = 1, **o
             hub = getattr(worker, "hub", None)
             if hub is not None:
                 hub.call_soon(lambda: None)
+
+
+def history(client: redis.Redis, member: str, prefix: str = "dedup") -> list[str]:
+    """``member``'s history through the store, newest first: ``"<ms> <state> <task id> [note]"``.
+
+    From either record format: format 2's entries in the record, a format 1 history list beside it.
+    """
+    return DedupStore(client, prefix).history(member)
 
 
 def queued_messages(client: redis.Redis, queue: str = "celery") -> list[dict[str, Any]]:

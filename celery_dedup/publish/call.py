@@ -173,7 +173,6 @@ def two_phase(
             gate.nonce,
             hold_ms=gate.hold_ms,
             grace_ms=gate.grace_ms,
-            task_name=task.name,
             argsrepr=saferepr(args) if config.record_args and args else "",
             kwargsrepr=saferepr(kwargs) if config.record_args and kwargs else "",
             continues=gate.continues,

@@ -89,7 +89,6 @@ class Gate(NamedTuple):
     task_id: str
     nonce: str
     hold_ms: Number
-    task_name: str
     grace_ms: Number
     prefix: str
     history_len: Number
@@ -175,7 +174,7 @@ class Records(NamedTuple):
     states: Rest
 
 
-@script("annotate", keys=("record", "hist"))
+@script("annotate", keys=("record",))
 class Annotate(NamedTuple):
     task_id: str
     note: str
@@ -202,8 +201,7 @@ class Start(NamedTuple):
     key_mode: str
     hostname: str
     pid: int
-    retries: int
-    task_name: str
+    retries: Number
     prefix: str
     history_len: Number
     record_ms: Number
@@ -362,7 +360,7 @@ class LimitRenew(NamedTuple):
     tokens: Rest
 
 
-@script("limit_note", keys=("record", "history"))
+@script("limit_note", keys=("record",))
 class LimitNote(NamedTuple):
     task_id: str
     what: str

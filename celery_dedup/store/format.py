@@ -266,6 +266,11 @@ def fold(store: DedupStore, history_key: str) -> bool | None:
                 continue
 
 
+def old_history(at: KeySchema, member: str) -> str:
+    """Format 1's history list of ``member``: read beside the record's own until :func:`migrate` folds it."""
+    return f"{at.prefix}:hist:{member}"
+
+
 def _split_history(store: DedupStore, history_key: str) -> tuple[KeySchema, str]:
     for at in store.schema.shards_all():
         head = f"{at.prefix}:hist:"

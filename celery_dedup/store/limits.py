@@ -116,7 +116,7 @@ def release(store: DedupStore, group: str, token: str, *, ran: bool) -> bool:
 def note(store: DedupStore, member: str, task_id: str, what: str, detail: str) -> None:
     """Write ``what`` (``wait`` / ``granted``) into run ``task_id``'s status record (``limit_note.lua``)."""
     at = store.schema.shard_of(member)
-    keys = [at.record(member), at.history(member)]
+    keys = [at.record(member)]
     command = commands.LimitNote(task_id=task_id, what=what, detail=detail, history_len=store.history_length)
     store.scripts.run(keys, command, client=store.client)
 

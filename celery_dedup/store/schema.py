@@ -14,6 +14,12 @@ import re
 from collections.abc import Iterable
 from dataclasses import dataclass
 
+#: The stored format's version, kept in the store's ``format`` key. 1: every record's history in a list
+#: (``{prefix}:hist:{member}``) and the ``idx`` and ``idx:task`` indexes beside the state indexes; 2: the history
+#: inside the record (fields ``h<n>``, ``hn``), only the state and name indexes. Format 1 had no such key: a store
+#: without one is format 1 if it holds any of format 1's structures, a new store otherwise (``store/format.py``).
+FORMAT = 2
+
 # States -----------------------------------------------------------------------------------------------------------
 
 #: Every state a record can be in, in the order people see them.
@@ -108,6 +114,12 @@ TRANSITIONS: tuple[Transition, ...] = (
         ("finish",),
         "its delivery refused: another run of its key holds the execution lock (delivery.refuse)",
     ),
+    Transition(
+        "queued",
+        "retry",
+        ("finish",),
+        "a retry of a run whose key passed on while it ran: its retry's publish gave it a new record (gate)",
+    ),
     *_each(["publishing", "queued", "retry"], ["lost"], ("reap",), "the publish lease ended, or the message vanished"),
     *_each(_UNENDED, ["released"], ("release",), "an operator released the key of a run that had not ended"),
     *(Transition(state, state, ("release",), "an operator released an ended run's key") for state in ENDED_STATES),
@@ -121,13 +133,6 @@ def allowed_transitions(table: Iterable[Transition] = TRANSITIONS) -> dict[tuple
         allowed.setdefault((transition.old, transition.new), set()).update(transition.scripts)
     return {move: frozenset(scripts) for move, scripts in allowed.items()}
 
-
-# Format -----------------------------------------------------------------------------------------------------------
-
-#: The layout of the stored keys this release writes, kept in the store's ``format`` key (see
-#: ``store/format.py``). Format 1 had no such key: a store without one is format 1 if it holds any of
-#: format 1's structures, and a new store otherwise.
-FORMAT = 2
 
 # Keys -------------------------------------------------------------------------------------------------------------
 
@@ -165,20 +170,19 @@ KEY_KINDS = (
     KeyKind("format", "{prefix}:format", "STRING", "the layout of the keys under the prefix: FORMAT"),
     KeyKind("record", "{prefix}:rec:{member}", "HASH", "the member's status record (FIELD_DOCS)"),
     KeyKind("lock", "{prefix}:lock:{member}", "STRING", "the execution lock: the owner token of the delivery running"),
-    KeyKind("history", "{prefix}:hist:{member}", "LIST", '"<ms> <state> <task id> [note]", newest first, capped'),
     KeyKind("ended", "{prefix}:ended:{member}", "ZSET", "fingerprint -> when (ms): ended runs pushed out of `ended`"),
     KeyKind("followers", "{prefix}:fol:{member}", "HASH", "task id -> JSON {run, queue, message, at}: followers"),
     KeyKind("outcomes", "{prefix}:out:{member}", "HASH", "run id -> JSON {state, error, result}: for its followers"),
     KeyKind("following", "{prefix}:following", "SET", "members that have followers"),
-    KeyKind("index", "{prefix}:idx", "ZSET", "member -> last update (ms): every record, newest first"),
     KeyKind("name_index", "{prefix}:idx:name", "ZSET", '"<business key>\\0<task>" -> 0: key-prefix search'),
     KeyKind("state_index", "{prefix}:idx:state:{state}", "ZSET", "member -> last update: the records in that state"),
-    KeyKind("task_index", "{prefix}:idx:task:{namespace}", "ZSET", "member -> last update: the records of that task"),
     KeyKind("stats", "{prefix}:stats", "HASH", '"<escaped task name>:<decision>" -> count'),
     KeyKind("due", "{prefix}:due", "ZSET", "member -> due time (ms): debounced runs parked until due"),
     KeyKind("reaper_cursor", "{prefix}:reaper:cursor", "STRING", "the reaper's SSCAN cursor over the held set"),
     KeyKind("reaper_following_cursor", "{prefix}:reaper:cursor:following", "STRING", "its cursor over `following`"),
-    KeyKind("reaper_walks", "{prefix}:reaper:walks", "HASH", 'where its walk of index I stands: "I:score", ...'),
+    KeyKind(
+        "reaper_walks", "{prefix}:reaper:walks", "HASH", 'where its walk of index I stands: "I:score", ..., "stale"'
+    ),
     KeyKind("reaper_missing", "{prefix}:reaper:missing", "ZSET", "member -> when its message was first seen missing"),
     KeyKind("limit_slots", "{prefix}:lim:slots:{group}", "ZSET", "token -> lease deadline (ms): the group's slots"),
     KeyKind("limit_starts", "{prefix}:lim:starts:{group}", "ZSET", "token -> start (ms): its rate window's log"),
@@ -203,6 +207,8 @@ class FieldDoc:
     help: str
     #: Whether the value is a millisecond timestamp.
     time: bool = False
+    #: Not stored (format 2): readers derive it (a format 1 record may still hold it).
+    derived: bool = False
 
 
 #: How a record's fields are grouped for people, in order: ``(name, title)``. Internals are folded away.
@@ -223,7 +229,13 @@ FIELD_DOCS = (
         f"Where the run is. It has ended once {', '.join(ENDED_STATES[:-1])} or {ENDED_STATES[-1]}; "
         "lost means its worker died or its message vanished.",
     ),
-    FieldDoc("task", "run", "Task", "The task's registered name."),
+    FieldDoc(
+        "task",
+        "run",
+        "Task",
+        "The task's registered name: derived from the member (its escaped task name), not stored.",
+        derived=True,
+    ),
     FieldDoc(
         "task_id",
         "run",
@@ -245,7 +257,15 @@ FIELD_DOCS = (
     FieldDoc("queued_at", "timing", "Queued", "When the gate accepted the run.", time=True),
     FieldDoc("started_at", "timing", "Started", "When a worker last started the task's body.", time=True),
     FieldDoc("finished_at", "timing", "Finished", "When the run ended.", time=True),
-    FieldDoc("updated_at", "timing", "Last update", "When the record last changed state.", time=True),
+    FieldDoc(
+        "updated_at",
+        "timing",
+        "Last update",
+        "When the record last changed state: derived from the newest history entry (else the latest of the "
+        "other times), not stored.",
+        time=True,
+        derived=True,
+    ),
     FieldDoc(
         "held_until",
         "timing",
@@ -397,6 +417,15 @@ FIELD_DOCS = (
         "Ended runs",
         "Fingerprints of the key's last ended runs, carried from run to run: a late copy of one is skipped.",
     ),
+    FieldDoc(
+        "h<n>",
+        "internals",
+        "History entry",
+        "One history entry per field, n counting up (newest: highest), at most dedup_history_length of them: "
+        '"<offset> <state>" or "<offset> <state> <run> [note]", offset in ms from queued_at, run "-" for this '
+        "record's run; at most 64 bytes, a long note cut.",
+    ),
+    FieldDoc("hn", "internals", "Next entry", "The n of the next history entry (h<n>)."),
     FieldDoc(
         "began",
         "internals",

@@ -15,7 +15,21 @@ from .schema import CHECK_VARIABLE, lua_prelude
 
 #: Scripts that change status records get the schema's constants and the shared helpers of ``lib.lua`` first.
 _WITH_LIB = frozenset(
-    {"gate", "confirm", "start", "takeover", "finish", "reap", "dispatch", "peek", "release", "purge", "settle"}
+    {
+        "gate",
+        "confirm",
+        "start",
+        "takeover",
+        "finish",
+        "reap",
+        "dispatch",
+        "peek",
+        "release",
+        "purge",
+        "settle",
+        "annotate",
+        "limit_note",
+    }
 )
 
 

@@ -20,7 +20,7 @@ from . import commands
 from . import format as store_format
 from .commands import ConfirmCode, GateCode, PeekCode, ReleaseCode, StartCode
 from .scripts import Scripts
-from .status import ENDED_STATES, STATES, Status
+from .status import ENDED_STATES, STATES, Status, history_of, is_history_field
 
 logger = logging.getLogger("celery_dedup")
 
@@ -211,7 +211,11 @@ class KeyDetail:
     @property
     def status(self) -> Status | None:
         """The record with its history as typed values, or None without a record."""
-        return None if self.record is None else Status.from_record(self.member, self.record, self.history)
+        if self.record is None:
+            return None
+        # ``history`` holds the record's own entries already, merged with format 1's list.
+        fields = {name: value for name, value in self.record.items() if not is_history_field(name)}
+        return Status.from_record(self.member, fields, self.history)
 
 
 @dataclass(frozen=True)
@@ -366,7 +370,6 @@ class DedupStore:
         *,
         hold_ms: int,
         grace_ms: int,
-        task_name: str,
         argsrepr: str = "",
         kwargsrepr: str = "",
         queue: str | None = None,
@@ -408,7 +411,6 @@ class DedupStore:
             task_id=task_id,
             nonce=nonce,
             hold_ms=hold_ms,
-            task_name=task_name,
             grace_ms=grace_ms,
             prefix=at.prefix,
             history_len=self.history_length,
@@ -533,7 +535,6 @@ class DedupStore:
         hostname: str,
         pid: int,
         retries: int,
-        task_name: str,
         record_ms: int,
         want_payload: bool = False,
         on_locked: str = "skip",
@@ -561,7 +562,6 @@ class DedupStore:
             hostname=hostname,
             pid=pid,
             retries=retries,
-            task_name=task_name,
             prefix=at.prefix,
             history_len=self.history_length,
             record_ms=record_ms,
@@ -705,17 +705,22 @@ class DedupStore:
 
     def status(self, member: str) -> Status | None:
         """The member's record and history as a :class:`Status` (one round trip), or None without a record."""
-        with self.client.pipeline(transaction=True) as pipe:
-            pipe.hgetall(self._at(member).record(member))
-            pipe.lrange(self._at(member).history(member), 0, -1)
-            raw, history = pipe.execute()
-        if not raw:
-            return None
-        return Status.from_record(member, {_text(k): _text(v) for k, v in raw.items()}, [_text(e) for e in history])
+        fields, listed = self._record_and_old_history(member)
+        return Status.from_record(member, fields, listed) if fields else None
 
     def history(self, member: str) -> list[str]:
         """The member's recent transitions, newest first: ``"<ms> <state> <task id> [note]"``."""
-        return [_text(entry) for entry in self.client.lrange(self._at(member).history(member), 0, -1)]
+        fields, listed = self._record_and_old_history(member)
+        return [entry.text() for entry in history_of(fields, listed)]
+
+    def _record_and_old_history(self, member: str) -> tuple[dict[str, str], list[str]]:
+        """The record's fields and format 1's history list of the member (a rolling upgrade's), in one round trip."""
+        at = self._at(member)
+        with self.client.pipeline(transaction=True) as pipe:
+            pipe.hgetall(at.record(member))
+            pipe.lrange(store_format.old_history(at, member), 0, -1)
+            raw, listed = pipe.execute()
+        return {_text(k): _text(v) for k, v in raw.items()}, [_text(entry) for entry in listed]
 
     def replacing(self, member: str, task_id: str, token: str, by: str) -> bool:
         """Mark run ``task_id``, run by the delivery holding lock ``token``, as replacing itself with ``by``.
@@ -733,7 +738,7 @@ class DedupStore:
 
         False, and nothing written, once the record names another run.
         """
-        keys = [self._at(member).record(member), self._at(member).history(member)]
+        keys = [self._at(member).record(member)]
         return bool(
             self.scripts.run(keys, commands.Annotate(task_id=task_id, note=note, history_len=self.history_length))
         )
@@ -770,15 +775,16 @@ class DedupStore:
         schema = self._at(member)
         with self.client.pipeline(transaction=True) as pipe:
             pipe.hgetall(schema.record(member))
-            pipe.lrange(schema.history(member), 0, -1)
+            pipe.lrange(store_format.old_history(schema, member), 0, -1)
             pipe.sismember(schema.held, member)
             pipe.get(schema.lock(member))
             pipe.pttl(schema.lock(member))
-            raw, history, held, token, pttl = pipe.execute()
+            raw, listed, held, token, pttl = pipe.execute()
+        record = {_text(k): _text(v) for k, v in raw.items()}
         return KeyDetail(
             member=member,
-            record={_text(k): _text(v) for k, v in raw.items()} or None,
-            history=[_text(entry) for entry in history],
+            record=record or None,
+            history=[entry.text() for entry in history_of(record, [_text(entry) for entry in listed])],
             held=bool(held),
             lock_token=None if token is None else _text(token),
             lock_ttl_ms=max(int(pttl), 0) if token is not None else 0,
@@ -838,12 +844,17 @@ class DedupStore:
             budget=20 * limit,
             states=tuple(states),
         )
-        shards = self.schema.shards_all()
-        with self.client.pipeline(transaction=False) as pipe:
-            for at in shards:
-                keys = [at.state_index(each) for each in states]
-                self.scripts.run(keys, command._replace(record_prefix=at.record("")), client=pipe)
-            replies = pipe.execute()
+        calls = [
+            ([at.state_index(each) for each in states], command._replace(record_prefix=at.record("")))
+            for at in self.schema.shards_all()
+        ]
+        if isinstance(self.client, RedisCluster):  # a cluster's pipeline runs no script: a round trip per shard
+            replies = [self.scripts.run(keys, call) for keys, call in calls]
+        else:
+            with self.client.pipeline(transaction=False) as pipe:
+                for keys, call in calls:
+                    self.scripts.run(keys, call, client=pipe)
+                replies = pipe.execute()
         found: list[tuple[float, bytes, Status]] = []
         frontier: tuple[float, bytes] | None = None  # the newest place some shard stopped looking short of its end
         total = 0
@@ -923,6 +934,12 @@ class DedupStore:
         merged.sort(key=lambda item: item[0])  # stable: ties keep each shard's own order
         total = sum(int(n) for n in replies[1::2])
         return [(shard, member) for _, shard, member in merged[:count]], total
+
+    def _state_sizes(self, at: KeySchema) -> list[int]:
+        with self.client.pipeline(transaction=False) as pipe:
+            for state in STATES:
+                pipe.zcard(at.state_index(state))
+            return [int(n) for n in pipe.execute()]
 
     def _fetch(self, members: Sequence[str]) -> list[dict[str, str]]:
         with self.client.pipeline(transaction=False) as pipe:

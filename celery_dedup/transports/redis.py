@@ -102,7 +102,6 @@ class GatedChannelMixin:
             gate.nonce,
             hold_ms=gate.hold_ms,
             grace_ms=gate.grace_ms,
-            task_name=task_name,
             argsrepr=str(headers.get("argsrepr") or "") if gate.record_args else "",
             kwargsrepr=str(headers.get("kwargsrepr") or "") if gate.record_args else "",
             queue=prefix + self._q_for_pri(queue, priority),  # type: ignore[attr-defined]

@@ -338,7 +338,6 @@ class Delivery:
             hostname=request.hostname or socket.gethostname(),
             pid=os.getpid(),
             retries=request.retries or 0,
-            task_name=self.task.name,
             record_ms=self.record_ms,
             want_payload=policy.mode.parks and policy.debounce == "latest",
             on_locked=policy.on_locked,

@@ -419,7 +419,7 @@ def test_release_without_the_task_does_not_answer_nothing_found(
 def test_records_of_a_task_this_app_does_not_register_are_still_shown(apps: ModuleType, dedup: Invoke) -> None:
     store = runtime.store_for(apps.app)
     gone = member("order:1", "retired.task")
-    assert store.gate(gone, "order:1~1", "n1", hold_ms=60_000, grace_ms=1000, task_name="retired.task").accepted
+    assert store.gate(gone, "order:1~1", "n1", hold_ms=60_000, grace_ms=1000).accepted
 
     shown = as_json(dedup("show", gone, "--json"))
 
@@ -442,7 +442,7 @@ def test_stored_text_reaches_the_terminal_escaped(apps: ModuleType, dedup: Invok
     failed = records.ended(HOSTILE, "failed", error=f"ValueError: {HOSTILE}")  # type: ignore[arg-type]
     store = runtime.store_for(apps.app)
     running = member(f"order:{HOSTILE}2")
-    assert store.gate(running, "order:x~1", "n1", hold_ms=60_000, grace_ms=1000, task_name="cli.charge").accepted
+    assert store.gate(running, "order:x~1", "n1", hold_ms=60_000, grace_ms=1000).accepted
     token = f"{HOSTILE}:1:ab"
     started = store.start(
         running,
@@ -454,7 +454,6 @@ def test_stored_text_reaches_the_terminal_escaped(apps: ModuleType, dedup: Invok
         hostname=HOSTILE,
         pid=1,
         retries=0,
-        task_name="cli.charge",
         record_ms=60_000,
     )
     assert started.run

@@ -159,7 +159,7 @@ def test_the_reaper_covers_every_shard(app: Celery, r: redis.Redis, cluster: Red
     store = runtime.store_for(app)
     members = [member_for("cluster.reaped", f"n:{n}") for n in range(64)]
     for member in members:
-        assert store.gate(member, f"{member}~x", "nonce", hold_ms=1, grace_ms=60_000, task_name="cluster.reaped")
+        assert store.gate(member, f"{member}~x", "nonce", hold_ms=1, grace_ms=60_000)
     assert {SCHEMA.shard_of(m).prefix for m in members} == {at.prefix for at in SCHEMA.shards_all()}
     time.sleep(0.05)
     report = runtime.reap(app)
@@ -253,7 +253,7 @@ def test_renewals_of_locks_in_every_shard_go_out_one_slot_at_a_time(app: Celery)
     for n, member in enumerate(members):
         decision = store.start(
             member, f"run-{n}", f"token-{n}", lock_ms=5_000, gated=False, key_mode="lock", hostname="h", pid=1,
-            retries=0, task_name="cluster.renewed", record_ms=60_000,
+            retries=0, record_ms=60_000,
         )  # fmt: skip
         assert decision.code == decision.RUN
         refs.append(store.lock_ref(member, f"token-{n}"))

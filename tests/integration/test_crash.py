@@ -34,7 +34,15 @@ import celery_dedup
 from celery_dedup.keys import KeySchema
 
 from .. import crash_app
-from ..conftest import AppFactory, Server, WorkerProcess, in_process_worker, queued_messages, wait_for
+from ..conftest import (
+    AppFactory,
+    Server,
+    WorkerProcess,
+    history,
+    in_process_worker,
+    queued_messages,
+    wait_for,
+)
 
 SCHEMA = KeySchema("dedup")
 #: Execution lock TTL of every worker here (seconds): a dead run frees its key within it.
@@ -70,7 +78,7 @@ def record(r: redis.Redis, member_: str) -> dict[str, str]:
 
 def history_states(r: redis.Redis, member_: str) -> list[str]:
     """States of the member's history, oldest first (entries are ``"<ms> <state> <task id> [note]"``)."""
-    return [entry.decode().split()[1] for entry in reversed(r.lrange(SCHEMA.history(member_), 0, -1))]
+    return [entry.split()[1] for entry in reversed(history(r, member_))]
 
 
 def started_pid(r: redis.Redis, key: str) -> int:
@@ -410,8 +418,8 @@ def test_new_call_after_a_whole_worker_kill_takes_the_key_and_the_reaper_leaves_
     assert third.deduplicated
     assert third.id == again.id
     assert len(queued_messages(r)) == 1
-    history = [entry.decode().split()[1:3] for entry in r.lrange(SCHEMA.history(hang), 0, -1)]
-    assert ["lost", run.id] in history, f"the dead run's ending is recorded: {history}"
+    entries = [entry.split()[1:3] for entry in history(r, hang)]
+    assert ["lost", run.id] in entries, f"the dead run's ending is recorded: {entries}"
 
     fleet.start(conf=conf, transport=transport)
     wait_for(lambda: record(r, hang).get("state") == "succeeded", 20, "the new run ran")
@@ -950,20 +958,19 @@ def test_storm_of_duplicates_while_workers_are_killed_runs_each_key_once_or_expl
         with r.pipeline(transaction=False) as pipe:
             for m in members:
                 pipe.hget(SCHEMA.record(m), "state")
-                pipe.lrange(SCHEMA.history(m), 0, -1)
-            replies = pipe.execute()
-        states = [(s or b"").decode() for s in replies[0::2]]
+            states = [(s or b"").decode() for s in pipe.execute()]
+        histories = [history(r, m) for m in members]
         lost = [
-            state == "lost" or any(entry.split()[1] == b"lost" for entry in history)
-            for state, history in zip(states, replies[1::2], strict=True)
+            state == "lost" or any(entry.split()[1] == "lost" for entry in entries)
+            for state, entries in zip(states, histories, strict=True)
         ]
         twice = [key for key, count in zip(keys, counts, strict=True) if count == 2]
         # kombu's Redis transport pops a message before recording it as unacked: a worker killed in
         # between loses it (plain Celery too). Such a key did not run; the reaper must have said so.
         vanished = [
             key
-            for key, count, state, history in zip(keys, counts, states, replies[1::2], strict=True)
-            if count == 0 and state == "lost" and any(b"message lost by the transport" in entry for entry in history)
+            for key, count, state, entries in zip(keys, counts, states, histories, strict=True)
+            if count == 0 and state == "lost" and any("message lost by the transport" in entry for entry in entries)
         ]
         unexplained = [
             key for key, count, was_lost in zip(keys, counts, lost, strict=True) if count > 1 and not was_lost

@@ -32,6 +32,7 @@ from celery_dedup import DedupTask, operations, runtime  # noqa: E402
 from celery_dedup.contrib.django.conf import celery_app  # noqa: E402
 from celery_dedup.exceptions import DedupConfigError  # noqa: E402
 from celery_dedup.keys import KeySchema, member_for, new_nonce, new_task_id  # noqa: E402
+from celery_dedup.store.format import old_history  # noqa: E402
 from celery_dedup.store.status import FIELD_DOC  # noqa: E402
 
 from .._records import Records, keyed_tasks  # noqa: E402
@@ -304,7 +305,8 @@ def test_list_filters_by_state_and_task_and_searches_by_key_prefix(
 def test_list_pages_with_the_cursor(app: Celery, charges: Records, root: Client) -> None:
     runs = [charges.queued(n) for n in range(230)]
     client_redis: redis.Redis = runtime.store_for(app).client
-    newest_first = [m.decode() for m in client_redis.zrevrange(SCHEMA.index, 0, -1)]  # ties: by member
+    # Every record is queued: the listing is that state's index, newest first (ties: by member).
+    newest_first = [m.decode() for m in client_redis.zrevrange(SCHEMA.state_index("queued"), 0, -1)]
     assert sorted(newest_first) == sorted(run.member for run in runs)
 
     first = root.get(LIST)
@@ -488,9 +490,13 @@ def test_forced_release_deletes_the_lock_it_was_shown_and_names_the_user(
     assert record(app, run.member)["state"] == "released"
     assert store.client.get(SCHEMA.lock(run.member)) is None
     assert not store.is_held(run.member)
-    assert store.history(run.member)[0].endswith(f"forced release, lock {run.token} deleted by root")
+    _, state, task_id, note = store.history(run.member)[0].split(" ", 3)
+    assert (state, task_id) == ("released", run.task_id)
+    # Who released it comes first; the entry is cut to 64 bytes, in the lock token.
+    assert note.startswith("forced release by root, lock ")
+    assert run.token.startswith(note.removeprefix("forced release by root, lock ")[:10])
     page = done.content.decode()
-    assert f"forced release, lock {run.token} deleted by root" in page
+    assert escape(note) in page
 
 
 def test_purge_deletes_finished_records_and_leaves_queued_and_started(
@@ -612,7 +618,7 @@ def test_hostile_text_is_escaped_on_every_page(app: Celery, root: Client) -> Non
     store = runtime.store_for(app)
     member = member_for(f"shop.{MARKUP}", f"order:{MARKUP}")
     task_id = f"order:{MARKUP}~1"
-    assert store.gate(member, task_id, "n1", hold_ms=60_000, grace_ms=1000, task_name=f"shop.{MARKUP}").accepted
+    assert store.gate(member, task_id, "n1", hold_ms=60_000, grace_ms=1000).accepted
     token = f"{MARKUP}:1:ab"
     started = store.start(
         member,
@@ -624,12 +630,14 @@ def test_hostile_text_is_escaped_on_every_page(app: Celery, root: Client) -> Non
         hostname=MARKUP,
         pid=1,
         retries=0,
-        task_name=f"shop.{MARKUP}",
         record_ms=60_000,
     )
     assert started.run
     store.client.hset(store.schema.record(member), mapping={"error": MARKUP, "args": MARKUP, MARKUP: MARKUP})
-    store.client.lpush(store.schema.history(member), f"1700000000000 started {task_id} {MARKUP}")
+    # The markup as a note in both formats: the record's own entry, and a previous release's history list.
+    n = int(store.client.hget(store.schema.record(member), "hn") or 0)
+    store.client.hset(store.schema.record(member), mapping={f"h{n}": f"5 started - {MARKUP}", "hn": n + 1})
+    store.client.lpush(old_history(store.schema, member), f"1700000000000 started {task_id} {MARKUP}")
 
     pages = [root.get(url) for url in (LIST, detail_url(member), release_url(member), requeue_url(member))]
     pages.append(root.get(LIST, {"q": "order:<", "task": MARKUP, "state": MARKUP}))
@@ -742,9 +750,7 @@ def seed(app: Celery, tasks: tuple[str, ...], count: int, *, batch: int = 1000) 
             task = tasks[n % len(tasks)]
             key = f"order:{n:06d}"
             member = member_for(task, key)
-            call = store.gate_call(
-                member, new_task_id(key), new_nonce(), hold_ms=3_600_000, grace_ms=60_000, task_name=task
-            )
+            call = store.gate_call(member, new_task_id(key), new_nonce(), hold_ms=3_600_000, grace_ms=60_000)
             store.scripts.run(call.keys, call.command, client=pipe)
             if len(pipe) >= batch:
                 assert all(code == 1 for code, _ in pipe.execute())
@@ -755,7 +761,8 @@ def seed(app: Celery, tasks: tuple[str, ...], count: int, *, batch: int = 1000) 
 def test_list_stays_correct_over_100k_records(app: Celery, tasks: tuple[Any, Any], root: Client) -> None:
     seed(app, ("shop.charge", "shop.refund"), 100_000)
     store = runtime.store_for(app)
-    index = [m.decode() for m in store.client.zrevrange(SCHEMA.index, 0, 199)]
+    # Every record is queued: the listing is that state's index, newest first.
+    index = [m.decode() for m in store.client.zrevrange(SCHEMA.state_index("queued"), 0, 199)]
 
     first = root.get(LIST)
     second = root.get(LIST + first.context["listing"].next_url)
@@ -765,7 +772,8 @@ def test_list_stays_correct_over_100k_records(app: Celery, tasks: tuple[Any, Any
     assert not set(listed(first)) & set(listed(second))
     assert first.context["total"] == 100_000
 
-    refunds = [m.decode() for m in store.client.zrevrange(SCHEMA.task_index("shop.refund"), 0, 199)]
+    queued = (m.decode() for m in store.client.zrevrange(SCHEMA.state_index("queued"), 0, -1))
+    refunds = [member for member in queued if member.startswith("shop.refund:")][:200]
     page = root.get(LIST, {"task": "shop.refund"})
     assert listed(page) == refunds[:100]
     assert listed(root.get(LIST + page.context["listing"].next_url)) == refunds[100:200]

@@ -28,6 +28,7 @@ EXAMPLES: list[DedupError] = [
     exceptions.DuplicateTaskError("shop.charge", "order:1", "order:1~abc"),
     exceptions.DedupUnavailableError("shop.charge", "order:1", CAUSE, published=None),
     exceptions.DedupStoreError("shop.charge", "order:1", redis.exceptions.OutOfMemoryError("command not allowed")),
+    exceptions.DedupStoreFormatError("dedup", 3, 2),
     exceptions.DedupRoutingError("shop.charge", "order:1", "fanout"),
     exceptions.DedupOperationError("purge", "succeeded", "nothing to do"),
     exceptions.DedupArgumentError("limit", 0, "must be at least 1"),

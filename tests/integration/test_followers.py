@@ -184,7 +184,6 @@ def test_the_reaper_leaves_followers_to_the_settle_right_after_their_runs_succes
         hostname="worker-1",
         pid=4242,
         retries=0,
-        task_name=tasks.sync.name,
         record_ms=60_000,
     )
     assert started.run, started

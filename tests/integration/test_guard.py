@@ -30,12 +30,22 @@ import celery_dedup
 from celery_dedup import DedupTask, ReapReport
 from celery_dedup import runtime as dedup_runtime
 from celery_dedup.keys import KeySchema, member_for, task_namespace
+from celery_dedup.store.schema import STATES
 from celery_dedup.store.scripts import load_script
 from celery_dedup.worker import delivery, limits, processes
 from celery_dedup.worker.lock import RENEW_FRACTION
 from chaos.proxy import FaultProxy
 
-from ..conftest import AppFactory, Server, WorkerProcess, in_process_worker, new_app, queued_messages, wait_for
+from ..conftest import (
+    AppFactory,
+    Server,
+    WorkerProcess,
+    history,
+    in_process_worker,
+    new_app,
+    queued_messages,
+    wait_for,
+)
 from ..guard_app import MODES, deliveries_key, events_key, lost_key, register
 
 SCHEMA = KeySchema("dedup")
@@ -57,7 +67,7 @@ def record_of(r: redis.Redis, member: str) -> dict[str, str] | None:
 
 def history_of(r: redis.Redis, member: str) -> list[list[str]]:
     """The member's history entries, newest first, split into ``[ms, state, task id, note...]``."""
-    return [entry.decode().split(" ") for entry in r.lrange(SCHEMA.history(member), 0, -1)]
+    return [entry.split(" ") for entry in history(r, member)]
 
 
 def events(r: redis.Redis, task_name: str, key: str) -> list[dict[str, Any]]:
@@ -760,7 +770,7 @@ def test_a_copy_of_a_run_whose_record_vanished_while_it_ran_is_skipped_after_its
     copy = raw_messages(r)[run.id]
     with in_process_worker(app, pool="threads", concurrency=2):
         wait_for(lambda: (record_of(r, member) or {}).get("state") == "started", 10, "the run to start")
-        r.delete(SCHEMA.record(member), SCHEMA.lock(member), SCHEMA.history(member))
+        r.delete(SCHEMA.record(member), SCHEMA.lock(member))  # the history lives in the record
         r.srem(SCHEMA.held, member)
         assert run.get(timeout=10) == "gone"
         wait_for(lambda: settled(deliveries(r, run.id)) and not pending_ids(r), 10, "the run's ending")
@@ -985,7 +995,8 @@ def test_records_filters_select_exactly_the_matching_records(record_set: RecordS
     rs = record_set
     everything = rs.one_page()
     assert {rec.member for rec in everything} == rs.everything and len(everything) == 300
-    updated = [int(rec.fields["updated_at"]) for rec in everything]
+    updated = [rec.updated_at for rec in everything if rec.updated_at is not None]
+    assert len(updated) == len(everything), "every record's last update is known (format 2 derives it)"
     assert updated == sorted(updated, reverse=True), "newest first"
 
     succeeded = rs.one_page(state="succeeded")
@@ -1080,7 +1091,6 @@ def dead_run(app: Celery, task: Any, key: str, task_id: str, *, lock_ms: int) ->
         hostname="deadhost",
         pid=1,
         retries=0,
-        task_name=task.name,
         record_ms=86_400_000,
     )
     assert decision.run
@@ -1122,7 +1132,7 @@ def test_reap_releases_expired_holds_marks_dead_runs_lost_and_drops_stale_index_
         5,
         "the lock, the record and the hold to expire",
     )
-    assert r.zscore(SCHEMA.index, short_member) is not None, "the expired record is still indexed"
+    assert r.zscore(SCHEMA.state_index("succeeded"), short_member) is not None, "the expired record is still indexed"
 
     report = celery_dedup.reap(app)
 
@@ -1137,8 +1147,8 @@ def test_reap_releases_expired_holds_marks_dead_runs_lost_and_drops_stale_index_
     assert not is_held(r, lost_member)
     assert history_of(r, lost_member)[0][1:] == ["lost", lost["task_id"], "reaped:", "lock", "expired"]
     namespace = task_namespace(work.name)
-    for index in (SCHEMA.index, SCHEMA.state_index("succeeded"), SCHEMA.task_index(namespace)):
-        assert r.zscore(index, short_member) is None, index
+    for state in STATES:
+        assert r.zscore(SCHEMA.state_index(state), short_member) is None, state
     assert r.zscore(SCHEMA.name_index, f"job:short\0{namespace}") is None
     assert celery_dedup.reap(app) == ReapReport(0, 0, 0)
     assert not work.delay("dead").deduplicated, "the dead run's key is free for a new call"
@@ -1157,7 +1167,7 @@ def test_worker_reaper_step_reaps_without_being_asked(make_app: AppFactory, r: r
     lost_member = member_for(work.name, "job:dead")
     hold_member = member_for(work.name, "job:hold")
     for member, task_id, hold_ms in ((lost_member, "job:dead~run", 60_000), (hold_member, "job:hold~run", 200)):
-        outcome = store.gate(member, task_id, "nonce", hold_ms=hold_ms, grace_ms=60_000, task_name=work.name)
+        outcome = store.gate(member, task_id, "nonce", hold_ms=hold_ms, grace_ms=60_000)
         assert outcome.accepted
     dead_run(app, work, "dead", "job:dead~run", lock_ms=300)
     wait_for(lambda: not lock_exists(r, lost_member), 5, "the dead run's lock to expire")

@@ -56,14 +56,14 @@ def test_counters_and_log_lines_match_the_decisions_made(
     assert operations.release(app, "obs.charge:order:3", by="ops").released
     started = store.start(
         "obs.charge:order:4", "order:4~run", "token", lock_ms=60_000, gated=False, key_mode="lock",
-        hostname="h", pid=1, retries=0, task_name="obs.charge", record_ms=60_000,
+        hostname="h", pid=1, retries=0, record_ms=60_000,
     )  # fmt: skip
     assert started.run
     r.delete("dedup:lock:obs.charge:order:4")  # the lock expired under the run
     store.finish("obs.charge:order:4", "order:4~run", "succeeded", drop=True, record_ms=1000, token="token", role="run")
     store.start(
         "obs.charge:order:5", "order:5~run", "t5", lock_ms=60_000, gated=False, key_mode="lock",
-        hostname="h", pid=1, retries=0, task_name="obs.charge", record_ms=60_000,
+        hostname="h", pid=1, retries=0, record_ms=60_000,
     )  # fmt: skip
     r.delete("dedup:lock:obs.charge:order:5")  # its worker died: the reaper marks it lost
     assert celery_dedup.reap(app).lost == 1

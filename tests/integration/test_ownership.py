@@ -39,7 +39,6 @@ def decide(
         hostname="elsewhere",
         pid=1,
         retries=0,
-        task_name="own.task",
         record_ms=DAY_MS,
     )
 
@@ -55,9 +54,9 @@ def test_renewing_a_runs_lock_leaves_the_next_runs_record_alone(store: DedupStor
     """until_executing: run A releases the key when it starts and run B is accepted with a
     short hold. A's renewals keep A's lock alive; they must not stretch B's hold.
     """
-    store.gate(MEMBER, "A", "n-a", hold_ms=60_000, grace_ms=DAY_MS, task_name="own.task")
+    store.gate(MEMBER, "A", "n-a", hold_ms=60_000, grace_ms=DAY_MS)
     start(store, "A", "elsewhere:1:a", key_mode="release")
-    outcome = store.gate(MEMBER, "B", "n-b", hold_ms=500, grace_ms=DAY_MS, task_name="own.task")
+    outcome = store.gate(MEMBER, "B", "n-b", hold_ms=500, grace_ms=DAY_MS)
     assert outcome.accepted and outcome.task_id == "B"
     held_until = r.hget(SCHEMA.record(MEMBER), "held_until")
 
@@ -69,7 +68,7 @@ def test_renewing_a_runs_lock_leaves_the_next_runs_record_alone(store: DedupStor
 
 def test_a_report_without_the_token_leaves_a_live_delivery_alone(store: DedupStore, r: redis.Redis) -> None:
     """A report of a run whose lock a live delivery holds (a copy revoked elsewhere) changes nothing."""
-    store.gate(MEMBER, "A", "n-a", hold_ms=60_000, grace_ms=DAY_MS, task_name="own.task")
+    store.gate(MEMBER, "A", "n-a", hold_ms=60_000, grace_ms=DAY_MS)
     start(store, "A", "elsewhere:1:a")
 
     owned, *_ = store.finish(MEMBER, "A", "revoked", drop=True, record_ms=DAY_MS, role="report")
@@ -84,7 +83,7 @@ def test_a_stopping_report_records_the_ending_and_keeps_lock_and_key(store: Dedu
     """``stop``: the ending is recorded at once; the lock and key stay with the delivery until
     it finishes itself, and then its own finish frees them without rewriting the ending.
     """
-    store.gate(MEMBER, "A", "n-a", hold_ms=60_000, grace_ms=DAY_MS, task_name="own.task")
+    store.gate(MEMBER, "A", "n-a", hold_ms=60_000, grace_ms=DAY_MS)
     start(store, "A", "elsewhere:1:a")
 
     store.finish(MEMBER, "A", "revoked", drop=True, record_ms=DAY_MS, role="stop")
@@ -105,10 +104,10 @@ def test_a_stopping_report_records_the_ending_and_keeps_lock_and_key(store: Dedu
 
 def test_a_report_for_an_ended_run_touches_nothing_of_the_next_run(store: DedupStore, r: redis.Redis) -> None:
     """A ended and B started; A's late report (even naming B's token, as the old code did) changes nothing."""
-    store.gate(MEMBER, "A", "n-a", hold_ms=60_000, grace_ms=DAY_MS, task_name="own.task")
+    store.gate(MEMBER, "A", "n-a", hold_ms=60_000, grace_ms=DAY_MS)
     start(store, "A", "elsewhere:1:a")
     store.finish(MEMBER, "A", "failed", drop=True, record_ms=DAY_MS, role="run", token="elsewhere:1:a")
-    store.gate(MEMBER, "B", "n-b", hold_ms=60_000, grace_ms=DAY_MS, task_name="own.task")
+    store.gate(MEMBER, "B", "n-b", hold_ms=60_000, grace_ms=DAY_MS)
     start(store, "B", "elsewhere:1:b")
 
     owned, *_ = store.finish(MEMBER, "A", "failed", drop=True, record_ms=DAY_MS, role="report")
@@ -163,7 +162,7 @@ def test_a_continuation_of_a_run_that_ended_long_ago_pushes_nothing(store: Dedup
     """A deferred copy re-published by A (a continuation) after fifty more runs of its key ended."""
     _run_to_end(store, "A", *(f"R{n}" for n in range(50)))
 
-    outcome = store.gate(MEMBER, "A", "n-late", hold_ms=60_000, grace_ms=DAY_MS, task_name="own.task", continues=True)
+    outcome = store.gate(MEMBER, "A", "n-late", hold_ms=60_000, grace_ms=DAY_MS, continues=True)
 
     assert outcome.task_id == "A", outcome
     assert r.hget(SCHEMA.record(MEMBER), "task_id") == b"R49", "the late continuation took the key as a new run"

@@ -23,6 +23,7 @@ from celery_dedup import DedupTask
 from celery_dedup import runtime as dedup_runtime
 from celery_dedup.exceptions import DedupArgumentError
 from celery_dedup.keys import KeySchema, member_for
+from celery_dedup.store.schema import STATES
 from celery_dedup.store.store import DedupStore
 
 from ..conftest import AppFactory, wait_for
@@ -77,7 +78,6 @@ def start(store: DedupStore, task: Any, n: str, *, lock_ms: int) -> str:
         hostname="host",
         pid=1,
         retries=0,
-        task_name=task.name,
         record_ms=86_400_000,
     )
     assert decision.run
@@ -111,9 +111,9 @@ def test_reaper_reaches_runs_behind_a_backlog_larger_than_its_budget(make_app: A
     With a budget of 50 entries per step: a started run whose lock expired is
     marked lost within ceil(S/50) passes (S: started runs); a queued run whose
     message the transport lost is first seen missing within ceil(Q/50) passes
-    (Q: queued runs) and judged lost at the first pass a grace later; an index
-    entry whose record expired is removed within ceil(I/50) passes (I: all
-    indexed records). None of the healthy runs is touched.
+    (Q: queued runs) and judged lost at the first pass a grace later; a state
+    index entry whose record expired is removed within ceil(I/50) passes (I:
+    all state index entries). None of the healthy runs is touched.
     """
     budget, backlog = 50, 500
     app = make_app(dedup_reap_grace=GRACE, task_ignore_result=True)
@@ -144,10 +144,10 @@ def test_reaper_reaches_runs_behind_a_backlog_larger_than_its_budget(make_app: A
         5,
         "the dead run's lock and the finished record to expire",
     )
-    assert r.zscore(SCHEMA.index, stale_member) is not None
+    assert r.zscore(SCHEMA.state_index("succeeded"), stale_member) is not None
     started_size = int(r.zcard(SCHEMA.state_index("started")))
     queued_size = int(r.zcard(SCHEMA.state_index("queued")))
-    index_size = int(r.zcard(SCHEMA.index))
+    index_size = sum(int(r.zcard(SCHEMA.state_index(state))) for state in STATES)
     assert (started_size, queued_size, index_size) == (backlog + 1, backlog + 1, 2 * backlog + 3)
 
     passes = Passes(app, r, budget)
@@ -159,7 +159,9 @@ def test_reaper_reaches_runs_behind_a_backlog_larger_than_its_budget(make_app: A
     assert passes.reaped.get(gone_member, bound + 1) <= math.ceil(queued_size / budget) + 1, passes.reaped
     assert set(passes.reaped) == {dead_member, gone_member}, "no healthy run was reaped"
     assert state_of(r, dead_member) == state_of(r, gone_member) == "lost"
-    assert r.zscore(SCHEMA.index, stale_member) is None, f"the stale entry is still indexed after {bound} passes"
+    assert r.zscore(SCHEMA.state_index("succeeded"), stale_member) is None, (
+        f"the stale entry is still indexed after {bound} passes"
+    )
     assert {state_of(r, m) for m in queued} == {"queued"} and {state_of(r, m) for m in started} == {"started"}
     assert not work.delay("gone").deduplicated and not work.delay("dead").deduplicated, "both keys are free"
 

@@ -1,9 +1,11 @@
 """Record listings over both stored formats, derived from the per-state indexes only.
 
-Format 1 records are made by the real scripts; format 2 records are written
-as format 2 lays them out (history in ``h<n>`` fields, no ``task`` or
-``updated_at``, no ``idx`` or ``idx:task`` entries): test data on the real
-server, read through the store's listing script.
+Records are written as each format lays them out: format 1 as the previous
+release's scripts did (``task`` and ``updated_at`` fields, a ``hist:`` list,
+``idx`` and ``idx:task`` entries beside the state index), format 2 as this
+release's do (history in ``h<n>`` fields, no ``task`` or ``updated_at``, no
+``idx`` or ``idx:task`` entries): test data on the real server, read through
+the store's listing script.
 """
 
 from __future__ import annotations
@@ -13,7 +15,8 @@ import random
 import pytest
 import redis
 
-from celery_dedup.keys import CLUSTER_SHARDS, member_for, new_nonce
+from celery_dedup.keys import CLUSTER_SHARDS, member_for
+from celery_dedup.store.format import old_history
 from celery_dedup.store.store import DedupStore, Page
 
 T0 = 1_700_000_000_000
@@ -42,6 +45,22 @@ def write_v2(store: DedupStore, member: str, state: str, at_ms: int, run: str = 
         pipe.execute()
 
 
+def write_v1(store: DedupStore, member: str, task: str, state: str, at_ms: int) -> None:
+    """A format 1 record of ``member`` in ``state``, last updated at ``at_ms``: as the previous release wrote it."""
+    at = store.schema.shard_of(member)
+    namespace, key = member.split(":", 1)
+    run = f"{key}~1"
+    with store.client.pipeline(transaction=True) as pipe:
+        fields = {"state": state, "task": task, "task_id": run, "queued_at": str(T0), "updated_at": str(at_ms)}
+        fields["attempts"] = "0"  # format 1 wrote its zero counters
+        pipe.hset(at.record(member), items=[part for pair in fields.items() for part in pair])
+        pipe.lpush(old_history(at, member), f"{T0} queued {run}", f"{at_ms} {state} {run}")  # newest first
+        for index in (at.state_index(state), f"{at.prefix}:idx", f"{at.prefix}:idx:task:{namespace}"):
+            pipe.zadd(index, {member: at_ms})
+        pipe.zadd(at.name_index, {f"{key}\0{namespace}": 0})
+        pipe.execute()
+
+
 def every_page(store: DedupStore, limit: int, between: object = None, **filters: str) -> list[list[str]]:
     pages: list[list[str]] = []
     cursor = None
@@ -62,16 +81,22 @@ def store(r: redis.Redis, request: pytest.FixtureRequest) -> DedupStore:
 
 def test_both_formats_list_together_newest_first(store: DedupStore) -> None:
     old = [member_for("shop.charge", f"order:{n}") for n in range(5)]
-    for member in old:  # format 1, by the real gate: scored by the server's clock, now
-        assert store.gate(member, f"{member}~1", new_nonce(), hold_ms=60_000, grace_ms=60_000, task_name="shop.charge")
+    for n, member in enumerate(old):  # format 1, newer than the format 2 ones
+        write_v1(store, member, "shop.charge", "started" if n % 2 else "queued", T0 + 1000 + n)
     new = [member_for("shop:refund", f"order:{n}") for n in range(5)]
-    for n, member in enumerate(new):  # format 2, older than the format 1 ones
+    for n, member in enumerate(new):  # format 2
         write_v2(store, member, "succeeded" if n % 2 else "queued", T0 + 10 * n)
 
     listed = [member for page in every_page(store, 3) for member in page]
 
-    assert sorted(listed[:5]) == sorted(old)
+    assert listed[:5] == old[::-1]
     assert listed[5:] == new[::-1]
+    (former,) = [s for s in store.records(limit=20).records if s.member == old[1]]
+    assert (former.task, former.key, former.state) == ("shop.charge", "order:1", "started")
+    assert former.updated_at is not None and former.updated_at.timestamp() * 1000 == T0 + 1001
+    full = store.status(old[1])
+    assert full is not None and [entry.state for entry in full.history or ()] == ["started", "queued"]
+    assert [member for page in every_page(store, 4, task="shop.charge") for member in page] == old[::-1]
     (status,) = [s for s in store.records(limit=20).records if s.member == new[3]]
     assert (status.task, status.key, status.state) == ("shop:refund", "order:3", "succeeded")
     assert status.updated_at is not None and status.updated_at.timestamp() * 1000 == T0 + 30

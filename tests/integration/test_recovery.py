@@ -35,7 +35,7 @@ from celery_dedup.worker import processes, recovery
 from celery_dedup.worker.lock import new_token
 
 from .. import crash_app
-from ..conftest import ROOT, AppFactory, Server, WorkerProcess, queued_messages, wait_for
+from ..conftest import ROOT, AppFactory, Server, WorkerProcess, history, queued_messages, wait_for
 from .test_crash import Fleet, executions, history_states, member, record, run_ids, started_pid
 
 SCHEMA = KeySchema("dedup")
@@ -315,7 +315,6 @@ def test_a_delivery_of_an_unknown_worker_leaves_no_earlier_delivery_s_main_proce
             hostname="h",
             pid=1,
             retries=0,
-            task_name=TASK,
             record_ms=86_400_000,
             main=main,
         )
@@ -351,7 +350,6 @@ def test_a_delivery_records_its_message_where_the_gate_recorded_none(r: redis.Re
             hostname="h",
             pid=1,
             retries=0,
-            task_name=at.partition(":")[0],
             record_ms=86_400_000,
             delivery=(tag, "unacked") if tag else ("", ""),
         )
@@ -420,7 +418,7 @@ def assert_rerun_once_and_succeeded(r: redis.Redis, run_id: str, at: str = HANG)
     assert final["task_id"] == run_id
     assert final["attempts"] == "2"
     assert "lost" in history_states(r, at)
-    notes = [entry.decode() for entry in r.lrange(SCHEMA.history(at), 0, -1)]
+    notes = history(r, at)
     assert any("taken over from" in entry for entry in notes), notes
     assert int(r.hget(SCHEMA.stats, f"{at.partition(':')[0]}:taken_over") or 0) == 1
     assert r.get(SCHEMA.lock(at)) is None

@@ -20,6 +20,7 @@ from celery_dedup import DedupTask
 from celery_dedup.keys import KeySchema, member_for
 
 from ..conftest import AppFactory, in_process_worker, queued_messages, wait_for
+from ..conftest import history as stored_history
 
 SCHEMA = KeySchema("dedup")
 STEPS = 3
@@ -49,7 +50,7 @@ def register(app: Celery) -> dict[str, Any]:
 
 
 def history(r: redis.Redis, member: str) -> list[list[str]]:
-    return [entry.decode().split(" ", 3)[1:] for entry in reversed(r.lrange(SCHEMA.history(member), 0, -1))]
+    return [entry.split(" ", 3)[1:] for entry in reversed(stored_history(r, member))]
 
 
 def test_a_replacement_under_the_same_key_goes_on_as_the_same_run(make_app: AppFactory, r: redis.Redis) -> None:

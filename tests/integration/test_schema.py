@@ -11,6 +11,7 @@ import dataclasses
 import os
 import re
 from pathlib import Path
+from typing import Any
 
 import pytest
 import redis
@@ -19,6 +20,7 @@ from celery_dedup.keys import KeySchema
 from celery_dedup.store import commands, schema
 from celery_dedup.store.commands import argv_prelude
 from celery_dedup.store.scripts import _WITH_LIB, load_script, with_lib
+from celery_dedup.store.store import DedupStore
 from celery_dedup.testing import RedisServer
 from celery_dedup.worker import delivery
 
@@ -82,6 +84,9 @@ def record_fields_in(source: str) -> set[str]:
     """The record fields a script's source names: in hash commands on the record, and in its field lists."""
     found: set[str] = set()
     text = code(source)
+    if re.search(r"'h' \.\.", text):
+        found.add("h<n>")  # a history entry's field, h0, h1, ...
+        text = re.sub(r"'h' \.\.", "", text)
     for match in re.finditer(r"redis\.call\('(" + "|".join(HASH_COMMANDS) + r")', *(record|KEY\.record\()", text):
         depth, end = 1, match.end()
         if match.group(2) != "record":
@@ -109,7 +114,11 @@ def test_every_record_field_the_scripts_name_is_in_the_schema() -> None:
     unknown = {name: sorted(fields - set(schema.FIELD_DOC)) for name, fields in written.items()}
     assert not {name: fields for name, fields in unknown.items() if fields}, "fields not in schema.FIELD_DOCS"
     assert len(everything) > 30, sorted(everything)
-    assert set(schema.FIELD_DOC) <= everything, f"fields no script names: {sorted(set(schema.FIELD_DOC) - everything)}"
+    stored = {doc.name for doc in schema.FIELD_DOCS if not doc.derived}
+    assert stored <= everything, f"fields no script names: {sorted(stored - everything)}"
+    derived = {doc.name for doc in schema.FIELD_DOCS if doc.derived}
+    assert derived == {"task", "updated_at"}
+    assert not derived & everything, f"derived fields a script writes: {sorted(derived & everything)}"
 
 
 def test_the_field_reader_sees_every_way_a_script_names_a_field() -> None:
@@ -160,7 +169,7 @@ def test_the_readme_names_every_state() -> None:
 
 def test_the_docs_field_table_names_every_field_of_the_schema() -> None:
     rows = table(CONCEPTS.read_text(encoding="utf-8"), "| field | meaning |")
-    named = [name for row in rows for name in re.findall(r"`(\w+)`", row[0])]
+    named = [name for row in rows for name in re.findall(r"`(\w+(?:<n>)?)`", row[0])]
     assert len(named) == len(set(named)), "a field listed twice"
     assert set(named) == set(schema.FIELD_DOC), (
         f"only in the docs: {sorted(set(named) - set(schema.FIELD_DOC))}; "
@@ -193,14 +202,14 @@ def test_the_check_fails_on_a_transition_the_table_does_not_allow(tmp_path: Path
         client = redis.Redis.from_url(server.url)
         member, record = "t:k", "P:rec:t:k"
         # A real script, making a transition the table allows: none -> queued by the gate.
-        gate = commands.Gate(member, "run-1", "nonce-1", 60000, "t", 1000, "P", 10, "", "", "0", 0, 0)
+        gate = commands.Gate(member, "run-1", "nonce-1", 60000, 1000, "P", 10, "", "", "0", 0, 0)
         assert run_checked(client, "gate", argv_prelude("gate") + lua("gate"), ["P:held", record], list(gate)) == [
             1,
             b"run-1",
         ]
         # A script that is wrong: it moves the ended run back to started.
         client.hset(record, "state", "succeeded")
-        body = "transition(ARGV[1], KEYS[1], ARGV[2], 'started', now_ms(), 'run-1', '', 10)\nreturn 1"
+        body = "transition(ARGV[1], KEYS[1], ARGV[2], 'started', now_ms(), '', 10)\nreturn 1"
         assert run_checked(client, "wrong", body, [record], ["P", member]) == 1
         client.close()
     reports = schema.reported(log.read_text())
@@ -233,3 +242,34 @@ def test_the_scripts_report_only_when_the_variable_says_so(monkeypatch: pytest.M
     monkeypatch.setenv(schema.CHECK_VARIABLE, "1")
     assert "local SCRIPT, CHECK, REPORT_MARK = 'finish', true," in load_script("finish")
     assert "if CHECK then" in lua("lib")
+
+
+def test_a_retry_of_a_run_whose_key_passed_on_and_came_back_is_a_transition_the_table_allows(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """until_executing frees the key as run A starts; B takes it and is refused (A holds the lock); A retries.
+
+    A's retry publish (a continuation) finds B's ended record and gives A a new one, queued; A's ending
+    then records retry on it: queued -> retry by finish, which the table must allow.
+    """
+    monkeypatch.setenv(schema.CHECK_VARIABLE, "1")
+    log = tmp_path / "server.log"
+    with RedisServer(extra=("--logfile", str(log))) as server:
+        client = redis.Redis.from_url(server.url)
+        store = DedupStore(client, "P")
+        member, ms = "t:k", 60_000
+        assert store.gate(member, "A", "nonce-a", hold_ms=ms, grace_ms=ms).accepted
+        common: dict[str, Any] = {"lock_ms": ms, "gated": True, "hostname": "w", "pid": 1, "record_ms": ms}
+        assert store.start(member, "A", "w:1:a", key_mode="release", retries=0, **common).run
+        assert store.gate(member, "B", "nonce-b", hold_ms=ms, grace_ms=ms).accepted, "the key passed on"
+        assert not store.start(member, "B", "w:1:b", key_mode="release", retries=0, **common).run
+        owned, *_ = store.finish(member, "B", "skipped", drop=True, record_ms=ms, token="", role="report")
+        assert owned
+        assert store.gate(member, "A", "nonce-a2", hold_ms=ms, grace_ms=ms, continues=True).accepted
+        owned, *_ = store.finish(member, "A", "retry", drop=False, record_ms=ms, token="w:1:a", role="run")
+        assert owned and (store.record(member) or {}).get("state") == "retry"
+        client.close()
+    reports = schema.reported(log.read_text())
+    print("reported:", *reports, sep="\n  ")
+    assert ("finish", "queued", "retry") in [(r.script, r.old, r.new) for r in reports]
+    assert schema.unexpected(reports) == []

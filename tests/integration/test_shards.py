@@ -28,8 +28,7 @@ def store(r: redis.Redis) -> DedupStore:
 
 
 def gate(store: DedupStore, member: str, run: str, hold_ms: int = 60_000) -> None:
-    task = member.split(":", 1)[0]
-    assert store.gate(member, run, new_nonce(), hold_ms=hold_ms, grace_ms=60_000, task_name=task).accepted
+    assert store.gate(member, run, new_nonce(), hold_ms=hold_ms, grace_ms=60_000).accepted
 
 
 def members(count: int) -> list[str]:
@@ -41,8 +40,8 @@ def test_every_key_of_a_member_is_in_its_shards_slot() -> None:
     slots_used = set()
     for member in members(200):
         at = schema.shard_of(member)
-        names = [at.held, at.record(member), at.lock(member), at.history(member), at.ended(member), at.index]
-        names += [at.state_index("queued"), at.task_index("shop.charge"), at.stats, at.due, at.followers(member)]
+        names = [at.held, at.record(member), at.lock(member), at.ended(member), at.format, at.name_index]
+        names += [at.state_index("queued"), at.stats, at.due, at.followers(member)]
         slots = {key_slot(name.encode()) for name in names}
         assert len(slots) == 1, (member, names)
         slots_used |= slots

@@ -132,7 +132,7 @@ def celery_dedup_config():
             abandoned = charge.s(order + 100)
             store = runtime.store_for(charge.app)
             member = member_for(charge.name, f"order:{order + 100}")
-            assert store.gate(member, "gone", "nonce", hold_ms=100, grace_ms=60_000, task_name=charge.name).accepted
+            assert store.gate(member, "gone", "nonce", hold_ms=100, grace_ms=60_000).accepted
             deadline = time.monotonic() + 10
             while True:
                 try:

@@ -226,6 +226,11 @@ def _run_all(release: Release, server: Server, r: redis.Redis, orders: Sequence[
     return _stop(worker)
 
 
+def _is_subsequence(part: Sequence[str], whole: Sequence[str]) -> bool:
+    rest = iter(whole)
+    return all(item in rest for item in part)
+
+
 def _legacy_keys(r: redis.Redis) -> list[bytes]:
     return [
         *r.scan_iter(match=f"{PREFIX}:hist:*"),
@@ -264,15 +269,24 @@ def test_the_previous_release_and_this_one_share_a_store(
         assert int(r.get(f"test:executions:order:{order}") or 0) == 1
         assert [ran.decode() for ran in r.lrange(f"test:ran:order:{order}", 0, -1)] == [celery_dedup.__file__]
 
-    # Each release reads the other's records: status, history, the listing.
-    for release in (previous, current):
-        document = release.json(server, "read.py", "1", "2", "101")
-        found, listed = document["status"], document["listed"]
-        assert isinstance(found, dict) and isinstance(listed, list)
-        for order in ("1", "2", "101"):
-            assert found[order]["state"] == "succeeded"
-            assert found[order]["history"][0] == "succeeded" and "queued" in found[order]["history"]
-            assert member_for(TASK, f"order:{order}") in listed
+    # Each release reads the other's records. This one reads both formats whole: status, history, listing.
+    views = [release.json(server, "read.py", "1", "2", "101") for release in (previous, current)]
+    (old_found, old_listed), (found, listed) = ((view["status"], view["listed"]) for view in views)
+    assert isinstance(found, dict) and isinstance(listed, list)
+    assert isinstance(old_found, dict) and isinstance(old_listed, list)
+    for order in ("1", "2", "101"):
+        assert found[order]["state"] == "succeeded", found[order]
+        assert found[order]["history"][0] == "succeeded" and "queued" in found[order]["history"], found[order]
+        assert member_for(TASK, f"order:{order}") in listed
+    # The previous release reads each record's state and run; of the history and the listing, what it wrote
+    # itself (its lists and its index: it knows no h<n> field), never an entry that did not happen.
+    for order in ("1", "2", "101"):
+        seen = f"order {order}: the previous release reads {old_found[order]}, this one {found[order]}"
+        assert (old_found[order]["state"], old_found[order]["task_id"]) == ("succeeded", found[order]["task_id"]), seen
+        assert _is_subsequence(old_found[order]["history"], found[order]["history"]), seen
+    assert old_found["1"]["history"][0] == old_found["2"]["history"][0] == "succeeded", "the runs it ran itself"
+    assert old_found["101"]["history"] == ["queued"], "the run it gated, which this release ran"
+    assert member_for(TASK, "order:101") in old_listed and set(old_listed) <= set(listed)
     app = new_app(server, "reader")
     try:
         detail = operations.detail(app, member_for(TASK, "order:1"))

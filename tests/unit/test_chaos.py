@@ -513,11 +513,28 @@ def test_a_run_put_back_by_a_reaper_pass_keeps_the_promise(story: Story) -> None
     assert report.checked["recovery"] == 1
 
 
-def test_a_run_whose_record_passed_to_the_next_call_is_not_held_to_recovery(story: Story) -> None:
-    """until_executing and debounce free the key as a body starts: recovery finds runs by record, and cannot see it."""
-    recovery_story(story).server(MEMBER, (2.5, "started", "a", "still running; key passed to the next run"))
+@pytest.mark.parametrize(
+    "note",
+    [
+        pytest.param("passed on", id="format-2"),
+        pytest.param("still running; key passed to the next run", id="format-1"),
+    ],
+)
+def test_a_run_whose_record_passed_to_the_next_call_is_not_held_to_recovery(story: Story, note: str) -> None:
+    """until_executing and debounce free the key as a body starts: recovery finds runs by record, and cannot see it.
+
+    The note the history has for it: format 2's, or a format 1 history's (a store a previous release wrote).
+    """
+    recovery_story(story).server(MEMBER, (2.5, "started", "a", note))
     report = story.add(8.0, "received", pid=199, role="worker-1.1", task_id="a").check()
     assert invariants(report) == [] and report.checked["recovery"] == 0
+
+
+def test_a_run_whose_history_only_mentions_a_passing_is_still_held_to_recovery(story: Story) -> None:
+    """Only the note a passed-on record gets excuses the run: not a note that merely contains the words."""
+    recovery_story(story).server(MEMBER, (2.5, "started", "a", "passed once"))
+    report = story.add(8.0, "received", pid=199, role="worker-1.1", task_id="a").check()
+    assert invariants(report) == ["recovery"]
 
 
 def test_an_early_acknowledged_run_or_a_fault_in_between_is_not_held_to_recovery(tmp_path: Path) -> None:

@@ -5,7 +5,7 @@ from __future__ import annotations
 import datetime
 from dataclasses import dataclass, field
 
-from celery_dedup.store.status import FIELD_DOC, GROUPS, Status, from_ms, is_history_field
+from celery_dedup.store.status import FIELD_DOC, GROUPS, Status, from_ms, is_history_field, to_ms
 
 
 @dataclass(frozen=True)
@@ -36,12 +36,16 @@ class Group:
 
 #: Shown above the groups, with the hold and the lock, so left out of them.
 SUMMARY = ("state", "task")
+#: Shown where the record holds no such field: the last update (derived, never stored in format 2) and the
+#: counters every run has (format 2 does not write a counter while it is 0).
+UNSTORED = ("updated_at", "attempts", "retries", "duplicates")
 
 
 def groups_of(status: Status) -> list[Group]:
     """The fields ``status``'s record holds, in :data:`~celery_dedup.store.status.GROUPS`; unknown fields are internals.
 
     The page's summary shows state and task, so the groups leave them out; empty groups are left out.
+    The fields of :data:`UNSTORED` are shown from ``status`` where the record holds none (not for a tombstone).
     """
     groups = {name: Group(name, title) for name, title in GROUPS}
     for name, raw in status.fields.items():
@@ -58,6 +62,15 @@ def groups_of(status: Status) -> list[Group]:
             value = raw
         row = Row(name, doc.label, doc.help, value, from_ms(raw) if doc.time else None, doc.time)
         groups[doc.group].rows.append(row)
+    for name in () if status.purged else UNSTORED:
+        derived = getattr(status, name)
+        if name in status.fields or derived is None:
+            continue
+        doc = FIELD_DOC[name]
+        if isinstance(derived, datetime.datetime):
+            groups[doc.group].rows.append(Row(name, doc.label, doc.help, str(to_ms(derived)), derived, doc.time))
+        else:
+            groups[doc.group].rows.append(Row(name, doc.label, doc.help, derived))
     order = {doc.name: i for i, doc in enumerate(FIELD_DOC.values())}
     for group in groups.values():
         group.rows.sort(key=lambda row: order.get(row.name, len(order)))

@@ -46,6 +46,6 @@ local now = now_ms()
 redis.call('SADD', held, member)
 redis.call('HSET', record, 'held_until', now + hold_ms, 'pushed_at', now)
 redis.call('HDEL', record, 'finished_at', 'hold_ms')
-transition(prefix, record, member, 'queued', now, task_id, '', history_len, current[2])
-expire_record(prefix, record, member, hold_ms + grace_ms)
+transition(prefix, record, member, 'queued', now, '', history_len, current[2])
+expire_record(record, hold_ms + grace_ms)
 return {1, task_id}

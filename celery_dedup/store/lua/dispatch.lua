@@ -26,7 +26,7 @@ for _, member in ipairs(redis.call('ZRANGEBYSCORE', due_key, '-inf', now, 'LIMIT
     redis.call('HDEL', record, 'message')
     redis.call('HSET', record, 'pushed_at', now)
     local calls = tonumber(r[5] or 0) + 1
-    transition(prefix, record, member, 'queued', now, r[4], calls .. (calls == 1 and ' call' or ' calls'),
+    transition(prefix, record, member, 'queued', now, calls .. (calls == 1 and ' call' or ' calls'),
       history_len)
     pushed = pushed + 1
   end

@@ -77,7 +77,7 @@ local function reply(values)
   return values
 end
 
-local current = redis.call('HMGET', record, 'task_id', 'lock', 'state')
+local current = redis.call('HMGET', record, 'task_id', 'lock', 'state', 'hn', 'queued_at')
 local lock_kept, released = 1, false
 if token ~= '' then
   if redis.call('GET', lock) == token then
@@ -139,7 +139,7 @@ local function settle_key(cleared)
     if not cleared then
       redis.call('HSET', record, 'held_until', 0)
     end
-    expire_record(prefix, record, member, record_ms)
+    expire_record(record, record_ms)
     return
   end
   local held_until = tonumber(redis.call('HGET', record, 'held_until') or 0)
@@ -153,7 +153,7 @@ local function settle_key(cleared)
     end
     redis.call('HSET', record, 'held_until', held_until)
   end
-  expire_record(prefix, record, member, math.max(held_until - now, 0) + record_ms)
+  expire_record(record, math.max(held_until - now, 0) + record_ms)
 end
 
 -- (Not after `lost`: a run declared lost may still finish, and then how it
@@ -195,7 +195,11 @@ if not final then
   -- A replacement under the run's key goes on as the run: not a replacement to wait for (replacing.lua).
   redis.call('HDEL', record, 'replacing')
 end
-transition(prefix, record, member, state, now, task_id, note, history_len, current[3], fields)
+if ENDED[state] then
+  redis.call('HDEL', record, unpack(UNENDED_ONLY))  -- a final ending: what only an unended run needs goes
+end
+transition(prefix, record, member, state, now, note, history_len, current[3], fields,
+  {tonumber(current[4] or 0), tonumber(current[5])})
 local wants_result = 0
 if final and settle_followers(prefix, member, task_id, state, err, result, record_ms) then
   wants_result = 1
@@ -203,7 +207,7 @@ end
 if running then
   -- Stopping: the lock's renewals keep the key held while the delivery lives.
   local held_until = tonumber(redis.call('HGET', record, 'held_until') or 0)
-  expire_record(prefix, record, member, math.max(held_until - now, 0) + record_ms)
+  expire_record(record, math.max(held_until - now, 0) + record_ms)
 else
   settle_key(true)
 end

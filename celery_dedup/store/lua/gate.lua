@@ -8,35 +8,42 @@
 -- ARGV[2]   task_id: task id of this run
 -- ARGV[3]   nonce: publish nonce (repeated by kombu's publish retries only)
 -- ARGV[4]   hold_ms: how long the key stays held if the run never finishes
--- ARGV[5]   task_name
--- ARGV[6]   grace_ms: record grace, the record outlives the hold by this much
--- ARGV[7]   prefix: key prefix (for the indexes and history, see lib)
--- ARGV[8]   history_len: history length
--- ARGV[9]   argsrepr: "" to record none
--- ARGV[10]  kwargsrepr: "" to record none
--- ARGV[11]  continuation: "1" if this publish continues its run (Task.retry, a
+-- ARGV[5]   grace_ms: record grace: a continuation's record outlives the hold
+--           by this much (a new record gets no expiry, see below)
+-- ARGV[6]   prefix: key prefix (for the indexes, see lib)
+-- ARGV[7]   history_len: history length
+-- ARGV[8]   argsrepr: "" to record none
+-- ARGV[9]   kwargsrepr: "" to record none
+-- ARGV[10]  continuation: "1" if this publish continues its run (Task.retry, a
 --           replacement under the same key); "2" for a deferred copy of a run
 --           (it continues the run but does not hold again a key freed as the
 --           run started: calls made while the body runs are new runs); "0" for
 --           a call
--- ARGV[12]  max_followers: followers a run may carry ("0": this call has
+-- ARGV[11]  max_followers: followers a run may carry ("0": this call has
 --           nothing to continue, so as a duplicate it is only answered, see
 --           "Followers" below)
--- ARGV[13]  lease_ms: publish lease of the two-phase gate (no queue: the
+-- ARGV[12]  lease_ms: publish lease of the two-phase gate (no queue: the
 --           message goes to a broker apart from the store): a new run is held
 --           in state `publishing` for this long, until confirm.lua gives it its
 --           hold; "0" for none
--- ARGV[14]  message: with queue, the serialized kombu message
--- ARGV[15]  expires_ms: with queue, PEXPIRE ms for the expire lists, or ""
--- ARGV[16]  tag: with queue, the message's delivery tag
--- ARGV[17]  unacked: with queue, kombu's unacked hash (where a fetched message's tag goes)
--- ARGV[18]  payload: with queue, the message's payload (gate.message_payload), "" for none
--- ARGV[19]  window_ms: with queue, debounce window; "0" if the task does not debounce
--- ARGV[20]  max_wait_ms: with queue, debounce max wait
--- ARGV[21]  latest: with queue, "1" if a later call's payload replaces the pending one
--- Without a queue, ARGV[14..21] are "" (numbers "0").
+-- ARGV[13]  message: with queue, the serialized kombu message
+-- ARGV[14]  expires_ms: with queue, PEXPIRE ms for the expire lists, or ""
+-- ARGV[15]  tag: with queue, the message's delivery tag
+-- ARGV[16]  unacked: with queue, kombu's unacked hash (where a fetched message's tag goes)
+-- ARGV[17]  payload: with queue, the message's payload (gate.message_payload), "" for none
+-- ARGV[18]  window_ms: with queue, debounce window; "0" if the task does not debounce
+-- ARGV[19]  max_wait_ms: with queue, debounce max wait
+-- ARGV[20]  latest: with queue, "1" if a later call's payload replaces the pending one
+-- Without a queue, ARGV[13..20] are "" (numbers "0").
 -- Where the message went (queue, tag, unacked hash, pushed_at) is recorded, so
 -- the reaper can tell a message the transport lost after fetching it.
+--
+-- A new record gets no expiry: it lives as long as its run may still run.
+-- start.lua, the run's ending (finish.lua, release.lua) or the reaper (a run
+-- it declares lost, or one whose hold passed and whose message is gone) gives
+-- it one. So a new key costs TIME, HMGET, SADD, HSET (the record and its
+-- first history entry), ZADD state index, ZADD name index, HINCRBY stats and
+-- LPUSH.
 --
 -- A run is accepted once. The record remembers the nonces of the key's last
 -- accepted publishes (`nonce`, and the previous ones in `nonces`) and its last
@@ -199,16 +206,17 @@ if same_run then
 else
   -- A key no record names yet (the usual new call) has nothing to retire.
   local known = owner_id or owner_state or owner_nonce or owner[5] or owner[7]
-  local fields = known and retire(prefix, record, member, now, history_len, owner_state, owner_id, task_id, grace_ms)
-    or {}
+  local fields, hn = {}, 0
+  if known then
+    fields, hn = retire(prefix, record, member, now, history_len, owner_state, owner_id, task_id, grace_ms)
+  end
   local function add(...)
     for _, value in ipairs({...}) do
       fields[#fields + 1] = value
     end
   end
   local leased = not queue and lease_ms > 0
-  add('task_id', task_id, 'nonce', nonce, 'task', task_name, 'held_until', now + (leased and lease_ms or hold_ms),
-    'queued_at', now, 'duplicates', 0, 'attempts', 0)
+  add('task_id', task_id, 'nonce', nonce, 'held_until', now + (leased and lease_ms or hold_ms), 'queued_at', now)
   if leased then
     add('hold_ms', hold_ms)  -- the hold to give once the message is known to be out (confirm.lua, start.lua)
   end
@@ -220,22 +228,22 @@ else
   end
   if debounce then
     local due = now + math.min(window_ms, max_wait_ms)
-    add('first_at', now, 'due_at', due, 'debounced', 0, 'message', message, 'queue', queue, 'tag', tag,
-      'unacked', unacked)
-    redis.call('HSET', record, unpack(fields))
+    add('first_at', now, 'due_at', due, 'message', message, 'queue', queue, 'tag', tag, 'unacked', unacked)
     redis.call('ZADD', due_key, due, member)
-    transition(prefix, record, member, 'pending', now, task_id, '', history_len, false)
-    expire_record(prefix, record, member, hold_ms + grace_ms)
+    transition(prefix, record, member, 'pending', now, '', history_len, false, fields, {hn, now})
     count(prefix, member, 'accepted')
     return {1, task_id}
   end
   if queue then
     add('queue', queue, 'tag', tag, 'unacked', unacked, 'pushed_at', now)
   end
-  transition(prefix, record, member, leased and 'publishing' or 'queued', now, task_id, '', history_len, false, fields)
+  transition(prefix, record, member, leased and 'publishing' or 'queued', now, '', history_len, false, fields,
+    {hn, now})
   count(prefix, member, 'accepted')
 end
-expire_record(prefix, record, member, hold_ms + grace_ms)
+if same_run then
+  expire_record(record, hold_ms + grace_ms)
+end
 
 if queue then
   if same_run then

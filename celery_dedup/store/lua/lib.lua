@@ -21,46 +21,122 @@ local function count(prefix, member, decision, amount)
   redis.call('HINCRBY', KEY.stats(prefix), ns .. ':' .. decision, amount or 1)
 end
 
--- Move M's record to `state`: fields, indexes and history, in one place.
+-- History (format 2) lives in the record, one field per entry: `h<n>`, n
+-- counting up per record (newest: highest), and `hn`, the next n; at most
+-- history_len entries (writing entry n deletes h<n - history_len>). A value is
+-- "<offset> <state>" or "<offset> <state> <run> [note]": <offset> is the
+-- entry's time (ms) minus the record's `queued_at` (negative for entries
+-- carried from earlier runs), <run> "-" for the record's own run, else the id
+-- of the run the entry is about. A value stays <= HISTORY_VALUE_MAX bytes, so
+-- the record stays a listpack: the note is cut to fit, never the run id.
+local HISTORY_VALUE_MAX = 64
+
+local function history_value(offset, state, run, note)
+  local value = string.format('%d', offset) .. ' ' .. state
+  if run == '-' and (not note or note == '') then
+    return value
+  end
+  value = value .. ' ' .. run
+  if note and note ~= '' then
+    local room = HISTORY_VALUE_MAX - #value - 1
+    if room > 0 then
+      if #note > room then
+        -- Cut at a character's first byte, not inside a UTF-8 sequence.
+        while room > 0 and string.byte(note, room + 1) >= 128 and string.byte(note, room + 1) < 192 do
+          room = room - 1
+        end
+        note = string.sub(note, 1, room)
+      end
+      if note ~= '' then
+        value = value .. ' ' .. note
+      end
+    end
+  end
+  return value
+end
+
+-- A history value read back: offset (number), state, run ("-" for the record's own), note.
+local function parse_history(value)
+  local offset, state, rest = string.match(value, '^(%-?%d+) (%S+)(.*)$')
+  if not offset then
+    return nil
+  end
+  local run, note = '-', ''
+  if rest ~= '' then
+    run, note = string.match(rest, '^ (%S+) ?(.*)$')
+  end
+  return tonumber(offset), state, run or '-', note or ''
+end
+
+-- Add entry n (`value`) to the field-value pairs `fields` of the record's next
+-- HSET, with `hn`; the entry it pushes out of the history is deleted now.
+local function push_history(record, n, value, history_len, fields)
+  if n >= history_len then
+    redis.call('HDEL', record, 'h' .. (n - history_len))
+  end
+  fields[#fields + 1], fields[#fields + 2] = 'h' .. n, value
+  fields[#fields + 1], fields[#fields + 2] = 'hn', n + 1
+end
+
+-- Move M's record to `state`: fields, state index and history, in one place.
 -- `known_old`: the record's state if the caller knows it (false: none); nil: read it.
 -- `fields`: more field-value pairs of the record to set in the same HSET.
+-- `base`: {hn, queued_at} of the record when the caller knows them (nil: read).
+-- The history entry is about the record's own run.
 -- With CHECK, the move is reported to the server's log (schema.py checks it).
-local function transition(prefix, record, member, state, now, task_id, note, history_len, known_old, fields)
+local function transition(prefix, record, member, state, now, note, history_len, known_old, fields, base)
   local old = known_old
-  if old == nil then
-    old = redis.call('HGET', record, 'state')
+  local hn, queued_at
+  if base then
+    hn, queued_at = base[1], base[2]
+  end
+  if old == nil or (history_len > 0 and not base) then
+    local r = redis.call('HMGET', record, 'state', 'hn', 'queued_at')
+    if old == nil then
+      old = r[1]
+    end
+    if not base then
+      hn, queued_at = tonumber(r[2] or 0), tonumber(r[3])
+    end
   end
   if CHECK then
     redis.log(redis.LOG_WARNING, REPORT_MARK .. ' ' .. SCRIPT .. ' ' .. (old or NO_RECORD) .. ' ' .. state .. ' ' .. member)
   end
-  local ns, key = split_member(member)
-  redis.call('HSET', record, 'state', state, 'updated_at', now, unpack(fields or {}))
-  if redis.call('ZADD', KEY.index(prefix), now, member) == 1 then
-    -- P:idx and P:idx:name gain and lose M together (unindex): only a new entry needs its name.
-    redis.call('ZADD', KEY.name_index(prefix), 0, key .. '\0' .. ns)
+  local set = {'state', state}
+  for _, value in ipairs(fields or {}) do
+    set[#set + 1] = value
   end
-  if old and old ~= state then
-    redis.call('ZREM', KEY.state_index(prefix, old), member)
-  end
-  redis.call('ZADD', KEY.state_index(prefix, state), now, member)
-  redis.call('ZADD', KEY.task_index(prefix, ns), now, member)
   if history_len > 0 then
-    local entry = now .. ' ' .. state .. ' ' .. task_id
-    if note and note ~= '' then
-      entry = entry .. ' ' .. note
+    if not queued_at then
+      queued_at = now  -- every record has one: the entries' times count from it
+      set[#set + 1], set[#set + 2] = 'queued_at', now
     end
-    local hist = KEY.history(prefix, member)
-    if redis.call('LPUSH', hist, entry) > history_len then
-      redis.call('LTRIM', hist, 0, history_len - 1)
-    end
+    push_history(record, hn, history_value(now - queued_at, state, '-', note), history_len, set)
+  end
+  redis.call('HSET', record, unpack(set))
+  -- P:idx:name holds every member some state index holds: a member no state index held gets its name.
+  local indexed = false
+  if old and old ~= state then
+    indexed = redis.call('ZREM', KEY.state_index(prefix, old), member) == 1
+  end
+  local added = redis.call('ZADD', KEY.state_index(prefix, state), now, member)
+  if old and old == state then
+    indexed = added == 0
+  end
+  if not indexed then
+    local ns, key = split_member(member)
+    redis.call('ZADD', KEY.name_index(prefix), 0, key .. '\0' .. ns)
   end
 end
 
--- Expire M's record (and its history with it) in `ms` milliseconds.
-local function expire_record(prefix, record, member, ms)
+-- Expire M's record (its history is inside it) in `ms` milliseconds.
+local function expire_record(record, ms)
   redis.call('PEXPIRE', record, ms)
-  redis.call('PEXPIRE', KEY.history(prefix, member), ms)
 end
+
+-- The fields a run needs only until it has ended (where its message is, who
+-- delivered it, what to push): a final ending deletes them.
+local UNENDED_ONLY = {'tag', 'unacked', 'pushed_at', 'main', 'hold_ms', 'message', 'queue'}
 
 -- STATES and ENDED (the prelude): every state a record can be in, and those in
 -- which its run has ended: a delivery of an ended run never runs, and a later
@@ -70,9 +146,7 @@ end
 -- Remove M from every index; `state`, when known, spares trying every state index.
 local function unindex(prefix, member, state)
   local ns, key = split_member(member)
-  redis.call('ZREM', KEY.index(prefix), member)
   redis.call('ZREM', KEY.name_index(prefix), key .. '\0' .. ns)
-  redis.call('ZREM', KEY.task_index(prefix, ns), member)
   for _, candidate in ipairs(state and {state} or STATES) do
     redis.call('ZREM', KEY.state_index(prefix, candidate), member)
   end
@@ -283,11 +357,14 @@ end
 -- Replace M's record (in `old_state`, of run `old_task_id`; both false if there
 -- is none) by run `new_task_id`'s: the old one leaves the indexes, and a run
 -- that had not ended is noted in the history: still running (its key was
--- released when it started), or lost, with why (its lock or its hold expired).
--- Returns the fields the new record keeps of the old (see REMEMBERED); an
--- ended run pushed out of them is kept `keep_ms` (see remember_ended).
+-- released when it started: "passed on"), or lost, with why (its hold expired,
+-- or its lock did). The new record's `queued_at` is `now`.
+-- Returns the fields the new record keeps of the old (see REMEMBERED) and its
+-- history's entries (the old run's, "-" replaced by its id, rebased on `now`,
+-- renumbered from h0), and the new record's `hn`; an ended run pushed out of
+-- them is kept `keep_ms` (see remember_ended).
 local function retire(prefix, record, member, now, history_len, old_state, old_task_id, new_task_id, keep_ms)
-  local kept = redis.call('HMGET', record, 'nonce', 'nonces', 'ended', 'began', 'started_at')
+  local kept = redis.call('HMGET', record, 'nonce', 'nonces', 'ended', 'began', 'started_at', 'hn', 'queued_at')
   local carry = {}
   local nonces = remember(kept[1], kept[2])
   local ended, began = kept[3] or '', kept[4] or ''
@@ -310,41 +387,68 @@ local function retire(prefix, record, member, now, history_len, old_state, old_t
     settle_followers(prefix, member, old_task_id, 'lost', 'its hold expired before it ended; key taken over by '
       .. new_task_id, '', math.max(redis.call('PTTL', record), 60000))
   end
-  if old_state and not ENDED[old_state] and old_state ~= 'lost' and history_len > 0 then
-    local entry = ' lost ' .. (old_task_id or '') .. ' hold expired; key taken over by ' .. new_task_id
-    if running then
-      entry = ' started ' .. (old_task_id or '') .. ' still running; key passed to the next run'
-    elseif old_state == 'started' then
-      entry = ' lost ' .. (old_task_id or '') .. ' key taken over'
+  local entries = {}  -- {time (ms), state, run, note}, oldest first
+  if history_len > 0 then
+    local hn, base = tonumber(kept[6] or 0), tonumber(kept[7] or now)
+    local names = {}
+    for n = math.max(0, hn - history_len), hn - 1 do
+      names[#names + 1] = 'h' .. n
     end
-    local hist = KEY.history(prefix, member)
-    redis.call('LPUSH', hist, now .. entry)
-    redis.call('LTRIM', hist, 0, history_len - 1)
+    if #names > 0 then
+      for _, value in ipairs(redis.call('HMGET', record, unpack(names))) do
+        local offset, state, run, note = false, nil, nil, nil
+        if value then
+          offset, state, run, note = parse_history(value)
+        end
+        if offset then
+          entries[#entries + 1] = {offset + base, state, run == '-' and (old_task_id or '-') or run, note}
+        end
+      end
+    end
+    if old_state and not ENDED[old_state] and old_state ~= 'lost' then
+      local entry = {now, 'lost', old_task_id or '-', 'expired; taken over'}
+      if running then
+        entry = {now, 'started', old_task_id or '-', 'passed on'}
+      elseif old_state == 'started' then
+        entry = {now, 'lost', old_task_id or '-', 'key taken over'}
+      end
+      entries[#entries + 1] = entry
+    end
+  end
+  local first = math.max(1, #entries - history_len + 1)
+  for i = first, #entries do
+    local e = entries[i]
+    carry[#carry + 1], carry[#carry + 2] = 'h' .. (i - first), history_value(e[1] - now, e[2], e[3], e[4])
+  end
+  local hn = math.max(0, #entries - first + 1)
+  if hn > 0 then
+    carry[#carry + 1], carry[#carry + 2] = 'hn', hn
   end
   if old_state then
     unindex(prefix, member, old_state)
   end
   redis.call('DEL', record)
-  return carry
+  return carry, hn
 end
 
--- Delete M's record, its history and its index entries.
+-- Delete M's record (its history with it) and its index entries.
 local function forget(prefix, record, member)
   unindex(prefix, member, redis.call('HGET', record, 'state') or nil)
-  redis.call('DEL', record, KEY.history(prefix, member))
+  redis.call('DEL', record)
 end
 
 -- Cut M's record down to what later decisions about its run depend on, for
--- as long as the record would have lived: the run's id and ending (a late copy
--- of the run is skipped, see start.lua) and what it remembers of earlier runs
--- (see REMEMBERED). Everything else goes: the
--- other fields, the history and the index entries.
+-- as long as the record would have lived (a record without expiry keeps
+-- none): the run's id and ending (a late copy of the run is skipped, see
+-- start.lua) and what it remembers of earlier runs (see REMEMBERED).
+-- Everything else goes: the other fields, the history and the index entries.
 local function tombstone(prefix, record, member)
   local kept = redis.call('HMGET', record, 'task_id', 'state', 'nonce', 'nonces', 'ended', 'began')
   local ttl = redis.call('PTTL', record)
   unindex(prefix, member, kept[2] or nil)
-  redis.call('DEL', record, KEY.history(prefix, member))
-  if not kept[1] or not kept[2] or ttl <= 0 then
+  redis.call('DEL', record)
+  -- ttl -2: no record; -1: a record without expiry, whose tombstone has none either.
+  if not kept[1] or not kept[2] or ttl == -2 or ttl == 0 then
     return
   end
   local fields = {'task_id', kept[1], 'state', kept[2], 'purged', 1}
@@ -361,5 +465,7 @@ local function tombstone(prefix, record, member)
     fields[#fields + 1], fields[#fields + 2] = 'began', kept[6]
   end
   redis.call('HSET', record, unpack(fields))
-  redis.call('PEXPIRE', record, ttl)
+  if ttl > 0 then
+    redis.call('PEXPIRE', record, ttl)
+  end
 end

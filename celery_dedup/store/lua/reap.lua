@@ -2,8 +2,9 @@
 --
 -- KEYS[1]  held: held set
 -- ARGV[1]  prefix: key prefix
--- ARGV[2]  budget: at most this many entries examined per step (step 4: per
---          index walked, and as many runs first seen missing a grace ago)
+-- ARGV[2]  budget: at most this many entries examined per step (step 3: over
+--          the indexes it walks; step 4: per index walked, and as many runs
+--          first seen missing a grace ago)
 -- ARGV[3]  record_ms: record TTL (for runs found dead)
 -- ARGV[4]  history_len: history length
 -- ARGV[5]  grace_ms: how long a message must stay missing to be judged lost
@@ -20,10 +21,18 @@
 --      the held set (SSCAN, resuming where the last call stopped); a run still
 --      `publishing` then (two-phase gate: its publisher never confirmed within
 --      the lease) is marked `lost` (its message, if it reached the broker, may
---      still run it);
+--      still run it). A record without expiry (gate.lua gives a new one none)
+--      gets record_ms then, unless its run may still run: its message parked
+--      in it (`pending`) or not missing from its queue (see step 4; a message
+--      sent to a broker apart from the store cannot be watched);
 --   2. records still `started` whose execution lock is gone belong to a dead
 --      worker: marked `lost`, their key released;
---   3. index entries of records that expired are removed;
+--   3. state index entries of records that expired are removed: steps 2 and 4
+--      remove those they meet in their walks (started, queued, retry); the
+--      other states' indexes are walked here in turn (P:reaper:walks "stale"
+--      names the state whose index is walked): a call whose walk of one
+--      state's index ends goes on with the next state's, each state at most
+--      once per call, until it has examined budget entries;
 --   4. queued (or retry-waiting) runs whose message the transport lost after
 --      fetching it (kombu's Redis transport pops a message before recording
 --      it as unacked: a worker killed in between loses it) are marked lost and
@@ -67,8 +76,10 @@ local suspects = KEY.reaper_missing(prefix)
 
 -- The next entries of the walk over `index`, as {members, scores, more, stop,
 -- after}: `more` if the walk goes on after them, `after` the entry they follow
--- ({member, score}, or nil). Pass it all to `walked` once they were examined.
-local function walk(index)
+-- ({member, score}, or nil). At most `limit` entries (default: budget). Pass it
+-- all to `walked` once they were examined.
+local function walk(index, limit)
+  limit = limit or budget
   local at = redis.call('HMGET', walks, index .. ':score', index .. ':member', index .. ':stop')
   local first, stop, after = 0, at[3], nil
   if stop then
@@ -86,15 +97,15 @@ local function walk(index)
     end
     stop = newest[2]
   end
-  local limit = tonumber(stop)
+  local last = tonumber(stop)
   -- One entry more than is read: whether the walk goes on after these.
-  local entries = redis.call('ZRANGE', index, first, first + budget, 'WITHSCORES')
+  local entries = redis.call('ZRANGE', index, first, first + limit, 'WITHSCORES')
   local step = {members = {}, scores = {}, more = false, stop = stop, after = after}
   for i = 1, #entries, 2 do
-    if tonumber(entries[i + 1]) > limit then
+    if tonumber(entries[i + 1]) > last then
       break
     end
-    if #step.members == budget then
+    if #step.members == limit then
       step.more = true
       break
     end
@@ -137,55 +148,6 @@ local function reap(member, task_id, why)
   count(prefix, member, 'reaped')
 end
 
-local released, lost = 0, 0
-local scan = redis.call('SSCAN', held, redis.call('GET', cursor_key) or '0', 'COUNT', budget)
-redis.call('SET', cursor_key, scan[1])
-for _, member in ipairs(scan[2]) do
-  local record = KEY.record(prefix, member)
-  local current = redis.call('HMGET', record, 'held_until', 'state', 'task_id')
-  local until_ms = current[1]
-  if not until_ms or tonumber(until_ms) <= now then
-    redis.call('SREM', held, member)
-    released = released + 1
-    if current[2] == 'publishing' then
-      local why = 'its publisher never confirmed the publish within its lease'
-      redis.call('HSET', record, 'held_until', 0, 'finished_at', now)
-      transition(prefix, record, member, 'lost', now, current[3], 'reaped: publish lease ended', history_len)
-      lost = lost + 1
-      reap(member, current[3], why)
-    end
-  end
-end
-
-local started_index = KEY.state_index(prefix, 'started')
-local started = walk(started_index)
-for _, member in ipairs(started.members) do
-  local record = KEY.record(prefix, member)
-  if redis.call('EXISTS', KEY.lock(prefix, member)) == 0 and redis.call('EXISTS', record) == 1 then
-    local task_id = redis.call('HGET', record, 'task_id') or ''
-    redis.call('HDEL', record, 'lock')
-    redis.call('HSET', record, 'held_until', 0, 'finished_at', now)
-    redis.call('SREM', held, member)
-    transition(prefix, record, member, 'lost', now, task_id, 'reaped: lock expired', history_len)
-    expire_record(prefix, record, member, record_ms)
-    settle_followers(prefix, member, task_id, 'lost', 'its worker died: lock expired while started', '', record_ms)
-    lost = lost + 1
-    reap(member, task_id, 'its worker died: lock expired while started')
-  end
-end
-walked(started_index, started)
-
-local stale = 0
-local index = KEY.index(prefix)
-local indexed = walk(index)
-for _, member in ipairs(indexed.members) do
-  if redis.call('EXISTS', KEY.record(prefix, member)) == 0 then
-    unindex(prefix, member)
-    stale = stale + 1
-  end
-end
-walked(index, indexed)
-
 -- The push time of the oldest message in `queue`: false if it is empty, -1 if
 -- unknown. Queues do not change while this script runs: each is read once.
 local heads = {}
@@ -225,6 +187,93 @@ local function message_missing(record)
   return head == false or head > pushed_at
 end
 
+local released, lost = 0, 0
+local scan = redis.call('SSCAN', held, redis.call('GET', cursor_key) or '0', 'COUNT', budget)
+redis.call('SET', cursor_key, scan[1])
+for _, member in ipairs(scan[2]) do
+  local record = KEY.record(prefix, member)
+  local current = redis.call('HMGET', record, 'held_until', 'state', 'task_id')
+  local until_ms = current[1]
+  if not until_ms or tonumber(until_ms) <= now then
+    redis.call('SREM', held, member)
+    released = released + 1
+    if current[2] == 'publishing' then
+      local why = 'its publisher never confirmed the publish within its lease'
+      redis.call('HSET', record, 'held_until', 0, 'finished_at', now)
+      transition(prefix, record, member, 'lost', now, 'reaped: publish lease ended', history_len, current[2])
+      expire_record(record, record_ms)
+      lost = lost + 1
+      reap(member, current[3], why)
+    elseif current[2] and current[2] ~= 'pending' and redis.call('PTTL', record) == -1 then
+      if not redis.call('HGET', record, 'queue') or message_missing(record) then
+        expire_record(record, record_ms)
+      end
+    end
+  end
+end
+
+local stale = 0
+-- An index entry of a record that expired: removed.
+local function stale_entry(member, state)
+  if redis.call('EXISTS', KEY.record(prefix, member)) == 0 then
+    unindex(prefix, member, state)
+    stale = stale + 1
+    return true
+  end
+  return false
+end
+
+local started_index = KEY.state_index(prefix, 'started')
+local started = walk(started_index)
+for _, member in ipairs(started.members) do
+  local record = KEY.record(prefix, member)
+  if not stale_entry(member, 'started') and redis.call('EXISTS', KEY.lock(prefix, member)) == 0 then
+    local task_id = redis.call('HGET', record, 'task_id') or ''
+    redis.call('HDEL', record, 'lock')
+    redis.call('HSET', record, 'held_until', 0, 'finished_at', now)
+    redis.call('SREM', held, member)
+    transition(prefix, record, member, 'lost', now, 'reaped: lock expired', history_len)
+    expire_record(record, record_ms)
+    settle_followers(prefix, member, task_id, 'lost', 'its worker died: lock expired while started', '', record_ms)
+    lost = lost + 1
+    reap(member, task_id, 'its worker died: lock expired while started')
+  end
+end
+walked(started_index, started)
+
+local STALE_STATES = {}
+for _, state in ipairs(STATES) do
+  if state ~= 'started' and state ~= 'queued' and state ~= 'retry' then
+    STALE_STATES[#STALE_STATES + 1] = state
+  end
+end
+local stale_at = 1
+local stale_state = redis.call('HGET', walks, 'stale')
+for i, state in ipairs(STALE_STATES) do
+  if state == stale_state then
+    stale_at = i
+  end
+end
+local left = budget
+for _ = 1, #STALE_STATES do
+  local index = KEY.state_index(prefix, STALE_STATES[stale_at])
+  local indexed = walk(index, left)
+  for _, member in ipairs(indexed.members) do
+    stale_entry(member, STALE_STATES[stale_at])
+  end
+  walked(index, indexed)
+  left = left - #indexed.members
+  if indexed.more then
+    break  -- the budget is spent: the next call goes on with this walk
+  end
+  -- This state's walk ended: the next state's index is walked next, in this call while budget is left.
+  stale_at = stale_at % #STALE_STATES + 1
+  if left <= 0 then
+    break
+  end
+end
+redis.call('HSET', walks, 'stale', STALE_STATES[stale_at])
+
 local vanished = 0
 local waiting_states = {queued = true, retry = true}
 for _, member in ipairs(redis.call('ZRANGEBYSCORE', suspects, '-inf', now - grace_ms, 'LIMIT', 0, budget)) do
@@ -241,8 +290,8 @@ for _, member in ipairs(redis.call('ZRANGEBYSCORE', suspects, '-inf', now - grac
       if redis.call('HEXISTS', record, 'args') == 0 and redis.call('HEXISTS', record, 'kwargs') == 0 then
         redis.call('HDEL', record, 'payload')
       end
-      transition(prefix, record, member, 'lost', now, task_id, 'message lost by the transport', history_len)
-      expire_record(prefix, record, member, record_ms)
+      transition(prefix, record, member, 'lost', now, 'message lost by the transport', history_len)
+      expire_record(record, record_ms)
       settle_followers(prefix, member, task_id, 'lost', 'message lost by the transport', '', record_ms)
       vanished = vanished + 1
       reap(member, task_id, 'message lost by the transport')
@@ -255,7 +304,9 @@ for _, state in ipairs({'queued', 'retry'}) do
   for _, member in ipairs(waiting.members) do
     local record = KEY.record(prefix, member)
     local since = redis.call('HGET', record, 'missing_since')
-    if message_missing(record) then
+    if stale_entry(member, state) then
+      -- Its record expired.
+    elseif message_missing(record) then
       if not since then
         redis.call('HSET', record, 'missing_since', now)
         redis.call('ZADD', suspects, now, member)

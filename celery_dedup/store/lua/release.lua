@@ -56,9 +56,10 @@ if not state then
 end
 
 local now = now_ms()
+-- Who released it comes first: a long note is cut (lib's history_value).
 local note = 'released'
 if forced == 1 then
-  note = 'forced release, lock ' .. holder .. ' deleted'
+  note = 'forced release'
   if current[3] == holder then
     redis.call('HSETNX', record, 'lock_lost_at', now)
   end
@@ -66,13 +67,17 @@ end
 if who ~= '' then
   note = note .. ' by ' .. who
 end
+if forced == 1 then
+  note = note .. ', lock ' .. holder .. ' deleted'
+end
 redis.call('HSET', record, 'held_until', 0)
 if not ENDED[state] then
   redis.call('HSET', record, 'finished_at', now)
   state = 'released'
   settle_followers(prefix, member, task_id or '', 'released', note, '', record_ms)
 end
-transition(prefix, record, member, state, now, task_id or '', note, history_len)
+redis.call('HDEL', record, unpack(UNENDED_ONLY))  -- ended now (or before): what only an unended run needs goes
+transition(prefix, record, member, state, now, note, history_len)
 count(prefix, member, 'released')
-expire_record(prefix, record, member, record_ms)
+expire_record(record, record_ms)
 return {1, state, was_held, forced}

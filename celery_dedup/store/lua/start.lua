@@ -15,23 +15,22 @@
 --          within one lock TTL)
 -- ARGV[7]  hostname: worker hostname
 -- ARGV[8]  pid: worker pid
--- ARGV[9]  retries: retries of this delivery (request.retries)
--- ARGV[10] task_name
--- ARGV[11] prefix: key prefix
--- ARGV[12] history_len: history length
--- ARGV[13] record_ms: record TTL (for records this script creates)
--- ARGV[14] want_payload: "1" to return the record's payload (a debounced run
+-- ARGV[9]  retries: retries of this delivery (request.retries; 0 is not written)
+-- ARGV[10] prefix: key prefix
+-- ARGV[11] history_len: history length
+-- ARGV[12] record_ms: record TTL: the record outlives the lock (or the hold) by this much
+-- ARGV[13] want_payload: "1" to return the record's payload (a debounced run
 --          takes the arguments its burst left there)
--- ARGV[15] on_locked: the task's dedup_on_locked ("skip" or "reschedule"):
+-- ARGV[14] on_locked: the task's dedup_on_locked ("skip" or "reschedule"):
 --          whether a refusal for another run's lock is counted skipped or deferred
--- ARGV[16] keep_payload: "0" to delete the record's payload once this delivery
+-- ARGV[15] keep_payload: "0" to delete the record's payload once this delivery
 --          runs (dedup_record_args off: it was kept only to run with); "1" kept
--- ARGV[17] main: the token of the main process of the worker that delivered
+-- ARGV[16] main: the token of the main process of the worker that delivered
 --          this delivery (recovery.py judges the run by it), "" if unknown
--- ARGV[18] tag: this delivery's tag, "" where recovery could not put its
+-- ARGV[17] tag: this delivery's tag, "" where recovery could not put its
 --          message back (acknowledged before the body runs, or the store is
 --          not the broker)
--- ARGV[19] unacked: kombu's unacked hash, where that message waits unacknowledged
+-- ARGV[18] unacked: kombu's unacked hash, where that message waits unacknowledged
 --          tag and unacked are recorded (`tag`, `unacked`) unless the
 --          gate recorded where it pushed the run's message (`queue`): so
 --          recovery.py finds the message of a run the gate did not route
@@ -68,7 +67,7 @@ end
 
 local now = now_ms()
 local current = redis.call('HMGET', record, 'task_id', 'state', 'held_until', 'ended', 'hold_ms', 'queued_at', 'payload',
-  'queue')
+  'queue', 'hn')
 local owner, state = current[1], current[2]
 
 if owner == task_id and ENDED[state] then
@@ -100,21 +99,25 @@ end
 redis.call('SET', lock, token, 'PX', lock_ms)
 -- What this run's record holds already (a record this script starts holds none of it).
 local held_until, hold_ms, queued_at, payload, routed = 0, false, false, '', false
+-- The record's history count and queued_at (lib's transition), while no entry was written since they were read.
+local base = nil
 if owner == task_id then
   held_until, hold_ms, queued_at, payload = tonumber(current[3] or 0), current[5], current[6], current[7] or ''
   routed = current[8] ~= false
+  base = {tonumber(current[9] or 0), tonumber(queued_at)}
 end
 if owner == task_id and state == 'started' then
   -- Started before, lock gone, never finished: that delivery's worker died.
-  transition(prefix, record, member, 'lost', now, task_id, 'lock expired', history_len)
+  transition(prefix, record, member, 'lost', now, 'lock expired', history_len, state, nil, base)
   state = 'lost'
+  base = nil
 end
 if owner ~= task_id then
-  -- No record for this run (ungated, or the record expired): start one.
-  local fields = retire(prefix, record, member, now, history_len, state, owner, task_id, record_ms)
-  redis.call('HSET', record, 'task_id', task_id, 'task', task_name, 'duplicates', 0, 'attempts', 0,
-    'held_until', 0, unpack(fields))
+  -- No record for this run (ungated, or the record expired or passed on): start one, queued now.
+  local fields, hn = retire(prefix, record, member, now, history_len, state, owner, task_id, record_ms)
+  redis.call('HSET', record, 'task_id', task_id, 'queued_at', now, unpack(fields))
   state = false
+  base = {hn, now}
 end
 local attempts = redis.call('HINCRBY', record, 'attempts', 1)
 if keep_payload then
@@ -122,7 +125,10 @@ if keep_payload then
 else
   redis.call('HDEL', record, 'finished_at', 'lock_lost_at', 'window_until', 'missing_since', 'hold_ms', 'payload')
 end
-local fields = {'started_at', now, 'worker', hostname, 'pid', pid, 'retries', retries, 'lock', token}
+local fields = {'started_at', now, 'worker', hostname, 'pid', pid, 'lock', token}
+if retries > 0 then
+  fields[#fields + 1], fields[#fields + 2] = 'retries', retries
+end
 if main ~= '' then
   fields[#fields + 1], fields[#fields + 2] = 'main', main
 else
@@ -155,8 +161,8 @@ local note = ''
 if attempts > 1 then
   note = 'attempt ' .. attempts
 end
-transition(prefix, record, member, 'started', now, task_id, note, history_len, state, fields)
-expire_record(prefix, record, member, math.max(held_until - now, lock_ms) + record_ms)
+transition(prefix, record, member, 'started', now, note, history_len, state, fields, base)
+expire_record(record, math.max(held_until - now, lock_ms) + record_ms)
 if not want_payload then
   payload = ''
 end

@@ -31,7 +31,7 @@ if current[1] then
   redis.call('HINCRBY', record, 'skipped', -1)  -- start.lua counted the refusal there too
 end
 if current[2] == 'started' and current[3] == dead then
-  transition(prefix, record, member, 'lost', now_ms(), current[1], 'taken over from ' .. dead, history_len,
+  transition(prefix, record, member, 'lost', now_ms(), 'taken over from ' .. dead, history_len,
     'started')
 end
 return 1
