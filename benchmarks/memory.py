@@ -675,13 +675,14 @@ def notes(run: Run) -> list[str]:
     total = s["all_state_finished_used_memory"]
     out = [
         f"Index entries are {s['index_entries_finished']:.0f} of the {total:.0f} bytes a finished key costs "
-        f"({s['index_entries_finished'] / total:.0%}): four sorted-set entries per key, each a skiplist node plus a "
-        "hash-table entry plus the member string (the sets are far past zset-max-listpack-entries). Fewer indexes "
-        "would shrink it most: `idx:name` only serves key-prefix search, `idx:task` one filter, and `idx` could "
-        "be derived from the state indexes (a ZUNION when read).",
+        f"({s['index_entries_finished'] / total:.0%}): format 2 keeps two sorted-set entries per key (its state's "
+        "index and the key-prefix search's `idx:name`), each a skiplist node plus a hash-table entry plus the member "
+        "string (the sets are far past zset-max-listpack-entries); the all-records list and the task filter are "
+        "merged from the state indexes when read.",
         f"The record hash is {per_key['record']:.0f} bytes finished, {finished['record_field_name_bytes_mean']:.0f} "
-        f"of them field names ({finished['record_fields_mean']:.0f} fields); one- or two-letter names would save "
-        "most of that, and dropping fields a record rarely needs (nonce after the run, pid, retries 0) some more.",
+        f"of them field names ({finished['record_fields_mean']:.0f} fields, its history entries included). The names "
+        "stay readable on purpose (redis-cli, and the previous release reads the fields it decides on); one- or "
+        "two-letter names would save most of them.",
         f"History is {per_key['history']:.0f} bytes for {finished['history_entries_mean']:.0f} entries, in a second "
         f"key with its own expiry; kept as a field of the record it would also save the per-key overhead that "
         f"MEMORY USAGE does not see ({finished['unattributed_per_key']:.0f} bytes per key here, two keys with TTLs)."
