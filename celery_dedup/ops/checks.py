@@ -7,19 +7,17 @@ managed Redis), never a failure.
 
 from __future__ import annotations
 
-import time
 from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Any
 
 import redis
 from celery import Celery
 from kombu.transport import redis as kombu_redis
-from redis.cluster import RedisCluster
 
 from .. import runtime
 from ..exceptions import DedupError, DedupStoreFormatError
 from ..store import format as store_format
+from ..store import server
 from ..store.connection import masked_url
 from ..store.schema import FORMAT
 from ..store.store import DedupStore
@@ -122,48 +120,36 @@ def visibility_finding(visibility: float, lock_ttls: Sequence[tuple[float, str]]
     )
 
 
-def _config_get(client: redis.Redis, name: str) -> str:
-    reply: dict[Any, Any] = client.config_get(name)
-    for field, value in reply.items():
-        text = field.decode() if isinstance(field, bytes) else str(field)
-        if text == name:
-            return value.decode() if isinstance(value, bytes) else str(value)
-    raise redis.ResponseError(f"CONFIG GET {name} returned nothing")
-
-
-def _server_findings(client: redis.Redis, on_broker: bool) -> list[Finding]:
+def _server_findings(found: server.ServerFacts, on_broker: bool) -> list[Finding]:
     findings = []
-    try:
-        findings.append(
-            eviction_finding(_config_get(client, "maxmemory-policy"), int(_config_get(client, "maxmemory")))
-        )
-        save, appendonly = _config_get(client, "save"), _config_get(client, "appendonly")
-        findings.append(persistence_finding(save, appendonly, on_broker=on_broker))
-    except redis.ResponseError as exc:  # CONFIG renamed or forbidden, as on managed services
+    if found.config_error:
         for name in ("maxmemory-policy", "persistence"):
             findings.append(
-                Finding(name, "unknown", f"CONFIG GET is not allowed here ({exc}): check it with your host")
+                Finding(
+                    name, "unknown", f"CONFIG GET is not allowed here ({found.config_error}): check it with your host"
+                )
             )
-    before = time.time()
-    try:
-        seconds, micros = client.time()
-    except redis.ResponseError as exc:
-        findings.append(Finding("clock", "unknown", f"TIME is not allowed here ({exc})"))
-        return findings
-    after = time.time()
-    findings.append(clock_finding(seconds + micros / 1e6 - (before + after) / 2))
+    else:
+        config = found.config
+        findings.append(eviction_finding(config["maxmemory-policy"], int(config["maxmemory"])))
+        findings.append(persistence_finding(config["save"], config["appendonly"], on_broker=on_broker))
+    if found.clock_offset is None:
+        findings.append(Finding("clock", "unknown", f"TIME is not allowed here ({found.clock_error})"))
+    else:
+        findings.append(clock_finding(found.clock_offset))
     return findings
 
 
 def _store_findings(client: redis.Redis, on_broker: bool) -> list[Finding]:
-    """The server's findings; a cluster's per master, each named. ``on_broker``: the store is the broker."""
-    if not isinstance(client, RedisCluster):
-        return _server_findings(client, on_broker)
-    findings = []
-    for node in client.get_primaries():
-        for found in _server_findings(node.redis_connection, on_broker=False):
-            findings.append(Finding(found.check, found.level, f"{node.name}: {found.message}"))
-    return findings
+    """The server's findings; a cluster's per primary, each named. ``on_broker``: the store is the broker."""
+    each = server.facts(client)
+    if len(each) == 1 and not each[0].node:
+        return _server_findings(each[0], on_broker)
+    return [
+        Finding(found.check, found.level, f"{facts.node}: {found.message}")
+        for facts in each
+        for found in _server_findings(facts, on_broker=False)
+    ]
 
 
 def _task_findings(app: Celery, config_lock_ttl: float) -> tuple[list[Finding], list[tuple[float, str]]]:
