@@ -1,4 +1,4 @@
-"""The package's layout: no import cycle, Lua only in ``store/``, a store that needs no side, no stray folder.
+"""The package's layout: no import cycle, Lua and Redis commands only in ``store/``, a store that needs no side.
 
 Pure Python: the sources are parsed, never imported. Every import counts:
 at module level, inside functions (a lazy import hides a cycle, it does not
@@ -21,6 +21,19 @@ SCRIPT_ATTRIBUTES = frozenset(
 )
 #: Names of redis-py's script class and of the store's loader.
 SCRIPT_NAMES = frozenset({"Script", "load_script"})
+#: redis-py client methods that send a command (names no other object of the package calls). ``get``, ``set``
+#: ``delete``, ``exists`` and ``info`` are left out: dictionaries, paths and loggers have them too.
+COMMAND_ATTRIBUTES = frozenset(
+    {
+        *("hget", "hset", "hgetall", "hmget", "hdel", "hincrby", "hlen", "hkeys", "hvals", "hexists"),
+        *("zadd", "zrem", "zcard", "zscore", "zrange", "zrevrange", "zrangebyscore", "zrevrangebyscore"),
+        *("zrangebylex", "zlexcount", "sadd", "srem", "smembers", "sismember", "scard", "sscan_iter"),
+        *("lpush", "rpush", "lrange", "llen", "lrem", "pipeline", "transaction", "scan_iter", "config_get"),
+        *("pexpire", "expire", "pttl", "ttl", "get_primaries", "memory_usage", "execute_command"),
+    }
+)
+#: Where Redis may be spoken outside the store: the kombu transport's own channel (it is a broker).
+COMMANDS_ALSO_IN = frozenset({PACKAGE / "transports" / "redis.py"})
 #: Top-level modules both sides share, and the only ones the store may use: they import only each other.
 SHARED = frozenset({"exceptions", "keys", "modes", "config", "policy", "decisions", "header", "payloads"})
 
@@ -174,6 +187,26 @@ def test_lua_is_loaded_and_run_only_in_the_store() -> None:
     scripts = sorted(PACKAGE.rglob("*.lua"))
     assert scripts, "no Lua script found"
     assert all(path.parent == LUA for path in scripts), [str(p) for p in scripts if p.parent != LUA]
+
+
+def command_uses(path: Path) -> Iterator[str]:
+    """Where ``path`` calls a redis-py method that sends a command."""
+    tree = ast.parse(path.read_text(encoding="utf-8"), str(path))
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Call) and isinstance(node.func, ast.Attribute) and node.func.attr in COMMAND_ATTRIBUTES:
+            yield f"line {node.lineno}: .{node.func.attr}()"
+
+
+def test_redis_is_spoken_only_in_the_store() -> None:
+    found = {
+        str(path.relative_to(PACKAGE.parent)): uses
+        for path in sorted(PACKAGE.rglob("*.py"))
+        if STORE not in path.parents and path not in COMMANDS_ALSO_IN
+        for uses in [list(command_uses(path))]
+        if uses
+    }
+    assert not found, f"Redis commands are the store's: {found}"
+    assert list(command_uses(STORE / "store.py")), "the check finds no command even in the store"
 
 
 def test_the_store_imports_no_side() -> None:
