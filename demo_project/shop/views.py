@@ -83,7 +83,7 @@ def pay(request: HttpRequest, order_id: int) -> HttpResponse:
 
 
 def order_json(request: HttpRequest, order_id: int) -> JsonResponse:
-    """The order's charges and e-mails, its charge key's status record and the last charge run's result."""
+    """The order's charges and e-mails, its charge key's status (``Status.as_dict``) and its last charge's result."""
     order = get_object_or_404(Order, pk=order_id)
     return JsonResponse(
         {
@@ -95,7 +95,7 @@ def order_json(request: HttpRequest, order_id: int) -> JsonResponse:
             "charge_ids": list(order.charges.order_by("pk").values_list("pk", flat=True)),
             "emails": order.emails.count(),
             "charge_key": charge_payment.dedup_business_key(order.pk),
-            "charge_dedup": (status.fields if (status := charge_payment.dedup_status(order.pk)) else None),
+            "charge_dedup": (status.as_dict() if (status := charge_payment.dedup_status(order.pk)) else None),
             "charge_result": last_charge_result(order),
             "links": {
                 "order": reverse("shop:order", args=[order.pk]),

@@ -106,7 +106,7 @@ def test_double_pay_charges_once(demo: DemoProcess) -> None:
     assert order["charges"] == 1
     assert order["emails"] == 1
     assert order["status"] == "paid"
-    assert order["charge_dedup"]["duplicates"] == "1"
+    assert order["charge_dedup"]["duplicates"] == 1
 
 
 def query(demo: DemoProcess, sql: str, *params: Any) -> list[tuple[Any, ...]]:

@@ -101,7 +101,10 @@ class Release:
     folder: Path
 
     def env(self, server: Server) -> dict[str, str]:
-        env = {k: v for k, v in os.environ.items() if k not in ("PYTHONPATH", "PYTHONHOME", "VIRTUAL_ENV")}
+        # Not the session's Django settings either (a Django test of the session may have set them): these apps
+        # run without Django.
+        dropped = ("PYTHONPATH", "PYTHONHOME", "VIRTUAL_ENV", "DJANGO_SETTINGS_MODULE")
+        env = {k: v for k, v in os.environ.items() if k not in dropped}
         return {**env, "PYTHONPATH": str(self.folder), "UPGRADE_BROKER": server.url, "PYTHONNOUSERSITE": "1"}
 
     def run(self, server: Server, *args: str, check: bool = True) -> subprocess.CompletedProcess[str]:
