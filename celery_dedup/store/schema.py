@@ -114,12 +114,6 @@ TRANSITIONS: tuple[Transition, ...] = (
         ("finish",),
         "its delivery refused: another run of its key holds the execution lock (delivery.refuse)",
     ),
-    Transition(
-        "queued",
-        "retry",
-        ("finish",),
-        "a retry of a run whose key passed on while it ran: its retry's publish gave it a new record (gate)",
-    ),
     *_each(["publishing", "queued", "retry"], ["lost"], ("reap",), "the publish lease ended, or the message vanished"),
     *_each(_UNENDED, ["released"], ("release",), "an operator released the key of a run that had not ended"),
     *(Transition(state, state, ("release",), "an operator released an ended run's key") for state in ENDED_STATES),

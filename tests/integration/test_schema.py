@@ -10,6 +10,7 @@ from __future__ import annotations
 import dataclasses
 import os
 import re
+import time
 from pathlib import Path
 from typing import Any
 
@@ -244,17 +245,29 @@ def test_the_scripts_report_only_when_the_variable_says_so(monkeypatch: pytest.M
     assert "if CHECK then" in lua("lib")
 
 
-def test_a_retry_of_a_run_whose_key_passed_on_and_came_back_is_a_transition_the_table_allows(
+def _reporting_server(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> tuple[RedisServer, Path]:
+    monkeypatch.setenv(schema.CHECK_VARIABLE, "1")
+    log = tmp_path / "server.log"
+    return RedisServer(extra=("--logfile", str(log))), log
+
+
+def _moves(log: Path) -> list[tuple[str, str, str]]:
+    reports = schema.reported(log.read_text())
+    assert schema.unexpected(reports) == [], reports
+    return [(r.script, r.old, r.new) for r in reports]
+
+
+def test_a_retry_whose_publish_gave_its_run_a_new_record_leaves_that_record_queued(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     """until_executing frees the key as run A starts; B takes it and is refused (A holds the lock); A retries.
 
-    A's retry publish (a continuation) finds B's ended record and gives A a new one, queued; A's ending
-    then records retry on it: queued -> retry by finish, which the table must allow.
+    A's retry publish (a continuation) finds B's ended record and gives A a new one, queued: the retry's
+    message is out. A's ending, recorded after it, leaves that record to the retry (found by a chaos run,
+    which saw ``finish: queued -> retry``).
     """
-    monkeypatch.setenv(schema.CHECK_VARIABLE, "1")
-    log = tmp_path / "server.log"
-    with RedisServer(extra=("--logfile", str(log))) as server:
+    server, log = _reporting_server(tmp_path, monkeypatch)
+    with server:
         client = redis.Redis.from_url(server.url)
         store = DedupStore(client, "P")
         member, ms = "t:k", 60_000
@@ -267,9 +280,54 @@ def test_a_retry_of_a_run_whose_key_passed_on_and_came_back_is_a_transition_the_
         assert owned
         assert store.gate(member, "A", "nonce-a2", hold_ms=ms, grace_ms=ms, continues=True).accepted
         owned, *_ = store.finish(member, "A", "retry", drop=False, record_ms=ms, token="w:1:a", role="run")
-        assert owned and (store.record(member) or {}).get("state") == "retry"
+        record = store.record(member) or {}
+        assert owned and (record.get("state"), record.get("task_id")) == ("queued", "A")
+        assert not client.exists("P:lock:t:k"), "the body's lock is given back all the same"
         client.close()
-    reports = schema.reported(log.read_text())
-    print("reported:", *reports, sep="\n  ")
-    assert ("finish", "queued", "retry") in [(r.script, r.old, r.new) for r in reports]
-    assert schema.unexpected(reports) == []
+    assert ("finish", "queued", "retry") not in _moves(log)
+
+
+def test_a_debounced_retry_parked_after_a_wipe_is_still_pushed_when_due(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A debounced run retries after the server lost its data: the retry's publish finds no record and parks
+    the run anew (pending, due later); the body's ending comes after. Before, it recorded ``retry`` over
+    ``pending`` and the parked message was never pushed (dispatch pushes pending records only)."""
+    server, log = _reporting_server(tmp_path, monkeypatch)
+    with server:
+        client = redis.Redis.from_url(server.url)
+        store = DedupStore(client, "P")
+        member, ms = "t:k", 60_000
+        parked = {"queue": "celery", "message": "retry-message", "debounce": (50, 1_000, False)}
+        assert store.gate(member, "A", "nonce-a2", hold_ms=ms, grace_ms=ms, continues=True, **parked).accepted
+        assert (store.record(member) or {}).get("state") == "pending"
+        owned, *_ = store.finish(member, "A", "retry", drop=False, record_ms=ms, token="w:1:a", role="run")
+        assert owned and (store.record(member) or {}).get("state") == "pending"
+        time.sleep(0.1)
+        assert store.dispatch().pushed == 1
+        assert client.lrange("celery", 0, -1) == [b"retry-message"]
+        assert (store.record(member) or {}).get("state") == "queued"
+        client.close()
+    assert ("finish", "pending", "retry") not in _moves(log)
+
+
+def test_an_ending_reported_twice_after_a_lost_reply_is_recorded_once(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """finish's reply is lost after the server acted; the worker sends it again: no second entry, no
+    ``retry -> retry`` (a chaos run's proxy dropped such a reply)."""
+    server, log = _reporting_server(tmp_path, monkeypatch)
+    with server:
+        client = redis.Redis.from_url(server.url)
+        store = DedupStore(client, "P")
+        member, ms = "t:k", 60_000
+        assert store.gate(member, "A", "nonce-a", hold_ms=ms, grace_ms=ms).accepted
+        common: dict[str, Any] = {"lock_ms": ms, "gated": True, "hostname": "w", "pid": 1, "record_ms": ms}
+        assert store.start(member, "A", "w:1:a", key_mode="lock", retries=0, **common).run
+        for _ in range(2):
+            owned, *_ = store.finish(member, "A", "retry", drop=False, record_ms=ms, token="w:1:a", role="run")
+            assert owned
+        states = [entry.split(" ")[1] for entry in store.history(member)]
+        assert states == ["retry", "started", "queued"], states
+        client.close()
+    assert ("finish", "retry", "retry") not in _moves(log)

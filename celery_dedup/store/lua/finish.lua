@@ -169,6 +169,18 @@ if ENDED[current[3]] then
   return reply({1, lock_kept, 0})
 end
 
+-- An ending that goes on (a retry, a replacement under the key) of a run whose next publish is out already:
+-- the record is that publish's (queued, or parked again: a new record when the key had passed on or the
+-- server lost its data, which dispatch pushes only while pending), or says so already (this report sent
+-- again after its reply was lost). Its lock goes back; the record stays as it is.
+if not final and (current[3] == state or current[3] == 'queued' or current[3] == 'pending'
+    or current[3] == 'publishing') then
+  if not running then
+    redis.call('HDEL', record, 'lock')
+  end
+  return reply({1, lock_kept, 0})
+end
+
 local fields = {}
 if state ~= 'retry' and state ~= 'queued' then
   fields[#fields + 1], fields[#fields + 2] = 'finished_at', now
