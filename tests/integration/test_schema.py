@@ -298,7 +298,7 @@ def test_a_debounced_retry_parked_after_a_wipe_is_still_pushed_when_due(
         client = redis.Redis.from_url(server.url)
         store = DedupStore(client, "P")
         member, ms = "t:k", 60_000
-        parked = {"queue": "celery", "message": "retry-message", "debounce": (50, 1_000, False)}
+        parked: dict[str, Any] = {"queue": "celery", "message": "retry-message", "debounce": (50, 1_000, False)}
         assert store.gate(member, "A", "nonce-a2", hold_ms=ms, grace_ms=ms, continues=True, **parked).accepted
         assert (store.record(member) or {}).get("state") == "pending"
         owned, *_ = store.finish(member, "A", "retry", drop=False, record_ms=ms, token="w:1:a", role="run")
