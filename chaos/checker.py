@@ -25,7 +25,9 @@ violation is printed with an excerpt of the history around it.
     (Celery's retry is not an ending; a body killed mid-run, or before its
     own process recorded the ending, may run again). A reject without
     requeue (``Task.retry`` that could not publish the retry) is an ending.
-    A restart that wiped the server's data in between explains it.
+    A restart that wiped the server's data in between explains it, also one
+    that began before the body's process settled the ending, if the server
+    was still down then (the ending was written before the crash).
 ``unresolved-run``
     Every run a call was accepted into (and every run the server's history
     shows queued, e.g. from a producer killed mid-publish) executed, or has
@@ -301,6 +303,12 @@ class History:
         self.end: float = self.phases.get("stopped", events[-1]["t"] if events else 0.0)
         self.faults = [e for e in events if e["ev"] == "fault"]
         self.wipes = [e["t"] for e in self.faults if e["kind"] == "restart" and e.get("wipe")]
+        #: Each wipe's crash and the earliest the server can have been back: it stays down ``seconds``.
+        self.wipe_downs = [
+            (e["t"], e["t"] + float(e.get("seconds", 0.0)))
+            for e in self.faults
+            if e["kind"] == "restart" and e.get("wipe")
+        ]
         self.deaths: dict[int, list[float]] = defaultdict(list)
         #: Task ids a revoke terminated with SIGKILL: when (the pool kills the body then, or on its ack).
         self.sigkilled: dict[str, float] = {}
@@ -489,6 +497,16 @@ class History:
 
     def wiped_between(self, start: float, end: float) -> bool:
         return any(start <= t <= end for t in self.wipes)
+
+    def wiped_after_recording(self, recorded_by: float, end: float) -> bool:
+        """Whether a wipe before ``end`` took something recorded at or before ``recorded_by``.
+
+        ``recorded_by`` is a bound (a ``settled`` event comes after the
+        ending it follows was written): a wipe that began before it took the
+        write too if the server was still down then, as nothing could have
+        been written on the server that came back.
+        """
+        return any(crash <= end and recorded_by <= back for crash, back in self.wipe_downs)
 
     def entries(self, member: str, task_id: str | None = None) -> list[Entry]:
         entries = self.server_history.get(member, [])
@@ -778,7 +796,8 @@ class Checker:
                 if at is None:
                     continue  # the ending was never recorded: the run had not ended
                 later = next(
-                    (b for b in bodies[i + 1 :] if b.start >= at and not self.h.wiped_between(at, b.start)), None
+                    (b for b in bodies[i + 1 :] if b.start >= at and not self.h.wiped_after_recording(at, b.start)),
+                    None,
                 )
                 if later is not None:
                     message = (

@@ -145,6 +145,23 @@ def test_a_retry_or_a_wipe_of_the_server_allows_another_execution(story: Story) 
     assert invariants(report) == []
 
 
+def test_a_wipe_between_recording_an_ending_and_settling_it_allows_another_execution(tmp_path: Path) -> None:
+    """The server recorded the ending, was killed and came back empty, and only then did the body's
+    process settle it: the settle is a bound on when the ending was recorded, not the moment. Recorded
+    while the server was down, it can only have been recorded before, and the wipe took it; a settle
+    once the server was back can have recorded it there, and the run must not execute again."""
+
+    def rerun(story: Story, *, settled_at: float) -> Report:
+        story.call(0, "a").body(1, 2, "a", pid=100, tid=7)
+        story.add(2.001, "fault", role="runner", kind="restart", wipe=True, seconds=1.0)
+        story.add(settled_at, "settled", pid=100, task_id="a", state="SUCCESS", tid=7)
+        story.add(3.2, "fault_end", role="runner", kind="restart", wipe=True)
+        return story.body(6, 6.5, "a", pid=200, role="worker-1.1").check()
+
+    assert invariants(rerun(Story(tmp_path / "during"), settled_at=2.002)) == []
+    assert invariants(rerun(Story(tmp_path / "after"), settled_at=4.0)) == ["again-after-end"]
+
+
 def test_only_the_bodys_own_process_settling_it_records_its_ending(tmp_path: Path) -> None:
     """Another worker's deferred copy settled (``IGNORED``) while the body's worker, through a server restart,
     was still recording the ending, and was killed before it did: the run had not ended, its re-run is right."""
