@@ -526,7 +526,7 @@ class Delivery:
             return False
         if not replacement.handed_over:
             renewer().remove(lock)
-            self.store.finish(
+            finished = self.store.finish(
                 member,
                 self.run_id,
                 QUEUED,
@@ -537,6 +537,17 @@ class Delivery:
                 note=f"replaced by {replacement.by}",
             )
             replacement.handed_over = True
+            if not finished.lock_kept:
+                # Its lock lapsed before the renewer saw it (a paused worker): another delivery may
+                # have run the key beside this body. The replacement goes on as the run all the same.
+                lock.lost.set()
+                decisions.log(
+                    "lock_lost",
+                    self.task.name,
+                    self.key,
+                    self.run_id,
+                    f"replaced by {replacement.by} after losing its execution lock",
+                )
         return True
 
     # -- end -----------------------------------------------------------------------------------
@@ -661,7 +672,9 @@ def hand_over(task_id: str | None, member: str) -> bool:
 
     The run's lock is released and its record set back to ``queued`` first,
     so the replacement's delivery starts at once instead of waiting for the
-    lock; the key stays held. Returns whether the publish continues the run.
+    lock; the key stays held. A run whose lock lapsed before it was handed over
+    says so, as any body ending without its lock does (``lock_lost``).
+    Returns whether the publish continues the run.
     """
     delivery = running(task_id)
     return delivery is not None and delivery.hand_over(member)

@@ -8,6 +8,7 @@ under another key, or by a plain task, ends the run as ``replaced``.
 from __future__ import annotations
 
 import gc
+import logging
 import time
 from typing import Any
 
@@ -16,7 +17,7 @@ import redis
 from celery import Celery, group
 from celery.result import GroupResult
 
-from celery_dedup import DedupTask
+from celery_dedup import DedupTask, runtime
 from celery_dedup.keys import KeySchema, member_for
 
 from ..conftest import AppFactory, in_process_worker, queued_messages, wait_for
@@ -135,6 +136,52 @@ def test_a_replacement_that_ends_before_its_predecessor_unwinds_still_settles_th
         run = slow.delay(9, 1)
         assert run.get(timeout=20) == "walked 9"
         wait_for(lambda: r.hget(SCHEMA.record(member), "state") == b"succeeded", 10, "the run to be recorded")
+    assert not r.sismember(SCHEMA.held, member) and not r.exists(SCHEMA.lock(member))
+
+
+def test_a_run_that_replaces_itself_after_losing_its_lock_reports_the_loss(
+    make_app: AppFactory, r: redis.Redis, caplog: pytest.LogCaptureFixture
+) -> None:
+    """The body's lock lapses (its worker paused past the lock's TTL) and a copy of the run takes the run over.
+
+    The body resumes and replaces itself under its key before its renewer ran
+    again: the hand-over finds the lock in the copy's hands. The two bodies
+    ran at once, which a lost lock allows only if the library says so: the
+    loss is logged (``lock_lost``) and ``dedup_lock_lost`` turns True. The
+    copy's lock and record are left alone; here its worker dies, and the
+    replacement runs the next step once its lock has expired.
+    """
+    caplog.set_level(logging.INFO, logger="celery_dedup")
+    app = make_app(dedup_lock_ttl=30)  # renewed every 10 s: the body hands over long before its renewer looks
+    client = redis.Redis.from_url(str(app.conf.broker_url))
+    store = runtime.store_for(app)
+    member = member_for("replace.lapse", "lapse:3")
+    seen_lost: list[bool] = []
+
+    @app.task(base=DedupTask, name="replace.lapse", dedup_key="lapse:{n}", bind=True, shared=False)
+    def lapse(self: DedupTask, n: int, i: int) -> Any:
+        client.rpush("lapse:steps", i)
+        if i == 2:
+            return f"walked {n}"
+        client.delete(SCHEMA.lock(member))  # its lock expired while its worker was paused
+        copy = store.start(  # meanwhile a copy of the run started on another worker (whose process dies)
+            member, str(self.request.id), "copy", lock_ms=1000, gated=True,
+            key_mode=self.dedup_policy.mode.key_on_start, hostname="elsewhere", pid=1, retries=0, record_ms=60_000,
+        )  # fmt: skip
+        assert copy.run
+        try:
+            raise self.replace(lapse.s(n, 2))
+        finally:
+            seen_lost.append(self.dedup_lock_lost)
+
+    with in_process_worker(app, pool="threads", concurrency=2):
+        run = lapse.delay(3, 1)
+        assert run.get(timeout=20) == "walked 3"
+        wait_for(lambda: r.hget(SCHEMA.record(member), "state") == b"succeeded", 10, "the run to be recorded")
+    lost = [rec for rec in caplog.records if getattr(rec, "dedup_decision", "") == "lock_lost"]
+    assert [getattr(rec, "dedup_task_id", None) for rec in lost] == [run.id], "the body that lost its lock must say so"
+    assert seen_lost == [True]
+    assert r.lrange("lapse:steps", 0, -1) == [b"1", b"2"], "the next step ran once"
     assert not r.sismember(SCHEMA.held, member) and not r.exists(SCHEMA.lock(member))
 
 
