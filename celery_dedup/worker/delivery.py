@@ -25,6 +25,7 @@ import logging
 import os
 import random
 import socket
+import threading
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
@@ -164,12 +165,26 @@ def live(run_id: str) -> list[Delivery]:
     return [delivery for delivery in list(_live.values()) if delivery.run_id == run_id]
 
 
+class _Executing(threading.local):
+    """The delivery whose body this thread (or greenlet: the pools patch ``threading.local``) executes."""
+
+    delivery: Delivery | None = None
+
+
+_executing = _Executing()
+
+
 def running(run_id: str | None) -> Delivery | None:
-    """The delivery of run ``run_id`` whose body runs in this process (a replacement's, if one took its place)."""
-    if run_id is None:
-        return None
-    found = [delivery for delivery in live(run_id) if delivery.running]
-    return found[-1] if found else None
+    """The delivery whose body this thread or greenlet is executing, if it runs run ``run_id``.
+
+    Found through the thread of execution, never by run id alone: two deliveries of one run in one process
+    (a copy and the original, in a threads or gevent pool) each see their own. (Not through the task's
+    request: Celery runs the body under a copy of the request the delivery saw.)
+    """
+    found = _executing.delivery
+    if found is not None and found.running and run_id is not None and found.run_id == run_id:
+        return found
+    return None
 
 
 class Delivery:
@@ -482,7 +497,11 @@ class Delivery:
                 latest, self.kwargs = decode_payload(self.task.app, self.decision.payload)
                 self.args = tuple(latest)
                 self.request.args, self.request.kwargs = latest, self.kwargs
-            value = self.body(self.args, self.kwargs)
+            outer, _executing.delivery = _executing.delivery, self
+            try:
+                value = self.body(self.args, self.kwargs)
+            finally:
+                _executing.delivery = outer
         except (SystemExit, KeyboardInterrupt):
             # The process is being torn down (hard time limit, terminate, shutdown):
             # the worker's main process reports how this run ended, releasing the lock.
@@ -681,7 +700,7 @@ def hand_over(task_id: str | None, member: str) -> bool:
 
 
 def lock_lost(task_id: str | None) -> bool:
-    """Whether the run ``task_id`` executing in this process has lost its lock."""
+    """Whether the delivery of run ``task_id`` whose body this thread executes has lost its lock."""
     delivery = running(task_id)
     return delivery is not None and delivery.lock is not None and delivery.lock.lost.is_set()
 

@@ -185,6 +185,54 @@ def test_a_run_that_replaces_itself_after_losing_its_lock_reports_the_loss(
     assert not r.sismember(SCHEMA.held, member) and not r.exists(SCHEMA.lock(member))
 
 
+def test_a_copy_running_beside_its_original_in_one_process_keeps_its_own_delivery(
+    make_app: AppFactory, r: redis.Redis, caplog: pytest.LogCaptureFixture
+) -> None:
+    """A threads pool runs the original and, after the original's lock lapsed, a copy of the same run.
+
+    Each execution's calls (``dedup_lock_lost``, ``Task.replace``) must reach its own delivery, never the
+    other one's because it has the same run id: the original, which lost its lock, reports the loss when it
+    replaces itself; the copy, which holds the lock, has lost nothing, and its lock and ending are its own.
+    """
+    caplog.set_level(logging.INFO, logger="celery_dedup")
+    app = make_app(dedup_lock_ttl=30)
+    client = redis.Redis.from_url(str(app.conf.broker_url))
+    member = member_for("replace.twin", "twin:4")
+    seen: dict[str, bool] = {}
+
+    @app.task(base=DedupTask, name="replace.twin", dedup_key="twin:{n}", bind=True, shared=False)
+    def twin(self: DedupTask, n: int, i: int) -> Any:
+        client.rpush("twin:steps", i)
+        if i == 2:
+            return f"walked {n}"
+        if client.incr("twin:bodies") > 1:  # the copy, in the same process
+            client.set("twin:copy-running", 1)
+            wait_for(lambda: client.exists("twin:original-done"), 10, "the original to replace itself")
+            seen["copy"] = self.dedup_lock_lost
+            return "copy"
+        client.delete(SCHEMA.lock(member))  # its lock lapsed (its worker was paused past the TTL)
+        client.rpush("celery", client.get("twin:message") or b"")  # the transport delivers a copy
+        wait_for(lambda: client.exists("twin:copy-running"), 10, "the copy to run beside it")
+        try:
+            raise self.replace(twin.s(n, 2))
+        finally:
+            seen["original"] = self.dedup_lock_lost
+            client.set("twin:original-done", 1)
+
+    run = twin.delay(4, 1)
+    (raw,) = client.lrange("celery", 0, -1)
+    client.set("twin:message", raw)
+    with in_process_worker(app, pool="threads", concurrency=3):
+        wait_for(lambda: seen.keys() == {"original", "copy"}, 20, "both bodies to end")
+        # The copy held the run's lock, so its ending is the run's (the original's replacement, published as
+        # the run going on, is skipped as a copy of an ended run).
+        wait_for(lambda: r.hget(SCHEMA.record(member), "state") == b"succeeded", 20, "the copy's ending")
+    assert seen == {"original": True, "copy": False}, seen
+    lost = [rec for rec in caplog.records if getattr(rec, "dedup_decision", "") == "lock_lost"]
+    assert [getattr(rec, "dedup_task_id", None) for rec in lost] == [run.id], "the original reports its loss once"
+    assert not r.sismember(SCHEMA.held, member) and not r.exists(SCHEMA.lock(member))
+
+
 def replacing_builds(app: Celery) -> Any:
     """``replace.build`` keyed ``build:{doc}``, which replaces itself as ``how`` says; the tasks it may replace it with.
 

@@ -7,6 +7,7 @@ decide first), and the renewables are plain objects that keep their own books.
 from __future__ import annotations
 
 import ast
+import threading
 from collections.abc import Hashable, Iterator
 from pathlib import Path
 from typing import Any, ClassVar
@@ -125,17 +126,32 @@ def test_the_registry_keeps_two_deliveries_of_one_run_apart(task: Any) -> None:
     try:
         assert first.token != second.token
         assert live("run-1") == [first, second]
-        assert running("run-1") is None, "neither body runs"
-        first.running = True
-        assert running("run-1") is first
-        second.running = True
-        assert running("run-1") is second, "the latest (a replacement that took its place)"
-        second.retire()
-        assert running("run-1") is first, "the other one's ending leaves it alone"
     finally:
         first.retire()
         second.retire()
     assert live("run-1") == []
+
+
+def test_each_thread_finds_the_delivery_whose_body_it_executes(task: Any) -> None:
+    """A copy and the original of one run in one process (a threads or gevent pool): each body's calls
+    (``dedup_lock_lost``, ``Task.replace``) reach its own delivery, whichever started last."""
+    first, second = make(task), make(task)
+    first.running = second.running = True
+    seen: dict[str, tuple[Delivery | None, Delivery | None]] = {}
+    both = threading.Barrier(2)
+
+    def execute(name: str, delivery: Delivery) -> None:
+        delivery_module._executing.delivery = delivery  # what Delivery.run sets around the body
+        both.wait(timeout=5)
+        seen[name] = (running("run-1"), running("run-2"))
+
+    threads = [threading.Thread(target=execute, args=(name, d)) for name, d in (("first", first), ("second", second))]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join(timeout=5)
+    assert seen == {"first": (first, None), "second": (second, None)}
+    assert running("run-1") is None, "this thread executes no body"
 
 
 def test_every_dedup_task_has_its_limits_as_a_participant(task: Any) -> None:
