@@ -369,6 +369,14 @@ FIELD_DOCS = (
         "Debounce: the last call that joined the burst, so a retried publish of it joins once.",
     ),
     FieldDoc(
+        "joined_at",
+        "internals",
+        "Joined at",
+        "Debounce: when a call last joined the burst; a continuation of a body that started before it "
+        "leaves that call's arguments in place.",
+        time=True,
+    ),
+    FieldDoc(
         "window_until",
         "internals",
         "Window until",

@@ -173,3 +173,57 @@ def test_the_memory_of_ended_runs_is_bounded(store: DedupStore, r: redis.Redis) 
     """Every run of a key that churns without end: the overflow keeps at most ENDED_KEPT of them."""
     _run_to_end(store, *(f"R{n}" for n in range(1100)))
     assert r.zcard(SCHEMA.ended(MEMBER)) == 1000
+
+
+def test_a_replacement_from_a_copy_that_lost_its_lock_leaves_a_later_calls_arguments(
+    store: DedupStore, r: redis.Redis
+) -> None:
+    """Two bodies of one debounced run (the first lost its lock, a second copy took over) both replace themselves.
+
+    The first replacement holds the key again, so a call joins the run and
+    leaves its arguments, the newest. The second copy's replacement comes from
+    the arguments both bodies started with: it does not put them back over the
+    call's, which the run goes on with.
+    """
+    run, debounce = "own.task:k~d", (200, 2000, True)
+
+    def publish(task_id: str, nonce: str, payload: str, *, continues: bool) -> None:
+        call = store.gate_call(
+            MEMBER,
+            task_id,
+            nonce,
+            hold_ms=60_000,
+            grace_ms=DAY_MS,
+            queue="celery",
+            message=nonce,
+            payload=payload,
+            debounce=debounce,
+            continues=continues,
+        )
+        store.run_gate(call)
+
+    publish(run, "a", "A", continues=False)
+    r.zadd(SCHEMA.due, {MEMBER: 0})  # due now
+    assert store.dispatch().pushed == 1
+    start(store, run, "elsewhere:1:first", key_mode="release")
+    r.delete(SCHEMA.lock(MEMBER))  # the first body's lock expires: a second copy of the run takes over
+    start(store, run, "elsewhere:1:second", key_mode="release")
+    publish(run, "r1", "A again", continues=True)  # the first copy replaces itself: the key is held again
+    publish("own.task:k~b", "b", "B", continues=False)  # a call joins the run
+    assert r.hget(SCHEMA.record(MEMBER), "payload") == b"B"
+    publish(run, "r2", "A again", continues=True)  # the second copy replaces itself, from A too
+    r.delete(SCHEMA.lock(MEMBER))  # (the second copy's ending gives its lock back)
+    decision = store.start(
+        MEMBER,
+        run,
+        "elsewhere:1:third",
+        lock_ms=60_000,
+        gated=True,
+        key_mode="release",
+        hostname="elsewhere",
+        pid=1,
+        retries=0,
+        record_ms=DAY_MS,
+        want_payload=True,
+    )
+    assert decision.run and decision.payload == "B", decision

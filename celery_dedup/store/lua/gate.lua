@@ -60,7 +60,9 @@
 -- latest, leaves its payload and argument reprs for the run to use. A retry or
 -- a replacement under the key (a continuation of the run itself, not a
 -- deferred copy) leaves its own: the run goes on with the arguments it was
--- given, not with its burst's again.
+-- given, not with its burst's again; unless a call joined since the body
+-- started (`joined_at`: another continuation, e.g. of a copy of the body that
+-- lost its lock, held the key again), whose arguments are newer.
 --
 -- Followers: a duplicate (or a debounce join) that carries something to
 -- continue (max_followers > 0: its id in a group or chord, callbacks, a chain) is
@@ -158,10 +160,14 @@ if same_run then
   if not stays_free then
     redis.call('SADD', held, member)
   end
-  if not defers and payload ~= '' then
+  local since = redis.call('HMGET', record, 'joined_at', 'started_at')
+  local joined_since = since[1] and tonumber(since[1]) >= tonumber(since[2] or 0)
+  if not defers and payload ~= '' and not joined_since then
     -- A retry or a replacement under the key runs with the arguments it was
     -- given: they become the run's newest (a deferred copy carries its
-    -- message's first arguments, and leaves the burst's in place).
+    -- message's first arguments, and leaves the burst's in place). Not over
+    -- a call that joined since the body started (the key held again by an
+    -- earlier continuation): that call's are newer than any this body began with.
     redis.call('HSET', record, 'payload', payload)
     if argsrepr ~= '' or kwargsrepr ~= '' then
       redis.call('HSET', record, 'args', argsrepr, 'kwargs', kwargsrepr)
@@ -183,7 +189,7 @@ else
       redis.call('ZADD', due_key, due, member)
     end
     redis.call('HINCRBY', record, 'debounced', 1)
-    redis.call('HSET', record, 'joined_nonce', nonce)
+    redis.call('HSET', record, 'joined_nonce', nonce, 'joined_at', now)
     if latest then
       redis.call('HSET', record, 'payload', payload)
       if argsrepr ~= '' or kwargsrepr ~= '' then
