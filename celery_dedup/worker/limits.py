@@ -43,7 +43,7 @@ from ..policy import LimitPolicy
 from ..store.limits import Denial, Grant, acquire, give_back, leave_line, note, release, renew_leases
 from ..store.store import DedupStore
 from . import processes
-from .delivery import Delivery, Report, live
+from .delivery import Delivery, Report, live, running
 from .lock import renewer
 
 if TYPE_CHECKING:
@@ -102,6 +102,10 @@ def current(task_id: str | None) -> Grant | None:
     """
     if task_id is None:
         return None
+    own = running(task_id)  # called from the body: the delivery this thread executes, exactly
+    if own is not None:
+        lease = own.held.get(LIMITS)
+        return lease.grant if isinstance(lease, SlotLease) else None
     held = [(delivery, delivery.held.get(LIMITS)) for delivery in live(task_id)]
     leases = [(delivery, lease) for delivery, lease in held if isinstance(lease, SlotLease)]
     # Two deliveries of one run: a copy on its way to being refused holds a slot a moment, its body does not run.
