@@ -89,7 +89,15 @@ class _Pair:
     lock: threading.Lock = field(default_factory=threading.Lock)
 
     def close(self, *, reset: bool = False) -> None:
-        """Close both sides; ``reset`` sends an RST instead of a FIN (SO_LINGER 0)."""
+        """Close both sides; ``reset`` sends an RST instead of a FIN (SO_LINGER 0).
+
+        A socket is only let go once no thread is in a call on it, and this
+        proxy's own threads wait in ``recv`` on both sides of an idle
+        connection: closing alone would leave the server holding it (a BRPOP
+        still waiting there takes the next message for a client that is
+        gone). Shutting the reading side wakes them and sends nothing, so the
+        last one out sends the RST.
+        """
         with self.lock:
             if self.closed:
                 return
@@ -98,6 +106,8 @@ class _Pair:
             if reset:
                 with contextlib.suppress(OSError):
                     sock.setsockopt(socket.SOL_SOCKET, socket.SO_LINGER, struct.pack("ii", 1, 0))
+                with contextlib.suppress(OSError):
+                    sock.shutdown(socket.SHUT_RD)
             else:
                 with contextlib.suppress(OSError):
                     sock.shutdown(socket.SHUT_RDWR)
