@@ -73,15 +73,20 @@ class GateCalls:
 
 
 def _produce(
-    broker: str, task: str, key: str, proc: int, calls: int, spacing: float, start_at: float, skew: float = 0.0
+    broker: str, task: str, key: str, proc: int, calls: int, spacing: float, ready: Any, skew: float = 0.0
 ) -> None:
-    """One producer process: ``calls`` calls of ``task``, ``spacing`` seconds apart, from ``start_at``."""
+    """One producer process: ``calls`` calls of ``task``, ``spacing`` seconds apart, once every producer is ready."""
     assert broker == debounce_app.app.conf.broker_url, "the parent sets the broker before spawning"
     task_obj = getattr(debounce_app, task)
     # Every call must reach the gate script, where MONITOR sees its arguments:
     # no answering a known duplicate with a peek.
     runtime.runtime_for(debounce_app.app).recent.size = 0
-    time.sleep(max(start_at - time.time(), 0))
+    pool: Any = debounce_app.app.pool  # kombu's ConnectionPool (typed as a producer pool)
+    with pool.acquire(block=True) as connection:  # connected before the race, not in it
+        connection.ensure_connection()
+    # All start together, however long each took to import Celery: on a loaded machine a fixed start time
+    # let one producer's calls come a window after the others', a second burst the test did not mean.
+    ready.wait(timeout=60)
     begin = time.monotonic()
     if skew:
         real = time.time
@@ -95,11 +100,11 @@ def _produce(
 
 def _race(server: Server, task: str, key: str, *, procs: int, calls: int, spacing: float, skews: list[float]) -> None:
     ctx = multiprocessing.get_context("spawn")
-    start_at = time.time() + 2.0  # spawned interpreters need a moment to import Celery
+    ready = ctx.Barrier(procs)
     children = [
         ctx.Process(
             target=_produce,
-            args=(server.url, task, key, p, calls, spacing, start_at, skews[p % len(skews)]),
+            args=(server.url, task, key, p, calls, spacing, ready, skews[p % len(skews)]),
         )
         for p in range(procs)
     ]
