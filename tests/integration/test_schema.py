@@ -251,6 +251,17 @@ def _reporting_server(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> tuple[
     return RedisServer(extra=("--logfile", str(log))), log
 
 
+#: The key and the hold of these tests, and what a worker's start passes besides them.
+MEMBER, MS = "t:k", 60_000
+START: dict[str, Any] = {"lock_ms": MS, "gated": True, "hostname": "w", "pid": 1, "record_ms": MS, "retries": 0}
+
+
+def _gated_and_started(store: DedupStore, run: str, token: str, key_mode: str) -> None:
+    """Run ``run`` accepted by the gate and started by a worker holding lock ``token``."""
+    assert store.gate(MEMBER, run, f"nonce-{run}", hold_ms=MS, grace_ms=MS).accepted
+    assert store.start(MEMBER, run, token, key_mode=key_mode, **START).run
+
+
 def _moves(log: Path) -> list[tuple[str, str, str]]:
     reports = schema.reported(log.read_text())
     assert schema.unexpected(reports) == [], reports
@@ -270,12 +281,10 @@ def test_a_retry_whose_publish_gave_its_run_a_new_record_leaves_that_record_queu
     with server:
         client = redis.Redis.from_url(server.url)
         store = DedupStore(client, "P")
-        member, ms = "t:k", 60_000
-        assert store.gate(member, "A", "nonce-a", hold_ms=ms, grace_ms=ms).accepted
-        common: dict[str, Any] = {"lock_ms": ms, "gated": True, "hostname": "w", "pid": 1, "record_ms": ms}
-        assert store.start(member, "A", "w:1:a", key_mode="release", retries=0, **common).run
+        member, ms = MEMBER, MS
+        _gated_and_started(store, "A", "w:1:a", "release")
         assert store.gate(member, "B", "nonce-b", hold_ms=ms, grace_ms=ms).accepted, "the key passed on"
-        assert not store.start(member, "B", "w:1:b", key_mode="release", retries=0, **common).run
+        assert not store.start(member, "B", "w:1:b", key_mode="release", **START).run
         owned, *_ = store.finish(member, "B", "skipped", drop=True, record_ms=ms, token="", role="report")
         assert owned
         assert store.gate(member, "A", "nonce-a2", hold_ms=ms, grace_ms=ms, continues=True).accepted
@@ -320,10 +329,8 @@ def test_an_ending_reported_twice_after_a_lost_reply_is_recorded_once(
     with server:
         client = redis.Redis.from_url(server.url)
         store = DedupStore(client, "P")
-        member, ms = "t:k", 60_000
-        assert store.gate(member, "A", "nonce-a", hold_ms=ms, grace_ms=ms).accepted
-        common: dict[str, Any] = {"lock_ms": ms, "gated": True, "hostname": "w", "pid": 1, "record_ms": ms}
-        assert store.start(member, "A", "w:1:a", key_mode="lock", retries=0, **common).run
+        member, ms = MEMBER, MS
+        _gated_and_started(store, "A", "w:1:a", "lock")
         for _ in range(2):
             owned, *_ = store.finish(member, "A", "retry", drop=False, record_ms=ms, token="w:1:a", role="run")
             assert owned
