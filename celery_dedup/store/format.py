@@ -17,7 +17,7 @@ proj dedup check`` reports it, with a full scan for leftovers.
 from __future__ import annotations
 
 import logging
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass
 from typing import Any, Protocol
 
@@ -26,6 +26,7 @@ import redis
 from ..exceptions import DedupStoreFormatError
 from ..keys import KeySchema
 from .schema import FORMAT
+from .status import HistoryEntry, to_ms
 
 
 class DedupStore(Protocol):
@@ -168,52 +169,29 @@ def entry(offset: int, state: str, run: str, note: str = "") -> str:
     return f"{head} {cut}" if cut else head
 
 
-@dataclass(frozen=True)
-class Entry:
-    """One history entry, at its absolute time."""
-
-    ms: int
-    state: str
-    #: The run it is about ("" where the entry does not say: this format's ``-``, the record's run).
-    run: str
-    note: str
-
-
-def parse_old(value: str) -> Entry | None:
-    """A format 1 entry: ``<ms> <state> <task id> [note]``."""
-    parts = value.split(" ", 3)
-    if len(parts) < 3 or not parts[0].lstrip("-").isdigit():
-        return None
-    return Entry(int(parts[0]), parts[1], parts[2], parts[3] if len(parts) > 3 else "")
-
-
-def parse_new(value: str, queued_at: int) -> Entry | None:
-    """This format's entry: ``<offset> <state>`` or ``<offset> <state> <run> [note]``."""
-    parts = value.split(" ", 3)
-    if len(parts) < 2 or not parts[0].lstrip("-").isdigit():
-        return None
-    run = parts[2] if len(parts) > 2 and parts[2] != "-" else ""
-    return Entry(queued_at + int(parts[0]), parts[1], run, parts[3] if len(parts) > 3 else "")
+def _timed(entries: Iterable[HistoryEntry]) -> list[tuple[int, HistoryEntry]]:
+    """The entries that carry a time, with it in ms (one without a time cannot be placed, so is dropped)."""
+    return [(to_ms(e.at), e) for e in entries if e.at is not None and e.state]
 
 
 def folded(record: dict[str, str], old: list[str], length: int) -> tuple[dict[str, str], list[str]]:
     """The fields to write (``h<n>``, ``hn``, ``queued_at`` where missing) and to delete, that fold format 1's
     history list ``old`` (newest first) into ``record`` beside any entries it has, newest ``length`` kept."""
     run = record.get("task_id", "")
-    entries = [e for e in (parse_old(value) for value in reversed(old)) if e is not None]
-    mine = [e.ms for e in entries if e.run == run]
+    entries = _timed(HistoryEntry.parse(value) for value in reversed(old))
+    mine = [ms for ms, e in entries if e.task_id == run]
     queued_at = _int(record.get("queued_at"))
     write: dict[str, str] = {}
     if queued_at is None:
-        queued_at = _int(record.get("started_at")) or min(mine or [e.ms for e in entries] or [0])
+        queued_at = _int(record.get("started_at")) or min(mine or [ms for ms, _ in entries] or [0])
         write["queued_at"] = str(queued_at)
     next_n = _int(record.get("hn")) or 0
     present = [f"h{n}" for n in range(max(0, next_n - length), next_n) if f"h{n}" in record]
-    entries += [e for e in (parse_new(record[f], queued_at) for f in present) if e is not None]
-    entries.sort(key=lambda e: e.ms)  # stable: an old entry stays before a new one of the same ms
+    entries += _timed(HistoryEntry.parse_field(record[f], queued_at, run) for f in present)
+    entries.sort(key=lambda item: item[0])  # stable: an old entry stays before a new one of the same ms
     kept = entries[-length:] if length > 0 else []
-    for n, e in enumerate(kept):
-        write[f"h{n}"] = entry(e.ms - queued_at, e.state, "-" if e.run in ("", run) else e.run, e.note)
+    for n, (ms, e) in enumerate(kept):
+        write[f"h{n}"] = entry(ms - queued_at, e.state, "-" if e.task_id in ("", run) else e.task_id, e.note)
     write["hn"] = str(len(kept))
     delete = [f for f in present if f not in write]
     if "updated_at" in record and kept:  # the newest entry says when the record changed
