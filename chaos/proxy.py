@@ -135,6 +135,7 @@ class FaultProxy:
         self._released = threading.Event()
         self._thread = threading.Thread(target=self._accept, name="fault-proxy", daemon=True)
         self._delay = 0.0
+        self._request_delay = 0.0
         #: Set when a fault fires (for ``hold``: once the connection is frozen at its point).
         self.fired = threading.Event()
         self.incidents: list[Incident] = []
@@ -164,6 +165,10 @@ class FaultProxy:
     def delay(self, seconds: float) -> None:
         """Hold every reply from the server this long before passing it on (0: no delay)."""
         self._delay = max(seconds, 0.0)
+
+    def delay_requests(self, seconds: float) -> None:
+        """Hold every command from a client this long before passing it on (0: no delay)."""
+        self._request_delay = max(seconds, 0.0)
 
     def reset(self) -> int:
         """Reset every open connection now (the clients see ECONNRESET); returns how many."""
@@ -260,6 +265,8 @@ class FaultProxy:
                 if fault is not None:
                     # Set before forwarding, so the reply cannot slip through first.
                     pair.swallow, pair.command = fault, command
+                if self._request_delay:
+                    time.sleep(self._request_delay)
                 try:
                     pair.upstream.sendall(raw)
                 except OSError:

@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import json
 import os
+import signal
 import time
 from dataclasses import dataclass
 from typing import Any
@@ -75,6 +76,11 @@ def hold_key(key: str) -> str:
     return f"test:hold:{key}"
 
 
+def kill_after_body_key(key: str) -> str:
+    """Set by the test to N: the next N successes of ``key`` SIGKILL their process after the body (``task_success``)."""
+    return f"test:kill_after_body:{key}"
+
+
 #: INCRed by every storm execution: the test's progress meter for timing kills.
 STORM_TOTAL = "test:storm:executions"
 
@@ -93,6 +99,8 @@ class Tasks:
     redo: DedupTask
     #: ``hang`` in mode ``while_executing``: no enqueue gate, only the execution lock.
     hang_while: DedupTask
+    #: ``tick`` that stores no result: its ending is sent as the body returns, its reply read later.
+    quiet: DedupTask
 
 
 def register(app: Celery) -> Tasks:
@@ -186,7 +194,27 @@ def register(app: Celery) -> Tasks:
             time.sleep(HANG_SECONDS)
         return n
 
-    return Tasks(plain_tick, tick, hang, storm, build, redo, hang_while)
+    @app.task(
+        name="tests.crash_app.quiet", base=DedupTask, bind=True, shared=False, ignore_result=True, dedup_key="quiet:{n}"
+    )
+    def quiet(self: DedupTask, n: int) -> int:
+        record_execution(f"quiet:{n}", self.request.id)
+        return n
+
+    return Tasks(plain_tick, tick, hang, storm, build, redo, hang_while, quiet)
+
+
+def kill_after_bodies(app: Celery) -> None:
+    """In a worker: a process whose body of ``quiet`` succeeded kills itself when the test says (see
+    :func:`kill_after_body_key`): after the ending was sent, before its reply is read."""
+    client = redis.Redis.from_url(str(app.conf.broker_url))
+
+    def kill(sender: Any = None, result: Any = None, **_: Any) -> None:
+        named = getattr(sender, "name", None) == "tests.crash_app.quiet"
+        if named and client.decr(kill_after_body_key(f"quiet:{result}")) >= 0:
+            os.kill(os.getpid(), signal.SIGKILL)
+
+    signals.task_success.connect(kill, weak=False, dispatch_uid="tests.crash_app.kill_after_body")
 
 
 def stall_publishes(app: Celery) -> None:
@@ -228,6 +256,7 @@ def build() -> Celery:
     celery_dedup.install(crash_app)
     register(crash_app)
     stall_publishes(crash_app)
+    kill_after_bodies(crash_app)
     return crash_app
 
 

@@ -1,14 +1,24 @@
-"""The Lua scripts: read from the package's ``lua`` folder, registered with a client."""
+"""The Lua scripts: read from the package's ``lua`` folder, registered with a client.
+
+A script is run (:meth:`Scripts.run`: one round trip) or sent (:meth:`Scripts.send`:
+written at once, its reply read later). A thread that sent one reads its
+reply before it runs or sends anything else, so the store sees this
+thread's calls in the order they were made; :func:`read_sent` reads them
+where nothing else comes first (the end of a task's trace).
+"""
 
 from __future__ import annotations
 
 import os
-from collections.abc import Sequence
+import threading
+import weakref
+from collections.abc import Callable, Sequence
 from importlib import resources
 from typing import Any
 
 import redis
 from redis.commands.core import Script
+from redis.exceptions import NoScriptError
 
 from .commands import BY_TYPE, argv_prelude
 from .schema import CHECK_VARIABLE, lua_prelude
@@ -80,7 +90,135 @@ class Scripts:
             command: (getattr(self, spec.name), spec.rest) for command, spec in BY_TYPE.items()
         }
 
-    def run(self, keys: Sequence[Any], command: tuple[Any, ...], *, client: Any = None) -> Any:
-        """Run ``command`` (a type of :mod:`.commands`) on ``keys``: one round trip, the script's raw reply."""
+    def _script(self, command: tuple[Any, ...]) -> tuple[Script, tuple[Any, ...]]:
         script, rest = self._by_type[type(command)]
-        return script(keys, (*command[:-1], *command[-1]) if rest else command, client=client)
+        return script, (*command[:-1], *command[-1]) if rest else command
+
+    def run(self, keys: Sequence[Any], command: tuple[Any, ...], *, client: Any = None) -> Any:
+        """Run ``command`` (a type of :mod:`.commands`) on ``keys``: one round trip, the script's raw reply.
+
+        The replies of what this thread sent before are read first (:meth:`send`).
+        """
+        if _sent.replies:
+            read_sent()
+        script, args = self._script(command)
+        return script(keys, args, client=client)
+
+    def send(self, keys: Sequence[Any], command: tuple[Any, ...], then: Reply, *, client: redis.Redis) -> None:
+        """Write ``command`` to the server now; ``then`` gets its raw reply (or the error) once it is read.
+
+        The reply is read before this thread's next :meth:`run` or :meth:`send`,
+        or by :func:`read_sent`, on a connection of its own meanwhile. ``then``
+        gets a ``redis.RedisError`` where the command may not have run (the
+        connection failed, the server refused it): a command sent must be
+        safe to run again.
+        """
+        if _sent.replies:
+            read_sent()
+        script, args = self._script(command)
+        pool = client.connection_pool
+        try:
+            connection: Any = pool.get_connection()
+        except redis.RedisError as exc:
+            then(exc)
+            return
+        # A reply nobody reads must not be NOSCRIPT: a script this socket has not seen loaded goes with it.
+        loaded = _loaded_on(connection)
+        commands: list[tuple[Any, ...]] = [] if script.sha in loaded else [("SCRIPT", "LOAD", script.script)]
+        commands.append(("EVALSHA", script.sha, len(keys), *keys, *args))
+        try:
+            connection.send_packed_command(connection.pack_commands(commands))
+        except redis.RedisError as exc:  # the connection broke: it may have run, ``then`` decides
+            pool.release(connection)
+            then(exc)
+            return
+        except BaseException:
+            connection.disconnect()
+            pool.release(connection)
+            raise
+        loaded.add(script.sha)
+        _sent.replies.append(_Sent(script, keys, args, client, connection, then, len(commands) - 1))
+
+
+#: What a sent script's reply is handed to: the raw reply, or the error that took its place.
+Reply = Callable[[Any], None]
+
+
+class _Sent:
+    """A script written to ``connection`` whose reply is not read yet."""
+
+    __slots__ = ("args", "client", "connection", "keys", "loads", "script", "then")
+
+    def __init__(
+        self,
+        script: Script,
+        keys: Sequence[Any],
+        args: tuple[Any, ...],
+        client: redis.Redis,
+        connection: Any,
+        then: Reply,
+        loads: int,
+    ) -> None:
+        self.script, self.keys, self.args = script, keys, args
+        self.client, self.connection, self.then = client, connection, then
+        #: Replies of ``SCRIPT LOAD`` sent before the script (0 or 1).
+        self.loads = loads
+
+    def read(self) -> None:
+        """Read the reply and hand it on; a script the server no longer knows is run again, loaded."""
+        pool = self.client.connection_pool
+        reply: Any = None
+        try:
+            for _ in range(self.loads + 1):  # every reply is read, or the connection is not reused
+                try:
+                    reply = self.connection.read_response()
+                except redis.ResponseError as exc:
+                    reply = exc
+        except redis.RedisError as exc:  # the connection failed (redis-py disconnected it)
+            reply = exc
+        except BaseException:
+            self.connection.disconnect()
+            pool.release(self.connection)
+            raise
+        if isinstance(reply, NoScriptError):  # the server ran nothing (flushed meanwhile): run it the usual way
+            _loaded_on(self.connection).discard(self.script.sha)
+            pool.release(self.connection)
+            try:
+                reply = self.script(self.keys, self.args, client=self.client)
+            except redis.RedisError as exc:
+                reply = exc
+            self.then(reply)
+            return
+        pool.release(self.connection)
+        self.then(reply)
+
+
+#: The scripts each open socket has had loaded: a new socket (a reconnect, maybe to a restarted server) has none.
+_loaded: weakref.WeakKeyDictionary[Any, set[str]] = weakref.WeakKeyDictionary()
+
+
+def _loaded_on(connection: Any) -> set[str]:
+    sock = getattr(connection, "_sock", None)
+    if sock is None:
+        return set()
+    try:
+        return _loaded.setdefault(sock, set())
+    except TypeError:  # a socket that takes no weak reference: load every time
+        return set()
+
+
+class _Replies(threading.local):
+    """The scripts this thread (or greenlet: the pools patch ``threading.local``) sent and has not read."""
+
+    def __init__(self) -> None:
+        self.replies: list[_Sent] = []
+
+
+_sent = _Replies()
+
+
+def read_sent() -> None:
+    """Read the replies of every script this thread sent (:meth:`Scripts.send`), oldest first."""
+    replies = _sent.replies
+    while replies:
+        replies.pop(0).read()

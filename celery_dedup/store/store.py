@@ -248,6 +248,11 @@ class Finished(NamedTuple):
     wants_result: bool
 
 
+def _finished(reply: Sequence[Any]) -> Finished:
+    owned, lock_kept, wants_result = reply
+    return Finished(bool(owned), bool(lock_kept), bool(wants_result))
+
+
 @dataclass(frozen=True)
 class LockRef:
     """One held execution lock, as the renewer sees it."""
@@ -619,7 +624,78 @@ class DedupStore:
         for its followers (see :class:`Finished`). ``backend_result``: the
         result Celery's Redis backend would write next, written by the same
         script after the ending (the backend must be on this server).
+        An ending sent again after its reply was lost is not recorded twice
+        (the lock it released the first time then reads as lost).
         """
+        keys, command = self._finish_call(
+            member, task_id, state, drop, record_ms, role, token, error, payload, note, result, backend_result
+        )
+        finished = _finished(self.scripts.run(keys, command))
+        if backend_result is not None:
+            backend_result.written = True
+        return finished
+
+    @property
+    def sends(self) -> bool:
+        """Whether :meth:`send_finish` writes without waiting: a single server, no replica to wait for."""
+        return isinstance(self.client, redis.Redis) and not self.wait_replicas
+
+    def send_finish(
+        self,
+        then: Callable[[Finished | redis.RedisError], None],
+        member: str,
+        task_id: str,
+        state: str,
+        *,
+        drop: bool,
+        record_ms: int,
+        role: str,
+        token: str = "",
+        error: str = "",
+        payload: str = "",
+        note: str = "",
+        result: str = "",
+    ) -> None:
+        """:meth:`finish`, written to the server now; ``then`` gets what it did once its reply is read.
+
+        The reply is read before this thread's next store call, or at the end
+        of the task's trace (:func:`~.scripts.read_sent`). ``then`` gets a
+        ``redis.RedisError`` where the ending may not be recorded (the
+        connection failed: recording it again is safe). Where the store
+        cannot send without waiting (:attr:`sends`), ``then`` is called before
+        this returns.
+        """
+        keys, command = self._finish_call(
+            member, task_id, state, drop, record_ms, role, token, error, payload, note, result, None
+        )
+        if not self.sends:
+            try:
+                finished: Finished | redis.RedisError = _finished(self.scripts.run(keys, command))
+            except redis.RedisError as exc:
+                finished = exc
+            then(finished)
+            return
+
+        def decoded(reply: Any) -> None:
+            then(reply if isinstance(reply, redis.RedisError) else _finished(reply))
+
+        self.scripts.send(keys, command, decoded, client=self.client)
+
+    def _finish_call(
+        self,
+        member: str,
+        task_id: str,
+        state: str,
+        drop: bool,
+        record_ms: int,
+        role: str,
+        token: str,
+        error: str,
+        payload: str,
+        note: str,
+        result: str,
+        backend_result: BackendResult | None,
+    ) -> tuple[list[Any], commands.Finish]:
         at = self._at(member)
         keys: list[Any] = [at.held, at.record(member), at.lock(member)]
         if backend_result is not None:
@@ -641,10 +717,7 @@ class DedupStore:
             result_value="" if backend_result is None else backend_result.value,
             result_expires=0 if backend_result is None else backend_result.expires,
         )
-        owned, lock_kept, wants_result = self.scripts.run(keys, command)
-        if backend_result is not None:
-            backend_result.written = True
-        return Finished(bool(owned), bool(lock_kept), bool(wants_result))
+        return keys, command
 
     def settle(
         self, member: str, run_id: str, *, result: str, unkept: str = "", record_ms: int, state: str = "succeeded"

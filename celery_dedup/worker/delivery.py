@@ -5,7 +5,10 @@ A :class:`Delivery` is built once per execution with everything it knows
 (decide, take the lock, mark the record started), :meth:`~Delivery.run` (the
 body, its lock renewed) and :meth:`~Delivery.end` (record the ending, give
 back the lock, drop or keep the key): two round trips per execution, plus one
-renewal call per lock TTL fraction for long runs.
+renewal call per lock TTL fraction for long runs. Only the start is always
+waited for: a success that nothing after the body depends on is sent
+without waiting, and its reply read when the task's trace ends
+(``results.awaits_nothing``).
 
 A delivery that may not run is acknowledged (``Ignore``: no result is stored
 over the real run's), counted in the record's ``skipped`` field, and logged;
@@ -590,25 +593,60 @@ class Delivery:
         # Handed over: the lock went with it, and the publish that followed failed.
         own = "" if handed_over else self.token
         holds = ending.state == SUCCEEDED and self.policy.mode.holds_after_success
-        finished = record(
+        fields: dict[str, Any] = {
+            "drop": ending.drop,
+            "token": own,
+            "role": "run",
+            "error": ending.error,
+            "note": ending.note,
+            "record_ms": self.record_ms,
+            "payload": kept_payload(task, ending.state, self.args, self.kwargs),
+            # A key held after success answers later calls with this run: keep its value for their followers.
+            "result": kept_result(task, value)[0] if holds else "",
+        }
+        again = partial(
+            record,
             task,
             store,
             member,
             self.run_id,
             ending.state,
-            drop=ending.drop,
-            token=own,
-            role="run",
-            error=ending.error,
-            note=ending.note,
-            record_ms=self.record_ms,
-            payload=kept_payload(task, ending.state, self.args, self.kwargs),
             patience=max(self.policy.lock_ttl, 5.0),
             lock=lock if own else None,
-            # A key held after success answers later calls with this run: keep its value for their followers.
-            result=kept_result(task, value)[0] if holds else "",
-            backend_result=backend_result,
+            **fields,
         )
+        if backend_result is None and ending.state == SUCCEEDED and results.awaits_nothing(task, store):
+            # Nothing can show this ending before the trace ends, where its reply is read (the ack comes after).
+            store.send_finish(partial(self.recorded, again, value), member, self.run_id, ending.state, **fields)
+            return
+        self.after_recorded(again(backend_result=backend_result), value)
+
+    def recorded(self, again: Callable[[], Finished | None], value: Any, reply: Finished | redis.RedisError) -> None:
+        """The reply to this delivery's sent ending (:meth:`DedupStore.send_finish`); never raises.
+
+        A connection that failed before the reply came may have lost the ending:
+        it is recorded again (:func:`record`, which is safe after all).
+        """
+        try:
+            if isinstance(reply, redis.ConnectionError | redis.TimeoutError):
+                finished = again()
+            elif isinstance(reply, redis.RedisError):
+                logger.error(
+                    "could not record succeeded for %s[%s] key %r; it expires by its TTL: %s",
+                    self.task.name,
+                    self.run_id,
+                    self.member,
+                    reply,
+                )
+                finished = None
+            else:
+                finished = noted(self.task, str(self.member), self.run_id, SUCCEEDED, reply)
+            self.after_recorded(finished, value)
+        except Exception:
+            logger.exception("%s[%s]: could not end the run of key %r", self.task.name, self.run_id, self.member)
+
+    def after_recorded(self, finished: Finished | None, value: Any) -> None:
+        """The ending is recorded (``finished``; None: it could not be): the token ends, followers get ``value``."""
         self.retire()  # it let go of its lock and slots (or left them to expire)
         if finished is not None and finished.wants_result:
             self.settle(value)
@@ -799,6 +837,11 @@ def record(
                 "could not record %s for %s[%s] key %r; it expires by its TTL", state, task.name, task_id, member
             )
             return None
+    return noted(task, member, task_id, state, finished)
+
+
+def noted(task: KeyedTask, member: str, task_id: str, state: str, finished: Finished) -> Finished:
+    """``finished``, after saying what it says went wrong: a lost lock, a key that passed to another run."""
     if not finished.lock_kept:
         decisions.log("lock_lost", task.name, _key(member), task_id, f"ended {state} after losing its execution lock")
     if not finished.owned:

@@ -1,4 +1,12 @@
-"""A run's ending and its result in one round trip, where the result backend is the store's own Redis.
+"""A run's ending without waiting for it, or with its result in one round trip.
+
+Where no result is stored and nothing between the body and the end of the
+task's trace publishes anything (no callbacks, chain, group or chord), a
+success is recorded without waiting: the finish script is written to the
+store as the body returns, and its reply read when the trace ends
+(``task_postrun``), before Celery acknowledges the message; the store works
+on it while Celery finishes the trace. Any store call this thread makes
+meanwhile reads that reply first (``store.scripts``).
 
 Celery stores a task's result after its body returns; the guard records the
 run's ending before that, so a caller who sees the result and calls again
@@ -19,8 +27,10 @@ import threading
 from typing import Any, Protocol
 
 from celery import signals
+from celery.backends.base import DisabledBackend
 from celery.backends.redis import RedisBackend
 
+from ..store.scripts import read_sent
 from ..store.store import BackendResult, DedupStore
 
 
@@ -119,6 +129,31 @@ def joins_result_write(task: Any, store: DedupStore) -> bool:
     return located and all(ours.get(k) == theirs.get(k) for k in ("host", "port", "path", "db", "username"))
 
 
+def awaits_nothing(task: Any, store: DedupStore) -> bool:
+    """Whether a success of the current request may be recorded without waiting for the store's reply.
+
+    Only where nothing between the body and the end of the task's trace shows
+    the ending to anyone else: no result is stored (ignored, or no backend),
+    nothing is published (callbacks, a chain, a group or chord), not eager;
+    and the store can send without waiting (a single server, no replicas to
+    wait for). The reply is read when the trace ends (:func:`read_endings`),
+    before Celery acknowledges the message, or before this thread's next
+    store call, whichever comes first.
+    """
+    request = task.request
+    if request.is_eager or request.callbacks or request.chain or request.chord or request.group:
+        return False
+    if not store.sends:
+        return False
+    ignore = getattr(request, "ignore_result", None)
+    return bool(task.ignore_result if ignore is None else ignore) or isinstance(task.backend, DisabledBackend)
+
+
+def read_endings(**_: Any) -> None:
+    """``task_postrun``: read the replies of the endings this thread sent (:meth:`DedupStore.send_finish`)."""
+    read_sent()
+
+
 def defer(task: Any, store: DedupStore, ending: Ending) -> bool:
     """Leave the current run's ending to its result write (or to the end of its trace), if that joins it.
 
@@ -139,5 +174,6 @@ def settle_unwritten(task_id: str | None = None, **_: Any) -> None:
 
 
 def connect() -> None:
-    """Connect the receiver once (idempotent)."""
+    """Connect the receivers once (idempotent)."""
     signals.task_postrun.connect(settle_unwritten, weak=False, dispatch_uid="celery_dedup.results.settle_unwritten")
+    signals.task_postrun.connect(read_endings, weak=False, dispatch_uid="celery_dedup.results.read_endings")

@@ -382,6 +382,43 @@ def test_sigkill_mid_task_frees_the_key_reruns_at_most_once_and_records_lost(
 
 
 @pytest.mark.slow
+@pytest.mark.parametrize("reject_on_worker_lost", [False, True], ids=["acked-as-lost", "requeued"])
+def test_a_child_killed_after_sending_its_success_leaves_the_success_recorded(
+    reject_on_worker_lost: bool, fleet: Fleet, tasks: crash_app.Tasks, r: redis.Redis
+) -> None:
+    """A prefork child is SIGKILLed after the body returned and its ending was sent, before its reply was read.
+
+    ``quiet`` stores no result, so its success is written to the store as the
+    body returns and its reply read when the trace ends; the kill falls
+    between (``task_success``), before Celery acknowledged the message
+    (``acks_late``). Proves the ending written is recorded: the worker's report
+    of a lost child does not turn it into ``lost``, and a requeued copy is
+    skipped as done instead of running the body again.
+    """
+    conf = crash_conf(acks_late=True, reject_on_worker_lost=reject_on_worker_lost)
+    fleet.start(conf=conf, transport={"visibility_timeout": 8, **RESTORE_EVERY_SECOND})
+    key, quiet = "quiet:1", member("quiet", "quiet:1")
+    r.set(crash_app.kill_after_body_key(key), 1)
+    run = tasks.quiet.apply_async((1,))
+    try:
+        wait_for(lambda: r.get(crash_app.kill_after_body_key(key)) == b"0", 20, "the child killed itself")
+        wait_for(lambda: record(r, quiet).get("state") == "succeeded", 10, "the sent ending is recorded")
+        wait_idle(r, timeout=LOCK_TTL + SLACK)
+        assert executions(r, key) == 1, "the body ran once"
+        final = record(r, quiet)
+        assert final["task_id"] == run.id
+        assert final["state"] == "succeeded", history_states(r, quiet)
+        assert "lost" not in history_states(r, quiet)
+        if reject_on_worker_lost:
+            assert int(final.get("skipped", 0)) >= 1, "the requeued copy reached the guard and was skipped"
+        assert not r.sismember(SCHEMA.held, quiet)
+        assert r.get(SCHEMA.lock(quiet)) is None
+    except AssertionError:
+        print(fleet.logs())
+        raise
+
+
+@pytest.mark.slow
 def test_new_call_after_a_whole_worker_kill_takes_the_key_and_the_reaper_leaves_it_alone(
     fleet: Fleet, tasks: crash_app.Tasks, r: redis.Redis
 ) -> None:
