@@ -75,6 +75,7 @@ def test_defaults(bare_app: BareApp) -> None:
         dispatch_interval=0.1,
         publish_lease=30,
         cluster_wait_replicas=1,
+        step_result_limit=65536,
     )
     assert {f"dedup_{field}" for field in vars(config)} == set(SETTINGS)
 
