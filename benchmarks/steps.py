@@ -104,7 +104,7 @@ def main(argv: list[str] | None = None) -> None:
         script.header(f"server: {server.binary} ({server.version()})")
         app, tasks = build_app(server.url)
         calls = {case: caller(tasks["task"], case, lambda: next(counter)) for case in CASES}
-        for case, call in calls.items():  # warm: scripts loaded, connections open
+        for call in calls.values():  # warm: scripts loaded, connections open
             harness.timed(call, 50)
         for repeat in range(args.repeats):
             order = list(CASES) if repeat % 2 == 0 else list(CASES)[::-1]

@@ -830,8 +830,8 @@ class DedupStore:
     def _server_ms(self, member: str) -> int:
         """The server's clock (ms), on the server that holds ``member``'s keys."""
         if isinstance(self.client, RedisCluster):
-            node = self.client.get_node_from_key(self._at(member).held)  # type: ignore[no-untyped-call]
-            seconds, micros = self.client.execute_command("TIME", target_nodes=node)  # type: ignore[no-untyped-call]
+            node = self.client.get_node_from_key(self._at(member).held)
+            seconds, micros = self.client.execute_command("TIME", target_nodes=node)
         else:
             seconds, micros = self.client.time()
         return int(seconds) * 1000 + int(micros) // 1000

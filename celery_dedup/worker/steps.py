@@ -34,7 +34,8 @@ import random
 import threading
 import time
 from collections.abc import Callable, Hashable
-from typing import Any, ClassVar, NoReturn, TypeVar
+from functools import partial
+from typing import Any, ClassVar, NoReturn, TypeVar, cast
 
 import redis
 
@@ -109,7 +110,12 @@ class Steps:
             assert delivery.member is not None
             keeper = renewer()
             self.lease = StepLease(
-                delivery.store, delivery.member, delivery.token, delivery.lock_ms, delivery.record_ms, now=keeper.clock()
+                delivery.store,
+                delivery.member,
+                delivery.token,
+                delivery.lock_ms,
+                delivery.record_ms,
+                now=keeper.clock(),
             )
             keeper.add(self.lease)
         return self.lease
@@ -138,7 +144,7 @@ class Steps:
         begun = self._begin(field, name, key, on_doubt)
         if begun.code == StepBeginCode.DONE:
             logger.debug("%s[%s] step %r done already: its stored value", task.name, delivery.run_id, name)
-            return self._decoded(name, begun.detail)
+            return cast(T, self._decoded(name, begun.detail))
         if begun.code == StepBeginCode.IN_DOUBT:
             raise DedupStepInDoubt(task.name, delivery.key, delivery.run_id, name, key, int(begun.detail or 0))
         if begun.code == StepBeginCode.RUN_AGAIN:
@@ -168,12 +174,21 @@ class Steps:
                 task.name, name, "its ending could not be recorded (the store is unreachable): it is in doubt now"
             )
         if not ended.recorded:
-            self._lost(name, key, recorded=False, why="another delivery took the step over after this one's lock "
-                       "ran out; it executes the step itself, with the same idempotency key")
+            self._lost(
+                name,
+                key,
+                recorded=False,
+                why="another delivery took the step over after this one's lock "
+                "ran out; it executes the step itself, with the same idempotency key",
+            )
         if not ended.lock_kept:
-            self._lost(name, key, recorded=True, why="the step is recorded done, but another delivery holds the "
-                       "run's execution lock now")
-        return self._decoded(name, payload)
+            self._lost(
+                name,
+                key,
+                recorded=True,
+                why="the step is recorded done, but another delivery holds the run's execution lock now",
+            )
+        return cast(T, self._decoded(name, payload))
 
     def _decoded(self, name: str, payload: str) -> Any:
         try:
@@ -210,22 +225,12 @@ class Steps:
         """``step_begin.lua``, waiting out another delivery's live step lock (taken at once from a dead owner)."""
         delivery = self.delivery
         assert delivery.member is not None
+        store, member, run_id, token = delivery.store, delivery.member, delivery.run_id, delivery.token
+        ms = {"lock_ms": delivery.lock_ms, "record_ms": delivery.record_ms}
         dead = ""
         while True:
-            begun = _patiently(
-                delivery,
-                lambda: delivery.store.step_begin(
-                    delivery.member or "",
-                    delivery.run_id,
-                    delivery.token,
-                    field,
-                    name,
-                    lock_ms=delivery.lock_ms,
-                    record_ms=delivery.record_ms,
-                    on_doubt=on_doubt,
-                    dead=dead,
-                ),
-            )
+            begin = partial(store.step_begin, member, run_id, token, field, name, on_doubt=on_doubt, dead=dead, **ms)
+            begun = _patiently(delivery, begin)
             if begun is None:
                 raise DedupStepError(delivery.task.name, name, "the dedup store is unreachable: the step did not begin")
             if begun.code == StepBeginCode.LOCK_LOST:

@@ -420,7 +420,9 @@ def test_detail_lists_the_steps_with_their_state_and_idempotency_key(
     member = member_for("shop.ship", "order:6")
     store = runtime.store_for(app)
     r.set(SCHEMA.lock(member), "h:1:2:m:dead")  # a delivery that began a step, then died
-    begun = store.step_begin(member, run.id, "h:1:2:m:dead", "s:post", "post", lock_ms=1, record_ms=60_000, on_doubt="retry")
+    begun = store.step_begin(
+        member, run.id, "h:1:2:m:dead", "s:post", "post", lock_ms=1, record_ms=60_000, on_doubt="retry"
+    )
     assert begun.detail == "1"
     r.delete(SCHEMA.lock(member))
     wait_for(lambda: store.steps(member)[-1].state == "in doubt", 2, "the step's lock ran out")
