@@ -396,6 +396,10 @@ def test_misuse_is_refused_with_a_clear_error(make_app: AppFactory, r: redis.Red
 
 def test_a_run_without_steps_writes_no_steps(make_app: AppFactory, r: redis.Redis) -> None:
     app = make_app(task_always_eager=True)
-    task = eager_task(app, lambda self, n: n)
+
+    def plain(self: DedupTask, n: int) -> int:
+        return n
+
+    task = eager_task(app, plain)
     assert task.delay(14).get() == 14
     assert not r.keys("dedup:steps:*")
