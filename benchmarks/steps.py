@@ -8,9 +8,11 @@ business key per call:
 - ``no steps``: the body returns at once (the baseline);
 - ``1 step``: the body executes one step (``step_begin`` and ``step_end``);
 - ``10 steps``: ten steps;
-- ``1 step done``: the body reaches a step done already (a step of the key,
-  ``scope="key"``, done by the first call of that key): what a redelivered
-  run pays for a step it skips.
+- ``again, no steps``: every call a new run of one key whose earlier run
+  ended (the gate takes the key over first), no steps: the baseline of
+- ``again, 1 step done``: the same, the body reaching a step done already (a
+  step of the key, ``scope="key"``, done by the key's first call): what a
+  redelivered run pays for a step it skips.
 
 Measured: microseconds per call (median over ``--calls`` calls, ``--repeats``
 times, cases interleaved), the cost of one step against the baseline, and
@@ -32,6 +34,7 @@ from __future__ import annotations
 import itertools
 import statistics
 from collections.abc import Callable
+from dataclasses import dataclass
 from typing import Any
 
 import redis
@@ -43,8 +46,26 @@ from celery_dedup import DedupTask
 from celery_dedup.keys import KeySchema, member_for
 from celery_dedup.testing import RedisServer
 
-#: case -> the steps a call reaches.
-CASES: dict[str, int] = {"no steps": 0, "1 step": 1, "10 steps": 10, "1 step done": 1}
+
+@dataclass(frozen=True)
+class Case:
+    #: Steps a call reaches.
+    steps: int
+    #: The case its cost per step is measured against.
+    baseline: str
+    #: The business key of every call (None: a new one per call); its earlier run ended.
+    key: int | None = None
+    scope: str = "run"
+
+
+CASES: dict[str, Case] = {
+    "no steps": Case(0, "no steps"),
+    "1 step": Case(1, "no steps"),
+    "10 steps": Case(10, "no steps"),
+    # Every call a new run of one key, whose earlier run ended: the gate takes the key over first.
+    "again, no steps": Case(0, "again, no steps", key=-4),
+    "again, 1 step done": Case(1, "again, no steps", key=-1, scope="key"),
+}
 
 
 def build_app(url: str) -> tuple[Celery, dict[str, Any]]:
@@ -66,12 +87,12 @@ def build_app(url: str) -> tuple[Celery, dict[str, Any]]:
     return app, {"task": body}
 
 
-def caller(task: Any, case: str, serial: Callable[[], int]) -> Callable[[], object]:
-    if case == "1 step done":
-        task.apply_async((-1, 1, "key"))  # the key's step is done from here on
-        return lambda: task.apply_async((-1, 1, "key"))
-    steps = CASES[case]
-    return lambda: task.apply_async((serial(), steps, "run"))
+def caller(task: Any, case: Case, serial: Callable[[], int]) -> Callable[[], object]:
+    if case.key is not None:
+        fixed = (case.key, case.steps, case.scope)
+        task.apply_async(fixed)  # the key has an ended run (and a step of the key's done) from here on
+        return lambda: task.apply_async(fixed)
+    return lambda: task.apply_async((serial(), case.steps, case.scope))
 
 
 def footprint(url: str, task: Any) -> dict[str, int | None]:
@@ -98,38 +119,37 @@ def main(argv: list[str] | None = None) -> None:
     args = script.parse(argv)
 
     counter = itertools.count()
-    took: dict[str, list[float]] = {case: [] for case in CASES}
+    took: dict[str, list[float]] = {name: [] for name in CASES}
     commands: dict[str, dict[str, Any]] = {}
     with RedisServer() as server:
         script.header(f"server: {server.binary} ({server.version()})")
         app, tasks = build_app(server.url)
-        calls = {case: caller(tasks["task"], case, lambda: next(counter)) for case in CASES}
+        calls = {name: caller(tasks["task"], case, lambda: next(counter)) for name, case in CASES.items()}
         for call in calls.values():  # warm: scripts loaded, connections open
             harness.timed(call, 50)
         for repeat in range(args.repeats):
             order = list(CASES) if repeat % 2 == 0 else list(CASES)[::-1]
-            for case in order:
-                took[case].append(statistics.median(harness.timed(calls[case], args.calls)))
-                harness.progress(f"repeat {repeat + 1}: {case} {took[case][-1]:.0f} µs")
-        for case, call in calls.items():
+            for name in order:
+                took[name].append(statistics.median(harness.timed(calls[name], args.calls)))
+                harness.progress(f"repeat {repeat + 1}: {name} {took[name][-1]:.0f} µs")
+        for name, call in calls.items():
             counted = harness.count_commands(server.url, call, args.rt_calls)
             counted.pop("entries")
-            commands[case] = counted
+            commands[name] = counted
         memory = footprint(server.url, tasks["task"])
         app.close()
 
-    base = statistics.median(took["no steps"])
-    base_trips = commands["no steps"]["round_trips_per_call"]
     rows = {}
-    for case, steps in CASES.items():
-        median = statistics.median(took[case])
-        trips = commands[case]["round_trips_per_call"]
-        rows[case] = {
+    for name, case in CASES.items():
+        median = statistics.median(took[name])
+        trips = commands[name]["round_trips_per_call"]
+        base, base_trips = statistics.median(took[case.baseline]), commands[case.baseline]["round_trips_per_call"]
+        rows[name] = {
             "us_per_call_median": median,
-            "us_per_step": (median - base) / steps if steps else 0.0,
+            "us_per_step": (median - base) / case.steps if case.steps else 0.0,
             "round_trips_per_call": trips,
-            "round_trips_per_step": (trips - base_trips) / steps if steps else 0.0,
-            "lua_commands_per_call": commands[case]["lua_commands_per_call"],
+            "round_trips_per_step": (trips - base_trips) / case.steps if case.steps else 0.0,
+            "lua_commands_per_call": commands[name]["lua_commands_per_call"],
         }
     print()
     print(f"{args.calls} calls per case, median of {args.repeats}; eager calls, one server")
@@ -139,14 +159,14 @@ def main(argv: list[str] | None = None) -> None:
             ["case", "per call µs", "per step µs", "round trips per call", "per step", "commands in Lua per call"],
             [
                 [
-                    case,
+                    name,
                     row["us_per_call_median"],
-                    row["us_per_step"] if CASES[case] else "-",
+                    row["us_per_step"] if CASES[name].steps else "-",
                     row["round_trips_per_call"],
-                    row["round_trips_per_step"] if CASES[case] else "-",
+                    row["round_trips_per_step"] if CASES[name].steps else "-",
                     harness.per_call(row["lua_commands_per_call"]),
                 ]
-                for case, row in rows.items()
+                for name, row in rows.items()
             ],
         )
     )
