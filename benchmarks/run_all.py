@@ -41,6 +41,7 @@ SCRIPTS: tuple[tuple[str, tuple[str, ...]], ...] = (
     ("admin", ("--records", "10000", "--renders", "5", "--later", "3")),
     ("followers", ("--followers", "50")),
     ("limits", ("--tasks", "200", "--calls", "200", "--repeats", "2")),
+    ("steps", ("--calls", "200", "--repeats", "2", "--rt-calls", "20")),
     ("cluster", ("--calls", "300", "--repeats", "1", "--threads", "4")),
     ("scale", ("--quick", "--calls", "1000", "--passes", "3", "--renders", "5")),
     ("recovery", ("--repeats", "1", "--wait", "30")),

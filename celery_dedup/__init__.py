@@ -21,7 +21,10 @@ from .exceptions import (
     DedupConfigError,
     DedupError,
     DedupKeyError,
+    DedupLockLostError,
     DedupRoutingError,
+    DedupStepError,
+    DedupStepInDoubt,
     DedupStoreError,
     DedupUnavailableError,
     DuplicateTaskError,
@@ -30,7 +33,7 @@ from .installer import install
 from .publish.result import DedupResult
 from .publish.ticket import last_outcome
 from .runtime import reap, stats
-from .store.status import HistoryEntry, Status
+from .store.status import HistoryEntry, Status, StepStatus
 from .store.store import Outcome, Page, ReapReport, Record
 from .task import DedupTask
 
@@ -41,8 +44,11 @@ __all__ = [
     "DedupConfigError",
     "DedupError",
     "DedupKeyError",
+    "DedupLockLostError",
     "DedupResult",
     "DedupRoutingError",
+    "DedupStepError",
+    "DedupStepInDoubt",
     "DedupStoreError",
     "DedupTask",
     "DedupUnavailableError",
@@ -53,6 +59,7 @@ __all__ = [
     "ReapReport",
     "Record",
     "Status",
+    "StepStatus",
     "install",
     "last_outcome",
     "reap",

@@ -39,6 +39,8 @@ setting                      default               effect
                                                    at least 1 second
 ``dedup_cluster_wait_replicas``  ``1``             on a Redis Cluster store: replicas that must have
                                                    a decision's writes before it is answered (WAIT)
+``dedup_step_result_limit``  ``65536``             bytes a step's return value may take, serialized
+                                                   (``dedup_once``); a larger one fails the step
 ===========================  ====================  ===============================================
 
 Every time is in seconds, an int or a float, from 0.001 (Redis keeps times in
@@ -53,7 +55,8 @@ from dataclasses import dataclass
 from typing import Any
 
 from .exceptions import DedupConfigError
-from .modes import DEBOUNCE, MODES, ON_DUPLICATE, ON_LOCKED, ON_REDIS_ERROR
+from .keys import STEP_NAME
+from .modes import DEBOUNCE, MODES, ON_DOUBT, ON_DUPLICATE, ON_LOCKED, ON_REDIS_ERROR, STEP_SCOPES
 
 _MISSING = object()
 
@@ -150,6 +153,25 @@ def _followers(setting: str, value: Any, *, task: str | None = None) -> int:
     return value
 
 
+#: The largest value Redis keeps (512 MiB), less room for what a step's entry holds besides its result.
+MAX_STEP_RESULT = 512 * 1024 * 1024 - 4096
+
+
+def _result_limit(setting: str, value: Any, *, task: str | None = None) -> int:
+    if isinstance(value, bool) or not isinstance(value, int) or not 1 <= value <= MAX_STEP_RESULT:
+        raise DedupConfigError(setting, value, f"must be a number of bytes from 1 to {MAX_STEP_RESULT}", task=task)
+    return value
+
+
+def check_step_name(setting: str, value: Any, *, task: str | None = None) -> str:
+    """A step's name: 1 to 64 of ``A-Z a-z 0-9 _ . -``, starting with a letter or digit."""
+    if not isinstance(value, str) or not STEP_NAME.fullmatch(value):
+        raise DedupConfigError(
+            setting, value, "must be 1 to 64 of A-Z a-z 0-9 _ . -, starting with a letter or a digit", task=task
+        )
+    return value
+
+
 def _interval(setting: str, value: Any, *, task: str | None = None) -> float:
     if value == 0 and not isinstance(value, bool):
         return 0.0
@@ -173,6 +195,8 @@ check_on_duplicate = _choice(ON_DUPLICATE)
 check_on_locked = _choice(ON_LOCKED)
 check_ttl = _seconds
 check_debounce = _choice(DEBOUNCE)
+check_on_doubt = _choice(ON_DOUBT)
+check_step_scope = _choice(STEP_SCOPES)
 
 #: setting name -> (default, validator)
 SETTINGS: dict[str, tuple[Any, Callable[..., Any]]] = {
@@ -195,6 +219,7 @@ SETTINGS: dict[str, tuple[Any, Callable[..., Any]]] = {
     "dedup_dispatch_interval": (0.1, _seconds),
     "dedup_publish_lease": (30, _seconds),
     "dedup_cluster_wait_replicas": (1, _replicas),
+    "dedup_step_result_limit": (65536, _result_limit),
 }
 
 
@@ -221,6 +246,7 @@ class DedupConfig:
     dispatch_interval: float
     publish_lease: float
     cluster_wait_replicas: int
+    step_result_limit: int
 
     @property
     def record_ms(self) -> int:

@@ -110,6 +110,67 @@ class DedupFollowerLimitError(DedupError):
         )
 
 
+class DedupStepError(DedupError):
+    """A step (``DedupTask.dedup_once``) cannot be executed as asked.
+
+    Called outside the body of a keyed task's delivery, with a name that is
+    no step name, with a name this delivery used already for another step,
+    with an unknown ``scope`` or ``on_doubt``, or with a function whose return
+    value cannot be kept (not serializable, or larger than
+    ``dedup_step_result_limit``).
+    """
+
+    def __init__(self, task: str, step: str, reason: str) -> None:
+        self.task = task
+        self.step = step
+        self.reason = reason
+        super().__init__(f"task {task!r} step {step!r}: {reason}")
+
+
+class DedupStepInDoubt(DedupError):
+    """A step's earlier executor died (or lost its lock) inside it: whether its work happened is unknown.
+
+    Raised by ``dedup_once(..., on_doubt="raise")``, which leaves the step
+    marked ``doubt`` for an operator: ask the provider what happened under
+    ``idempotency_key``.
+    """
+
+    def __init__(self, task: str, key: str, run_id: str, step: str, idempotency_key: str, attempts: int) -> None:
+        self.task = task
+        self.key = key
+        self.run_id = run_id
+        self.step = step
+        self.idempotency_key = idempotency_key
+        self.attempts = attempts
+        super().__init__(
+            f"task {task!r} key {key!r} run {run_id!r}: step {step!r} is in doubt (its executor died or lost its "
+            f"lock inside it, after {attempts} attempt{'s' if attempts != 1 else ''}); "
+            f"settle it with idempotency key {idempotency_key!r}"
+        )
+
+
+class DedupLockLostError(DedupError):
+    """The delivery executing a step lost its execution lock (it was paused past its TTL, or taken over).
+
+    Another delivery of the run may be executing it now: this one stops.
+    ``recorded`` says whether this delivery's ending of the step was recorded
+    (nobody had taken the step over) or not (the other delivery executes the
+    step itself, with the same ``idempotency_key``).
+    """
+
+    def __init__(
+        self, task: str, key: str, run_id: str, step: str, idempotency_key: str, *, recorded: bool, why: str
+    ) -> None:
+        self.task = task
+        self.key = key
+        self.run_id = run_id
+        self.step = step
+        self.idempotency_key = idempotency_key
+        self.recorded = recorded
+        self.why = why
+        super().__init__(f"task {task!r} key {key!r} run {run_id!r} step {step!r}: execution lock lost: {why}")
+
+
 class DedupUnavailableError(DedupError):
     """The dedup store (on a Redis broker: the broker) could not be reached.
 

@@ -316,6 +316,55 @@ def new_task_id(business_key: str) -> str:
     return f"{business_key}~{suffix}"
 
 
+#: The longest idempotency key :func:`step_key` makes: what Stripe takes, and most providers.
+STEP_KEY_MAX = 255
+#: A step's name: what a history note and an idempotency key can carry as they are.
+STEP_NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9_.-]{0,63}")
+#: A run id :func:`new_task_id` made for the business key it starts with: its suffix stands for it.
+_RUN_SUFFIX = re.compile(r"~[" + _ID_ALPHABET + r"]{10}")
+#: What a run id that is not of that form may not hold as it is: the separators, the escape and ``~``.
+_UNSAFE_IN_RUNS = frozenset("%:~")
+
+
+def step_key(member: str, run_id: str, step: str, *, scope: str = "run") -> str:
+    """The idempotency key of step ``step`` of run ``run_id`` of ``member`` (``scope="key"``: of the key).
+
+    ``<task>:<business key>:<run>:<step>``: ``<run>`` is the run id's suffix
+    (``~`` and ten characters) when :func:`new_task_id` made it for this
+    business key, else the run id with ``%``, ``:`` and ``~`` escaped (so it
+    never starts with ``~``, and a run id ``key`` reads ``%6Bey``), or ``key``
+    for a step of the key. The task name and the step hold no ``:`` and the
+    run part none either, so distinct runs and steps give distinct keys.
+    Everything but printable ASCII is escaped (``%XX`` of its UTF-8 bytes),
+    so the key is printable ASCII without whitespace, and at most
+    :data:`STEP_KEY_MAX` characters: a longer one keeps its start and ends with
+    ``#`` and 32 hex digits of the whole key's SHA-256. Deterministic: every
+    delivery of the run computes the same key.
+
+    Example:
+        >>> step_key("shop.charge:order:42", "order:42~0123456789", "charge-card")
+        'shop.charge:order:42:~0123456789:charge-card'
+    """
+    namespace, business_key = split_member(member)
+    if scope == "key":
+        run = "key"
+    else:
+        suffix = run_id[len(business_key) :] if run_id.startswith(business_key) else ""
+        if _RUN_SUFFIX.fullmatch(suffix):
+            run = suffix
+        else:
+            run = _escape(run_id, _UNSAFE_IN_RUNS)
+            run = "%6Bey" if run == "key" else run
+    text = "".join(
+        char if char.isascii() and char.isprintable() and not char.isspace() else _escape(char, frozenset(char))
+        for char in f"{namespace}:{business_key}:{run}:{step}"
+    )
+    if len(text) <= STEP_KEY_MAX:
+        return text
+    digest = hashlib.sha256(text.encode("ascii")).hexdigest()[:_HASH_CHARS]
+    return f"{_whole_chars(text[: STEP_KEY_MAX - _HASH_CHARS - 1])}#{digest}"
+
+
 def new_nonce() -> str:
     """A per-publish token; kombu's publish retries repeat it, new calls do not."""
     return secrets.token_hex(8)
@@ -393,6 +442,10 @@ class KeySchema:
 
     def outcomes(self, member: str) -> str:
         return f"{self.prefix}:out:{member}"
+
+    def steps(self, member: str) -> str:
+        """HASH of the steps of the member's run and key (``worker/steps.py``; entries: ``schema.STEP_FIELDS``)."""
+        return f"{self.prefix}:steps:{member}"
 
     @property
     def following(self) -> str:

@@ -130,5 +130,14 @@ ON_DUPLICATE = frozenset({"return_existing", "raise", "drop"})
 #: again to arrive when that lock would have expired.
 ON_LOCKED = frozenset({"skip", "reschedule"})
 
+#: What a step (``dedup_once``) whose earlier executor died inside it does.
+#: ``retry``: call its function again, with the same idempotency key;
+#: ``raise``: raise DedupStepInDoubt and leave the step marked for an operator.
+ON_DOUBT = frozenset({"retry", "raise"})
+
+#: How long a step is remembered (``dedup_once``): ``run``: for its run (every delivery,
+#: retry and redelivery of it); ``key``: for the key's record, across its runs.
+STEP_SCOPES = frozenset({"run", "key"})
+
 #: What a publish does when the dedup store cannot be reached.
 ON_REDIS_ERROR = frozenset({"fail_closed", "fail_open"})

@@ -69,3 +69,13 @@ def result_payload(app: Any, value: Any) -> str:
 def decode_result(app: Any, payload: str) -> Any:
     """The return value kept by :func:`result_payload` (``result_accept_content``, else ``accept_content``)."""
     return _decoded(payload, app.conf.result_accept_content or app.conf.accept_content)
+
+
+def step_payload(app: Any, serializer: str | None, value: Any) -> str:
+    """A step's return value serialized as its task's messages are (``serializer``, else ``task_serializer``)."""
+    return _encoded(value, serializer or app.conf.task_serializer)
+
+
+def decode_step(app: Any, payload: str) -> Any:
+    """The return value kept by :func:`step_payload` (the app's ``accept_content`` only)."""
+    return _decoded(payload, app.conf.accept_content)

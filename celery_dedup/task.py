@@ -5,8 +5,8 @@ from __future__ import annotations
 import difflib
 import inspect
 import logging
-from collections.abc import Iterable, Mapping, Sequence
-from typing import TYPE_CHECKING, Any, ClassVar, cast
+from collections.abc import Callable, Iterable, Mapping, Sequence
+from typing import TYPE_CHECKING, Any, ClassVar, TypeVar, cast
 
 from celery import Task
 
@@ -27,6 +27,9 @@ from .store.status import Status
 from .worker import relay
 from .worker.delivery import Participant, guarded_call, lock_lost, replacing
 from .worker.limits import LIMITS
+from .worker.steps import STEPS, once
+
+T = TypeVar("T")
 
 logger = logging.getLogger("celery_dedup")
 
@@ -118,9 +121,9 @@ class DedupTask(_TaskBase):
     limit_rate: ClassVar[str | None] = None
 
     _dedup_policy: ClassVar[TaskPolicy | None] = None
-    #: What takes part in every delivery of the task on a worker besides its guard: its limits
-    #: (see :class:`celery_dedup.worker.delivery.Participant`).
-    worker_participants: ClassVar[tuple[Participant, ...]] = (LIMITS,)
+    #: What takes part in every delivery of the task on a worker besides its guard: its limits, and its
+    #: steps (see :class:`celery_dedup.worker.delivery.Participant`).
+    worker_participants: ClassVar[tuple[Participant, ...]] = (LIMITS, STEPS)
 
     @classmethod
     def on_bound(cls, app: Any) -> None:
@@ -286,6 +289,33 @@ class DedupTask(_TaskBase):
         own = replacing(self, getattr(sig, "name", None) or type(sig).__name__)
         relay.carry(self.request, sig, own)
         return super().on_replace(sig)
+
+    def dedup_once(self, name: str, fn: Callable[[str], T], *, scope: str = "run", on_doubt: str = "retry") -> T:
+        """Call ``fn(idempotency_key)`` once for this run, whatever redelivers it; return its value.
+
+        For the body of a keyed task (``base=DedupTask, bind=True``). The key
+        is the same for every delivery, retry and redelivery of the run:
+        pass it to the provider (``idempotency_key=key``). A step that
+        completed is not called again by a later delivery of the run: its
+        stored value is returned (serialized with the task's serializer, at
+        most ``dedup_step_result_limit`` bytes). A step whose executor died
+        inside it is *in doubt*: ``on_doubt="retry"`` (default) calls ``fn``
+        again with the same key, ``"raise"`` raises :class:`~celery_dedup.DedupStepInDoubt`.
+        ``scope="key"`` keeps the step for the key's record, across its runs.
+        See docs/steps.md.
+
+        Raises:
+            DedupStepError: outside a keyed task's body, a bad or reused name, or a value that cannot be kept.
+            DedupStepInDoubt: in doubt, with ``on_doubt="raise"``.
+            DedupLockLostError: this delivery lost its execution lock; the body stands down (the run's
+                ending is another delivery's to record).
+
+        Example:
+            >>> @app.task(base=DedupTask, bind=True, dedup_key="order:{order_id}", acks_late=True)
+            ... def charge(self, order_id, amount):
+            ...     return self.dedup_once("charge-card", lambda key: provider.charge(amount, idempotency_key=key))
+        """
+        return once(self, name, fn, scope=scope, on_doubt=on_doubt)
 
     @property
     def dedup_lock_lost(self) -> bool:

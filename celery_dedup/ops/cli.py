@@ -54,6 +54,7 @@ from ..store.status import (
     STATES,
     HistoryEntry,
     Status,
+    StepStatus,
     from_ms,
     is_history_field,
 )
@@ -459,6 +460,7 @@ def _detail_json(found: KeyDetail) -> dict[str, Any]:
         "record": found.record,
         "status": status.as_dict() if status is not None else None,
         "history": [entry.as_dict() for entry in _history(found)],
+        "steps": [step.as_dict() for step in found.steps],
     }
 
 
@@ -517,6 +519,20 @@ def show(ctx: click.Context, key: str, task: str | None, as_json: bool) -> None:
     if entries:
         rows = [(_when(e.at, now), e.state, e.task_id, e.note) for e in entries]
         click.echo(_table(rows, indent="  "))
+    if found.steps:
+        click.echo("\nsteps (dedup_once):")
+        headers = ("step", "scope", "state", "attempts", "when", "idempotency key")
+        click.echo(_table(_step_rows(found.steps, now), headers, indent="  "))
+
+
+def _step_rows(steps: Sequence[StepStatus], now: float) -> list[tuple[str, ...]]:
+    """One row per step: name, scope, state, attempts, when it last ended (or began), its idempotency key."""
+    rows: list[tuple[str, ...]] = []
+    for step in steps:
+        when = _when(step.finished_at or step.started_at, now)
+        state = step.state + (f" ({step.error})" if step.error else "")
+        rows.append((step.name, step.scope, state, str(step.attempts), when, step.key))
+    return rows
 
 
 @dedup.command()

@@ -279,6 +279,61 @@ class Replacing(NamedTuple):
     by: str
 
 
+# --- steps inside a body (worker/steps.py) --------------------------------------------------------
+
+
+@script("step_begin", keys=("lock", "record", "steps"))
+class StepBegin(NamedTuple):
+    run: str
+    token: str
+    field: str
+    name: str
+    lock_ms: Number
+    record_ms: Number
+    history_len: Number
+    on_doubt: str
+    dead: str = ""
+
+
+class StepBeginCode(IntEnum):
+    """``step_begin.lua``'s reply codes."""
+
+    #: The delivery does not hold the execution lock (any more).
+    LOCK_LOST = 0
+    RUN = 1
+    #: In doubt, executed again (``on_doubt="retry"``).
+    RUN_AGAIN = 2
+    DONE = 3
+    #: In doubt, not executed (``on_doubt="raise"``).
+    IN_DOUBT = 4
+    #: Another delivery's step lock is alive.
+    BUSY = 5
+
+
+@script("step_end", keys=("lock", "record", "steps"))
+class StepEnd(NamedTuple):
+    run: str
+    token: str
+    field: str
+    name: str
+    outcome: str
+    result: str
+    err: str
+    lock_ms: Number
+    record_ms: Number
+    history_len: Number
+
+
+@script("step_renew", keys=("lock", "record", "steps"))
+class StepRenew(NamedTuple):
+    """KEYS: one ``(lock, record, steps)`` triple per lease."""
+
+    lock_ms: Number
+    record_ms: Number
+    #: Two per lease, in order: its token, and the field of the step it executes ("" between steps).
+    leases: Rest
+
+
 # --- operators and clean-up ----------------------------------------------------------------------
 
 

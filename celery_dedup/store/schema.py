@@ -167,6 +167,12 @@ KEY_KINDS = (
     KeyKind("ended", "{prefix}:ended:{member}", "ZSET", "fingerprint -> when (ms): ended runs pushed out of `ended`"),
     KeyKind("followers", "{prefix}:fol:{member}", "HASH", "task id -> JSON {run, queue, message, at}: followers"),
     KeyKind("outcomes", "{prefix}:out:{member}", "HASH", "run id -> JSON {state, error, result}: for its followers"),
+    KeyKind(
+        "steps",
+        "{prefix}:steps:{member}",
+        "HASH",
+        '"run" -> the run whose "s:<step>" these are; "s:<step>", "k:<step>" -> JSON: its steps (STEP_FIELDS)',
+    ),
     KeyKind("following", "{prefix}:following", "SET", "members that have followers"),
     KeyKind("name_index", "{prefix}:idx:name", "ZSET", '"<business key>\\0<task>" -> 0: key-prefix search'),
     KeyKind("state_index", "{prefix}:idx:state:{state}", "ZSET", "member -> last update: the records in that state"),
@@ -425,7 +431,8 @@ FIELD_DOCS = (
         "History entry",
         "One history entry per field, n counting up (newest: highest), at most dedup_history_length of them: "
         '"<offset> <state>" or "<offset> <state> <run> [note]", offset in ms from queued_at, run "-" for this '
-        "record's run; at most 64 bytes, a long note cut.",
+        "record's run; at most 64 bytes, a long note cut. A step of the body (dedup_once) writes the state "
+        '"step", its note naming the step and what happened ("charge-card done").',
     ),
     FieldDoc("hn", "internals", "Next entry", "The n of the next history entry (h<n>)."),
     FieldDoc(
@@ -436,6 +443,37 @@ FIELD_DOCS = (
     ),
 )
 FIELD_DOC = {doc.name: doc for doc in FIELD_DOCS}
+
+# Steps ------------------------------------------------------------------------------------------------------------
+
+#: What a step's entry in the ``steps`` key may say (``state``): the scripts write these and no other.
+STEP_STATES = ("running", "done", "failed", "doubt")
+#: How a ``running`` step whose lock ran out is shown: its executor died (or lost its lock) inside it. Derived
+#: (``until`` has passed on the server's clock), never stored.
+IN_DOUBT = "in doubt"
+#: What each state of a step means, for people (the admin, the command line).
+STEP_STATE_HELP = {
+    "running": "A delivery executes it now, holding its lock until `until` (renewed while it lives).",
+    IN_DOUBT: "Its executor died or lost its lock inside it: whether its function's work happened is unknown. "
+    'The next delivery calls it again with the same key (on_doubt="retry"), or raises DedupStepInDoubt.',
+    "done": "Its function returned: later deliveries of the run (the key's, for scope key) get the stored value.",
+    "failed": "Its function raised (or its value could not be kept): the next delivery calls it again.",
+    "doubt": 'Found in doubt by a step with on_doubt="raise": left for an operator to settle with the provider.',
+}
+#: The fields of a step's entry (a JSON object in the ``steps`` hash, field ``s:<step>`` or ``k:<step>``).
+STEP_FIELDS = {
+    "state": "One of STEP_STATES.",
+    "token": "While running: the owner token of the delivery that executes it (its execution lock's).",
+    "until": "While running: when its lock runs out unless renewed (ms, server clock).",
+    "attempts": "How often a delivery began executing it.",
+    "started_at": "When it was first begun (ms).",
+    "finished_at": "When it last ended, done or failed (ms).",
+    "result": "Done: the function's return value, serialized with the task's serializer (payloads.py).",
+    "error": "Failed: why, as `Type: message`.",
+}
+#: The steps hash's field of a step, by scope: ``s:<step>`` for the run's (the hash's ``run`` names the run),
+#: ``k:<step>`` for the key's.
+STEP_FIELD_PREFIX = {"run": "s:", "key": "k:"}
 
 # Reports of transitions (the test mode) ---------------------------------------------------------------------------
 

@@ -23,7 +23,8 @@ from redis.exceptions import NoScriptError
 from .commands import BY_TYPE, argv_prelude
 from .schema import CHECK_VARIABLE, lua_prelude
 
-#: Scripts that change status records get the schema's constants and the shared helpers of ``lib.lua`` first.
+#: Scripts that change status records (and the steps') get the schema's constants and the shared helpers of
+#: ``lib.lua`` first.
 _WITH_LIB = frozenset(
     {
         "gate",
@@ -39,6 +40,9 @@ _WITH_LIB = frozenset(
         "settle",
         "annotate",
         "limit_note",
+        "step_begin",
+        "step_end",
+        "step_renew",
     }
 )
 
@@ -86,6 +90,9 @@ class Scripts:
         self.limit_release: Script = client.register_script(load_script("limit_release"))
         self.limit_renew: Script = client.register_script(load_script("limit_renew"))
         self.limit_note: Script = client.register_script(load_script("limit_note"))
+        self.step_begin: Script = client.register_script(load_script("step_begin"))
+        self.step_end: Script = client.register_script(load_script("step_end"))
+        self.step_renew: Script = client.register_script(load_script("step_renew"))
         self._by_type: dict[type[Any], tuple[Script, bool]] = {
             command: (getattr(self, spec.name), spec.rest) for command, spec in BY_TYPE.items()
         }

@@ -8,13 +8,25 @@ integers and the parsed history, and keeps the raw strings in ``fields``.
 from __future__ import annotations
 
 import datetime
+import json
 import re
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from ..keys import split_member, task_from_namespace
-from .schema import ENDED_STATES, FIELD_DOC, FIELD_DOCS, GROUPS, STATE_HELP, STATES, FieldDoc
+from ..keys import split_member, step_key, task_from_namespace
+from .schema import (
+    ENDED_STATES,
+    FIELD_DOC,
+    FIELD_DOCS,
+    GROUPS,
+    IN_DOUBT,
+    STATE_HELP,
+    STATES,
+    STEP_FIELD_PREFIX,
+    STEP_STATE_HELP,
+    FieldDoc,
+)
 
 # The states and the field docs live in the schema; they are read from here too.
 __all__ = [
@@ -28,9 +40,11 @@ __all__ = [
     "FieldDoc",
     "HistoryEntry",
     "Status",
+    "StepStatus",
     "from_ms",
     "history_of",
     "is_history_field",
+    "steps_of",
     "to_ms",
 ]
 
@@ -287,3 +301,85 @@ class Status:
         document["fields"] = dict(self.fields)
         document["ended"] = self.ended
         return document
+
+
+@dataclass(frozen=True)
+class StepStatus:
+    """One step the store keeps for a key (``dedup_once``), as of the server's clock when it was read."""
+
+    name: str
+    #: ``"run"`` (a step of ``run_id``) or ``"key"`` (a step of the key, across its runs).
+    scope: str
+    #: The run whose step it is ("" for a step of the key).
+    run_id: str
+    #: ``running``, ``in doubt`` (running, but its lock ran out), ``done``, ``failed`` or ``doubt``.
+    state: str
+    #: The idempotency key its function is called with.
+    key: str
+    attempts: int
+    started_at: datetime.datetime | None
+    finished_at: datetime.datetime | None
+    #: While running: when its lock runs out unless renewed.
+    until: datetime.datetime | None
+    #: While running: the owner token of the delivery executing it.
+    token: str
+    error: str
+    #: The size of its stored return value, bytes as stored (0 when none).
+    result_size: int
+
+    @property
+    def help(self) -> str:
+        """What its state means, for people."""
+        return STEP_STATE_HELP.get(self.state, "")
+
+    def as_dict(self) -> dict[str, Any]:
+        """JSON-ready: times in ISO 8601."""
+        document: dict[str, Any] = {}
+        for name in self.__dataclass_fields__:
+            value = getattr(self, name)
+            document[name] = _iso(value) if isinstance(value, datetime.datetime) else value
+        return document
+
+
+def steps_of(member: str, fields: Mapping[str, str], now_ms: int) -> tuple[StepStatus, ...]:
+    """The steps of a ``steps`` hash's ``fields`` (the run's, then the key's, each in the order begun).
+
+    ``now_ms``: the server's clock, by which a running step whose lock ran out is ``in doubt``.
+    An entry that cannot be read is shown as its raw text in ``error``.
+    """
+    run = fields.get("run", "")
+    found = []
+    for field, value in fields.items():
+        scope = next((s for s, prefix in STEP_FIELD_PREFIX.items() if field.startswith(prefix)), None)
+        if scope is None:
+            continue
+        name = field[len(STEP_FIELD_PREFIX[scope]) :]
+        try:
+            entry = json.loads(value)
+        except ValueError:
+            entry = None
+        if not isinstance(entry, dict):
+            entry = {"state": "?", "error": value}
+        state = str(entry.get("state", "?"))
+        until = _int(str(entry.get("until") or ""))
+        if state == "running" and until is not None and until <= now_ms:
+            state = IN_DOUBT
+        run_id = run if scope == "run" else ""
+        found.append(
+            StepStatus(
+                name=name,
+                scope=scope,
+                run_id=run_id,
+                state=state,
+                key=step_key(member, run_id, name, scope=scope),
+                attempts=_int(str(entry.get("attempts") or "")) or 0,
+                started_at=from_ms(_int(str(entry.get("started_at") or ""))),
+                finished_at=from_ms(_int(str(entry.get("finished_at") or ""))),
+                until=from_ms(until) if state in ("running", IN_DOUBT) else None,
+                token=str(entry.get("token") or ""),
+                error=str(entry.get("error") or ""),
+                result_size=len(str(entry.get("result") or "")),
+            )
+        )
+    found.sort(key=lambda step: (step.scope != "run", step.started_at or EPOCH, step.name))
+    return tuple(found)

@@ -18,9 +18,9 @@ from ..exceptions import STORE_ERRORS, DedupArgumentError, DedupStoreFormatError
 from ..keys import CLUSTER_SHARDS, KeySchema, split_member, task_namespace
 from . import commands
 from . import format as store_format
-from .commands import ConfirmCode, GateCode, PeekCode, ReleaseCode, StartCode
+from .commands import ConfirmCode, GateCode, PeekCode, ReleaseCode, StartCode, StepBeginCode
 from .scripts import Scripts
-from .status import ENDED_STATES, STATES, Status, history_of, is_history_field
+from .status import ENDED_STATES, STATES, Status, StepStatus, history_of, is_history_field, steps_of
 
 logger = logging.getLogger("celery_dedup")
 
@@ -207,6 +207,8 @@ class KeyDetail:
     lock_token: str | None
     #: The lock's remaining time, ms (0 without a lock).
     lock_ttl_ms: int
+    #: The steps kept for the key: its run's (``dedup_once``), then its key's (``scope="key"``).
+    steps: tuple[StepStatus, ...] = ()
 
     @property
     def status(self) -> Status | None:
@@ -260,6 +262,36 @@ class LockRef:
     lock_key: str
     record_key: str
     token: str
+
+
+@dataclass(frozen=True)
+class StepRef:
+    """The keys of one delivery's steps, as the renewer sees them, and the delivery's token."""
+
+    lock_key: str
+    record_key: str
+    steps_key: str
+    token: str
+
+
+@dataclass(frozen=True)
+class StepBegun:
+    """What ``step_begin.lua`` decided for one step of one delivery."""
+
+    code: StepBeginCode
+    #: RUN, RUN_AGAIN, IN_DOUBT: the step's attempts; DONE: its stored result; BUSY: the other lock's ms left.
+    detail: str
+    #: BUSY: the token of the delivery whose step lock is alive; else "".
+    holder: str = ""
+
+
+class StepEnded(NamedTuple):
+    """What recording a step's ending did (``step_end.lua``)."""
+
+    #: The ending was recorded: the step's entry still named this delivery (nobody took the step over).
+    recorded: bool
+    #: The delivery still held the execution lock.
+    lock_kept: bool
 
 
 #: The longest a decision waits for its replicas on a Redis Cluster (see ``DedupStore._replicated``), ms.
@@ -763,6 +795,120 @@ class DedupStore:
         lost = self.scripts.run(keys, command)
         return [locks[int(i) - 1] for i in lost]
 
+    # -- steps inside a body (worker/steps.py) -------------------------------------------------
+
+    def step_ref(self, member: str, token: str) -> StepRef:
+        at = self._at(member)
+        return StepRef(at.lock(member), at.record(member), at.steps(member), token)
+
+    def step_begin(
+        self,
+        member: str,
+        run_id: str,
+        token: str,
+        field: str,
+        name: str,
+        *,
+        lock_ms: int,
+        record_ms: int,
+        on_doubt: str,
+        dead: str = "",
+    ) -> StepBegun:
+        """May the delivery holding lock ``token`` execute step ``field`` of run ``run_id``? (``step_begin.lua``)
+
+        If so it holds the step's lock now. ``dead``: a step lock's token whose process is provably gone.
+        """
+        ref = self.step_ref(member, token)
+        command = commands.StepBegin(
+            run=run_id,
+            token=token,
+            field=field,
+            name=name,
+            lock_ms=lock_ms,
+            record_ms=record_ms,
+            history_len=self.history_length,
+            on_doubt=on_doubt,
+            dead=dead,
+        )
+        reply = self.scripts.run([ref.lock_key, ref.record_key, ref.steps_key], command)
+        code = StepBeginCode(int(reply[0]))
+        if code in (StepBeginCode.RUN, StepBeginCode.RUN_AGAIN, StepBeginCode.IN_DOUBT):
+            self._replicated(ref.steps_key)
+        detail = _text(reply[1]) if len(reply) > 1 else ""
+        return StepBegun(code, detail, _text(reply[2]) if len(reply) > 2 else "")
+
+    def step_end(
+        self,
+        member: str,
+        run_id: str,
+        token: str,
+        field: str,
+        name: str,
+        *,
+        result: str = "",
+        error: str = "",
+        lock_ms: int,
+        record_ms: int,
+    ) -> StepEnded:
+        """Record that step ``field`` ended, done with ``result`` or failed with ``error`` (``step_end.lua``).
+
+        Only while the step's entry names ``token``: see :class:`StepEnded`.
+        """
+        ref = self.step_ref(member, token)
+        command = commands.StepEnd(
+            run=run_id,
+            token=token,
+            field=field,
+            name=name,
+            outcome="failed" if error else "done",
+            result=result,
+            err=storable(error),
+            lock_ms=lock_ms,
+            record_ms=record_ms,
+            history_len=self.history_length,
+        )
+        recorded, lock_kept = self.scripts.run([ref.lock_key, ref.record_key, ref.steps_key], command)
+        if recorded:
+            self._replicated(ref.steps_key)
+        return StepEnded(bool(recorded), bool(lock_kept))
+
+    def renew_steps(
+        self, leases: Sequence[tuple[StepRef, str]], *, lock_ms: int, record_ms: int
+    ) -> list[tuple[StepRef, str]]:
+        """Extend the step lock (field, "" for none) and the steps of every lease in one call; returns those lost."""
+        if self.schema.shards > 1:  # one call per slot: a script's keys share one
+            by_slot: dict[int, list[tuple[StepRef, str]]] = {}
+            for lease in leases:
+                by_slot.setdefault(key_slot(lease[0].lock_key.encode("utf-8", "surrogatepass")), []).append(lease)
+            return [lease for group in by_slot.values() for lease in self._renew_steps(group, lock_ms, record_ms)]
+        return self._renew_steps(leases, lock_ms, record_ms)
+
+    def _renew_steps(
+        self, leases: Sequence[tuple[StepRef, str]], lock_ms: int, record_ms: int
+    ) -> list[tuple[StepRef, str]]:
+        if not leases:
+            return []
+        keys = [key for ref, _ in leases for key in (ref.lock_key, ref.record_key, ref.steps_key)]
+        flat = tuple(value for ref, field in leases for value in (ref.token, field))
+        lost = self.scripts.run(keys, commands.StepRenew(lock_ms=lock_ms, record_ms=record_ms, leases=flat))
+        return [leases[int(i) - 1] for i in lost]
+
+    def steps(self, member: str) -> tuple[StepStatus, ...]:
+        """The steps the store keeps for ``member`` (its run's, then its key's), as of the server's clock now."""
+        raw = self.client.hgetall(self._at(member).steps(member))
+        if not raw:
+            return ()
+        return steps_of(member, {_text(k): _text(v) for k, v in raw.items()}, self._server_ms(member))
+
+    def _server_ms(self, member: str) -> int:
+        """The server's clock (ms), on the server that holds ``member``'s keys."""
+        if isinstance(self.client, RedisCluster):
+            node = self.client.get_node_from_key(self._at(member).held)
+            seconds, micros = self.client.execute_command("TIME", target_nodes=node)
+        else:
+            seconds, micros = self.client.time()
+        return int(seconds) * 1000 + int(micros) // 1000
+
     def lock_holder(self, member: str) -> str | None:
         """The token of ``member``'s live execution lock, or None."""
         token = self.client.get(self._at(member).lock(member))
@@ -844,7 +990,8 @@ class DedupStore:
         return _text(task_id)
 
     def detail(self, member: str) -> KeyDetail:
-        """The member's record, history, hold and execution lock, in one pipeline."""
+        """The member's record, history, hold, execution lock and steps, in one pipeline (and the server's
+        clock, for a key with steps)."""
         schema = self._at(member)
         with self.client.pipeline(transaction=True) as pipe:
             pipe.hgetall(schema.record(member))
@@ -852,8 +999,12 @@ class DedupStore:
             pipe.sismember(schema.held, member)
             pipe.get(schema.lock(member))
             pipe.pttl(schema.lock(member))
-            raw, listed, held, token, pttl = pipe.execute()
+            pipe.hgetall(schema.steps(member))
+            raw, listed, held, token, pttl, raw_steps = pipe.execute()
         record = {_text(k): _text(v) for k, v in raw.items()}
+        steps: tuple[StepStatus, ...] = ()
+        if raw_steps:
+            steps = steps_of(member, {_text(k): _text(v) for k, v in raw_steps.items()}, self._server_ms(member))
         return KeyDetail(
             member=member,
             record=record or None,
@@ -861,6 +1012,7 @@ class DedupStore:
             held=bool(held),
             lock_token=None if token is None else _text(token),
             lock_ttl_ms=max(int(pttl), 0) if token is not None else 0,
+            steps=steps,
         )
 
     def index_sizes(self, *, states: Sequence[str] = STATES) -> IndexSizes:

@@ -40,7 +40,14 @@ from celery.exceptions import Ignore, Reject, Retry
 from kombu.utils.json import loads
 
 from .. import decisions, runtime
-from ..exceptions import UNREACHABLE, DedupError, DedupFollowerError, DedupStoreError, DedupUnavailableError
+from ..exceptions import (
+    UNREACHABLE,
+    DedupError,
+    DedupFollowerError,
+    DedupLockLostError,
+    DedupStoreError,
+    DedupUnavailableError,
+)
 from ..header import DEFERS_OPTION, GateHeader
 from ..keyed import KeyedTask
 from ..keys import member_for, split_member
@@ -510,6 +517,12 @@ class Delivery:
             # the worker's main process reports how this run ended, releasing the lock.
             self.abandon()
             raise
+        except DedupLockLostError as exc:
+            # A step (worker/steps.py) found this delivery's lock lost: it stands down and ends nothing.
+            # Another delivery runs the run (or will), or the reaper marks it lost; no result is stored
+            # over theirs.
+            self.abandon()
+            raise Ignore() from exc
         except BaseException as exc:
             self.end(self.ending_of(exc))
             raise

@@ -25,12 +25,12 @@ import redis
 from celery.bin.celery import celery as celery_cli
 from click.testing import CliRunner, Result
 
-from celery_dedup import runtime, testing
+from celery_dedup import DedupTask, runtime, testing
 from celery_dedup.keys import KeySchema, member_for
 from celery_dedup.ops import checks, cli
 
 from .._records import Records
-from ..conftest import ROOT, Server, WorkerProcess, wait_for
+from ..conftest import ROOT, AppFactory, Server, WorkerProcess, wait_for
 
 SCHEMA = KeySchema("dedup")
 Invoke = Callable[..., Result]
@@ -807,3 +807,31 @@ def test_the_widest_columns_are_cut_first_and_never_below_their_least() -> None:
     assert cli._fitted([50, 60, 5], [8, 8, 5], 64) == [27, 28, 5]
     assert cli._fitted([50, 60, 5], [20, 20, 5], 30) == [20, 20, 5], "wider than asked rather than below least"
     assert cli._fitted([3, 4], [3, 4], 80) == [3, 4]
+
+
+def test_show_lists_the_steps_of_a_key_with_their_idempotency_keys(
+    apps: ModuleType, dedup: Invoke, make_app: AppFactory
+) -> None:
+    eager = make_app("cli_steps", task_always_eager=True, task_eager_propagates=True)
+
+    @eager.task(base=DedupTask, bind=True, shared=False, name="cli.steps", dedup_key="order:{n}")
+    def job(self: DedupTask, n: int) -> list[Any]:
+        return [self.dedup_once("charge-card", lambda key: key), self.dedup_once("mail", lambda key: 1, scope="key")]
+
+    key, _ = job.delay(3).get()
+    member = member_for("cli.steps", "order:3")
+
+    text = dedup("show", member)
+    assert text.exit_code == 0
+    assert "steps (dedup_once):" in text.stdout
+    assert re.search(rf"^  charge-card +run +done +1 .* {re.escape(key)}$", text.stdout, re.M), text.stdout
+    assert "  step " in text.stdout and "cli.steps:order:3:key:mail" in text.stdout
+    document = as_json(dedup("show", member, "--json"))
+    assert [(s["name"], s["scope"], s["state"], s["attempts"], s["key"]) for s in document["steps"]] == [
+        ("charge-card", "run", "done", 1, key),
+        ("mail", "key", "done", 1, "cli.steps:order:3:key:mail"),
+    ]
+    assert [entry["note"] for entry in document["history"] if entry["state"] == "step"][:2] == [
+        "mail done",
+        "mail started",
+    ]

@@ -406,6 +406,43 @@ def test_detail_of_a_tombstone_says_what_is_left(app: Celery, charges: Records, 
     assert done.task_id in page
 
 
+def test_detail_lists_the_steps_with_their_state_and_idempotency_key(
+    app: Celery, make_app: AppFactory, r: redis.Redis, root: Client
+) -> None:
+    """Steps done by a run, and one left running whose lock ran out (its executor died): shown in doubt."""
+    eager = make_app("admin_steps", task_always_eager=True, task_eager_propagates=True)
+
+    @eager.task(base=DedupTask, bind=True, shared=False, name="shop.ship", dedup_key="order:{n}")
+    def ship(self: DedupTask, n: int) -> str:
+        return str(self.dedup_once("label", lambda key: key))
+
+    run = ship.delay(6)
+    member = member_for("shop.ship", "order:6")
+    store = runtime.store_for(app)
+    r.set(SCHEMA.lock(member), "h:1:2:m:dead")  # a delivery that began a step, then died
+    begun = store.step_begin(
+        member, run.id, "h:1:2:m:dead", "s:post", "post", lock_ms=1, record_ms=60_000, on_doubt="retry"
+    )
+    assert begun.detail == "1"
+    r.delete(SCHEMA.lock(member))
+    wait_for(lambda: store.steps(member)[-1].state == "in doubt", 2, "the step's lock ran out")
+
+    response = root.get(detail_url(member))
+
+    assert response.status_code == 200
+    page = response.content.decode()
+    assert "Steps (dedup_once)" in page
+    steps = {step.name: step for step in response.context["detail"].steps}
+    assert (steps["label"].state, steps["label"].key) == ("done", run.get())
+    assert steps["post"].state == "in doubt"
+    assert '<tr class="step-done"' in page and '<tr class="step-in-doubt"' in page
+    assert "shop.<wbr>ship:order:6:<wbr>~" in page, "the key, breakable"
+    assert [entry.note for entry in response.context["history"] if entry.state == "step"][:2] == [
+        "post started",
+        "label done",
+    ]
+
+
 def test_detail_of_an_unknown_key_is_not_found(app: Celery, root: Client) -> None:
     assert root.get(detail_url("shop.charge:order:none")).status_code == 404
     assert root.get(release_url("shop.charge:order:none")).status_code == 404

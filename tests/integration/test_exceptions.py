@@ -34,6 +34,19 @@ EXAMPLES: list[DedupError] = [
     exceptions.DedupArgumentError("limit", 0, "must be at least 1"),
     exceptions.DedupFollowerError("shop.charge", "order:1", "order:1~abc", "lost", "message lost by the transport"),
     exceptions.DedupFollowerLimitError("shop.charge", "order:1", "order:1~abc", 1000),
+    exceptions.DedupStepError("shop.charge", "charge-card", "called outside a body"),
+    exceptions.DedupStepInDoubt(
+        "shop.charge", "order:1", "order:1~abc", "charge-card", "shop.charge:order:1:~abc:charge-card", 1
+    ),
+    exceptions.DedupLockLostError(
+        "shop.charge",
+        "order:1",
+        "order:1~abc",
+        "charge-card",
+        "shop.charge:order:1:~abc:charge-card",
+        recorded=False,
+        why="taken over",
+    ),
 ]
 
 

@@ -75,6 +75,7 @@ def test_defaults(bare_app: BareApp) -> None:
         dispatch_interval=0.1,
         publish_lease=30,
         cluster_wait_replicas=1,
+        step_result_limit=65536,
     )
     assert {f"dedup_{field}" for field in vars(config)} == set(SETTINGS)
 
@@ -160,6 +161,11 @@ BAD_SETTINGS = [
     ("dedup_redis_options", "ssl_cert_reqs=required"),
     ("dedup_redis_options", {1: "one"}),
     ("dedup_redis_options", [("socket_timeout", 1)]),
+    # Bytes a step's value may take: at least one, at most what a Redis value holds.
+    ("dedup_step_result_limit", 0),
+    ("dedup_step_result_limit", 512 * 1024 * 1024),
+    ("dedup_step_result_limit", 1024.0),
+    ("dedup_step_result_limit", True),
 ]
 
 
@@ -212,7 +218,13 @@ def test_every_time_setting_refuses_less_than_a_millisecond(bare_app: BareApp) -
     numeric = [
         n for n, (default, _) in SETTINGS.items() if isinstance(default, (int, float)) and not isinstance(default, bool)
     ]
-    counts = {"dedup_max_key_length", "dedup_history_length", "dedup_max_followers", "dedup_cluster_wait_replicas"}
+    counts = {
+        "dedup_max_key_length",
+        "dedup_history_length",
+        "dedup_max_followers",
+        "dedup_cluster_wait_replicas",
+        "dedup_step_result_limit",
+    }
     assert sorted(TIME_SETTINGS) == sorted(set(numeric) - counts)
     for setting in TIME_SETTINGS:
         with pytest.raises(DedupConfigError) as info:

@@ -21,6 +21,7 @@ from celery_dedup.worker import delivery as delivery_module
 from celery_dedup.worker.delivery import Delivery, Report, live, running
 from celery_dedup.worker.limits import LIMITS
 from celery_dedup.worker.lock import Renewer
+from celery_dedup.worker.steps import STEPS
 
 WORKER = Path(__file__).resolve().parents[2] / "celery_dedup" / "worker"
 
@@ -154,8 +155,8 @@ def test_each_thread_finds_the_delivery_whose_body_it_executes(task: Any) -> Non
     assert running("run-1") is None, "this thread executes no body"
 
 
-def test_every_dedup_task_has_its_limits_as_a_participant(task: Any) -> None:
-    assert delivery_module.participants_of(task) == (LIMITS,)
+def test_every_dedup_task_has_its_limits_and_its_steps_as_participants(task: Any) -> None:
+    assert delivery_module.participants_of(task) == (LIMITS, STEPS)
     assert make(task).participants == ()
 
 

@@ -469,3 +469,33 @@ local function tombstone(prefix, record, member)
     redis.call('PEXPIRE', record, ttl)
   end
 end
+
+-- Steps (worker/steps.py, step_begin.lua, step_end.lua) -------------------------
+-- A step's entry in M's history: "<offset> step <run> <note>", <run> "-" when
+-- the record is that run's. Nothing when histories are off or M has no record.
+local function step_history(record, run, note, now, history_len)
+  if history_len <= 0 then
+    return
+  end
+  local r = redis.call('HMGET', record, 'task_id', 'hn', 'queued_at')
+  if not r[1] then
+    return
+  end
+  local entry = {}
+  local value = history_value(now - tonumber(r[3] or now), 'step', r[1] == run and '-' or run, note)
+  push_history(record, tonumber(r[2] or 0), value, history_len, entry)
+  redis.call('HSET', record, unpack(entry))
+end
+
+-- M's steps (`steps`) live at least as long as its record, as long as a
+-- record lives after a renewal of its lock (`lock_ms` + `record_ms`), and
+-- past the record's window (until_expired, throttle: finish.lua holds the key
+-- to `window_until`): a key's steps outlive the run that did them.
+local function keep_steps(steps, record, now, lock_ms, record_ms)
+  local keep = math.max(lock_ms + record_ms, redis.call('PTTL', record), redis.call('PTTL', steps))
+  local window = tonumber(redis.call('HGET', record, 'window_until') or 0)
+  if window > 0 then
+    keep = math.max(keep, window - now + record_ms)
+  end
+  redis.call('PEXPIRE', steps, keep)
+end
