@@ -252,7 +252,8 @@ FIELD_DOCS = (
         "run",
         "Arguments fingerprint",
         "A hash of the accepted call's bound arguments (16 hex digits): a duplicate whose arguments hash "
-        "otherwise is counted as mismatched (dedup_on_mismatch). None for a task that does not compare.",
+        "otherwise is counted as mismatched (dedup_on_mismatch). None for a task that does not compare; "
+        "deleted when the run ends and frees its key.",
     ),
     FieldDoc(
         "purged",
