@@ -18,6 +18,7 @@ from typing import Any
 from . import runtime
 from .exceptions import (
     DedupArgumentError,
+    DedupArgumentsMismatch,
     DedupConfigError,
     DedupError,
     DedupKeyError,
@@ -41,6 +42,7 @@ __version__ = "0.1.0"
 
 __all__ = [
     "DedupArgumentError",
+    "DedupArgumentsMismatch",
     "DedupConfigError",
     "DedupError",
     "DedupKeyError",

@@ -15,6 +15,8 @@ setting                      default               effect
 ``dedup_default_ttl``        ``3600``              seconds a key is held at most (plus countdown)
 ``dedup_default_mode``       ``"until_executed"``  mode of tasks that do not set ``dedup_mode``
 ``dedup_on_duplicate``       ``"return_existing"`` what duplicate callers get (or ``raise``/``drop``)
+``dedup_on_mismatch``        ``"warn"``            a duplicate whose arguments differ from the accepted
+                                                   run's: ``warn``, ``raise`` or ``ignore``
 ``dedup_on_redis_error``     ``"fail_closed"``     ``fail_closed`` raises, ``fail_open`` publishes
 ``dedup_max_key_length``     ``200``               longer business keys are hashed (prefix kept)
 ``dedup_record_ttl``         ``86400``             seconds a finished key's status record is kept
@@ -56,7 +58,7 @@ from typing import Any
 
 from .exceptions import DedupConfigError
 from .keys import STEP_NAME
-from .modes import DEBOUNCE, MODES, ON_DOUBT, ON_DUPLICATE, ON_LOCKED, ON_REDIS_ERROR, STEP_SCOPES
+from .modes import DEBOUNCE, MODES, ON_DOUBT, ON_DUPLICATE, ON_LOCKED, ON_MISMATCH, ON_REDIS_ERROR, STEP_SCOPES
 
 _MISSING = object()
 
@@ -192,6 +194,7 @@ def _options(setting: str, value: Any, *, task: str | None = None) -> dict[str, 
 
 check_mode = _choice(MODES)
 check_on_duplicate = _choice(ON_DUPLICATE)
+check_on_mismatch = _choice(ON_MISMATCH)
 check_on_locked = _choice(ON_LOCKED)
 check_ttl = _seconds
 check_debounce = _choice(DEBOUNCE)
@@ -206,6 +209,7 @@ SETTINGS: dict[str, tuple[Any, Callable[..., Any]]] = {
     "dedup_default_ttl": (3600, _seconds),
     "dedup_default_mode": ("until_executed", check_mode),
     "dedup_on_duplicate": ("return_existing", check_on_duplicate),
+    "dedup_on_mismatch": ("warn", check_on_mismatch),
     "dedup_on_redis_error": ("fail_closed", _choice(ON_REDIS_ERROR)),
     "dedup_max_key_length": (200, _key_length),
     "dedup_record_ttl": (86400, _seconds),
@@ -233,6 +237,7 @@ class DedupConfig:
     default_ttl: float
     default_mode: str
     on_duplicate: str
+    on_mismatch: str
     on_redis_error: str
     max_key_length: int
     record_ttl: float

@@ -18,6 +18,7 @@ logger = logging.getLogger("celery_dedup")
 DECISIONS = (
     "accepted",
     "deduplicated",
+    "mismatched",
     "collapsed",
     "followed",
     "skipped",
@@ -35,6 +36,7 @@ LEVELS = {
     "collapsed": logging.DEBUG,
     "followed": logging.DEBUG,
     "deduplicated": logging.INFO,
+    "mismatched": logging.WARNING,
     "skipped": logging.INFO,
     "deferred": logging.INFO,
     "taken_over": logging.WARNING,

@@ -77,6 +77,32 @@ class DuplicateTaskError(DedupError):
         super().__init__(f"task {task!r} key {key!r} is already accepted as task id {task_id!r}")
 
 
+class DedupArgumentsMismatch(DuplicateTaskError):
+    """A duplicate call's arguments differ from those of the run it was answered with (``dedup_on_mismatch="raise"``).
+
+    The call mapped to the key of accepted run ``task_id``, but its bound
+    arguments' fingerprint (``fingerprint``) is not that run's
+    (``accepted_fingerprint``): two different pieces of work share one key,
+    and this call's work would not be done. Nothing was published for it;
+    the mismatch is counted (``mismatched``) in the key's record and the
+    stats. A :class:`DuplicateTaskError`, so code that catches duplicates
+    catches it too.
+    """
+
+    def __init__(self, task: str, key: str, task_id: str, fingerprint: str, accepted_fingerprint: str) -> None:
+        self.task = task
+        self.key = key
+        self.task_id = task_id
+        self.fingerprint = fingerprint
+        self.accepted_fingerprint = accepted_fingerprint
+        # DuplicateTaskError's own message would hide the mismatch: its __init__ is passed over.
+        DedupError.__init__(
+            self,
+            f"task {task!r} key {key!r} is already accepted as task id {task_id!r} with other arguments "
+            f"(their fingerprint {accepted_fingerprint}, this call's {fingerprint})",
+        )
+
+
 class DedupFollowerError(DedupError):
     """The run a follower waited for did not succeed, so the follower fails with its ending.
 

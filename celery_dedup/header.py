@@ -53,6 +53,9 @@ class GateHeader:
     #: The two-phase gate held the key before publishing (a broker apart from
     #: the store): a gated transport publishes the message as it is.
     held: bool = False
+    #: The call's arguments fingerprint (``keys.arguments_fingerprint``): a new run keeps it, a duplicate
+    #: is compared with it (``dedup_on_mismatch``); "" for a call that is not compared.
+    fingerprint: str = ""
 
     @property
     def debounce(self) -> bool:
@@ -78,6 +81,8 @@ class GateHeader:
             encoded["follow"] = self.follow
         if self.held:
             encoded["held"] = True
+        if self.fingerprint:
+            encoded["fp"] = self.fingerprint
         return encoded
 
     @classmethod
@@ -112,6 +117,7 @@ class GateHeader:
             bool(raw.get("defers", False)),
             int(raw.get("follow", 0)),
             bool(raw.get("held", False)),
+            str(raw.get("fp", "")),
         )
 
 

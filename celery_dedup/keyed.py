@@ -37,7 +37,14 @@ class KeyedTask(Protocol):
     def dedup_policy(self) -> TaskPolicy: ...
 
     def dedup_gate_header(
-        self, member: str, delay: float = 0.0, *, continues: bool = False, defers: bool = False, follows: bool = False
+        self,
+        member: str,
+        delay: float = 0.0,
+        *,
+        continues: bool = False,
+        defers: bool = False,
+        follows: bool = False,
+        fingerprint: str = "",
     ) -> GateHeader: ...
 
     def AsyncResult(self, task_id: str, **kwargs: Any) -> DedupResult: ...

@@ -12,8 +12,9 @@ from typing import ClassVar
 #: Task options every mode honours: which mode, and the key that names the unit of work
 #: (with ``off``: the default limit group).
 _ANY = frozenset({"dedup_mode", "dedup_key"})
-#: Options of the enqueue gate: how long a key is held, and what a duplicate caller gets.
-_GATE = frozenset({"dedup_ttl", "dedup_on_duplicate"})
+#: Options of the enqueue gate: how long a key is held, what a duplicate caller gets, and what one
+#: whose arguments differ from the accepted run's does.
+_GATE = frozenset({"dedup_ttl", "dedup_on_duplicate", "dedup_on_mismatch"})
 #: Options of the execution guard (the lock, and a delivery that finds it taken).
 _GUARD = frozenset({"dedup_lock_ttl", "dedup_on_locked"})
 
@@ -99,7 +100,7 @@ class Throttle(Mode):
     key_on_start = "window"
     windowed = True
     #: The window is the hold: no ``dedup_ttl``.
-    options = _ANY | {"dedup_on_duplicate", "dedup_window"} | _GUARD
+    options = _ANY | {"dedup_on_duplicate", "dedup_on_mismatch", "dedup_window"} | _GUARD
 
 
 class Off(Mode):
@@ -124,6 +125,12 @@ DEBOUNCE = frozenset({"latest", "first"})
 #: ``raise``: DuplicateTaskError carrying the key and the accepted id.
 #: ``drop``: a marked AsyncResult, and an INFO log line saying the call was dropped.
 ON_DUPLICATE = frozenset({"return_existing", "raise", "drop"})
+
+#: What a duplicate call whose arguments differ from the accepted run's does (its fingerprint differs).
+#: ``warn``: a WARNING naming both fingerprints, counted (``mismatched``) in the key's record and the stats;
+#: ``raise``: counted as well, and DedupArgumentsMismatch (a DuplicateTaskError) instead of the answer;
+#: ``ignore``: nothing is compared.
+ON_MISMATCH = frozenset({"warn", "raise", "ignore"})
 
 #: What a run does when another run of its key holds the execution lock.
 #: ``skip``: acknowledge and record it as skipped; ``reschedule``: publish it

@@ -111,3 +111,14 @@ class TaskPolicy:
     debounce: str = "latest"
     #: Per-group concurrency and rate limits (``limit_*`` options); None: none.
     limit: LimitPolicy | None = None
+    #: A duplicate whose arguments differ from the accepted run's: ``warn``, ``raise`` or ``ignore``.
+    on_mismatch: str = "warn"
+
+    @property
+    def compares_arguments(self) -> bool:
+        """Whether the task's calls carry an arguments fingerprint for the gate to compare.
+
+        Not with ``ignore``, and not for a debounce whose ``latest`` call's
+        arguments run: there differing arguments are the point.
+        """
+        return self.on_mismatch != "ignore" and not (self.mode.parks and self.debounce == "latest")

@@ -247,7 +247,8 @@ def flush_counts(app: Any) -> None:
 def stats(app: Any) -> dict[str, dict[str, int]]:
     """Decisions per task name, counted in Redis by every process of the app.
 
-    Decisions: accepted, deduplicated, collapsed (debounce), followed, skipped and
+    Decisions: accepted, deduplicated, mismatched (duplicates whose arguments
+    differed from their run's), collapsed (debounce), followed, skipped and
     deferred (deliveries), lock_lost, released (by an operator), reaped, and
     fail_open. This process's ``fail_open`` counts that could not reach Redis
     yet are included.

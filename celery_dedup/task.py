@@ -11,7 +11,7 @@ from typing import TYPE_CHECKING, Any, ClassVar, TypeVar, cast
 from celery import Task
 
 from . import runtime
-from .config import check_debounce, check_mode, check_on_duplicate, check_on_locked, check_ttl
+from .config import check_debounce, check_mode, check_on_duplicate, check_on_locked, check_on_mismatch, check_ttl
 from .exceptions import (
     DedupConfigError,
 )
@@ -39,6 +39,7 @@ TASK_OPTIONS = (
     "dedup_mode",
     "dedup_ttl",
     "dedup_on_duplicate",
+    "dedup_on_mismatch",
     "dedup_lock_ttl",
     "dedup_on_locked",
     "dedup_window",
@@ -92,6 +93,8 @@ class DedupTask(_TaskBase):
       (default) or the ``first``.
     - ``dedup_ttl``: seconds a key stays held at most (default ``dedup_default_ttl``).
     - ``dedup_on_duplicate``: ``return_existing`` (default), ``raise`` or ``drop``.
+    - ``dedup_on_mismatch``: a duplicate whose arguments differ from the accepted
+      run's: ``warn`` (default), ``raise`` (:class:`~celery_dedup.DedupArgumentsMismatch`) or ``ignore``.
     - ``dedup_lock_ttl``: seconds the execution lock lives unrenewed (default ``dedup_lock_ttl``).
     - ``dedup_on_locked``: ``skip`` (default; ``reschedule`` for debounce) or
       ``reschedule`` a run that finds another run of its key executing.
@@ -111,6 +114,7 @@ class DedupTask(_TaskBase):
     dedup_mode: ClassVar[str | None] = None
     dedup_ttl: ClassVar[float | None] = None
     dedup_on_duplicate: ClassVar[str | None] = None
+    dedup_on_mismatch: ClassVar[str | None] = None
     dedup_lock_ttl: ClassVar[float | None] = None
     dedup_on_locked: ClassVar[str | None] = None
     dedup_window: ClassVar[float | None] = None
@@ -142,6 +146,7 @@ class DedupTask(_TaskBase):
         name = cls.name
         mode_name = cls.dedup_mode if cls.dedup_mode is not None else config.default_mode
         on_duplicate = cls.dedup_on_duplicate if cls.dedup_on_duplicate is not None else config.on_duplicate
+        on_mismatch = cls.dedup_on_mismatch if cls.dedup_on_mismatch is not None else config.on_mismatch
         ttl = cls.dedup_ttl if cls.dedup_ttl is not None else config.default_ttl
         lock_ttl = cls.dedup_lock_ttl if cls.dedup_lock_ttl is not None else config.lock_ttl
         mode = MODES[check_mode("dedup_mode", mode_name, task=name)]
@@ -161,6 +166,7 @@ class DedupTask(_TaskBase):
             mode=mode,
             ttl=check_ttl("dedup_ttl", ttl, task=name),
             on_duplicate=check_on_duplicate("dedup_on_duplicate", on_duplicate, task=name),
+            on_mismatch=check_on_mismatch("dedup_on_mismatch", on_mismatch, task=name),
             lock_ttl=check_ttl("dedup_lock_ttl", lock_ttl, task=name),
             on_locked=check_on_locked("dedup_on_locked", on_locked, task=name),
             limit=cls._resolve_limits(signature, config.max_key_length),
@@ -334,6 +340,7 @@ class DedupTask(_TaskBase):
         continues: bool = False,
         defers: bool = False,
         follows: bool = False,
+        fingerprint: str = "",
     ) -> GateHeader:
         """The ``dedup`` header that gates a publish of ``member``, to run ``delay`` seconds from now.
 
@@ -343,7 +350,9 @@ class DedupTask(_TaskBase):
         deferred copy) instead of being a new call; ``defers``: it is a
         deferred copy (see ``Delivery.defer``). ``follows``: the call
         carries something to continue (see :func:`carries_continuation`), so
-        as a duplicate it becomes a follower of the accepted run.
+        as a duplicate it becomes a follower of the accepted run. ``fingerprint``:
+        the call's arguments fingerprint, for the gate to keep (a new run) or
+        compare (a duplicate); "" for none (see ``dedup_on_mismatch``).
         """
         config = runtime.config_for(self.app)
         policy = self.dedup_policy
@@ -368,6 +377,7 @@ class DedupTask(_TaskBase):
             continues=continues,
             defers=defers,
             follow=config.max_followers if follows else 0,
+            fingerprint=fingerprint,
         )
 
     def apply_async(

@@ -45,7 +45,7 @@ class DedupCollector(Collector):
         yield up
         decisions = CounterMetricFamily(
             "celery_dedup_decisions",
-            "Decisions celery-dedup made, by task and kind (accepted, deduplicated, collapsed, "
+            "Decisions celery-dedup made, by task and kind (accepted, deduplicated, mismatched, collapsed, "
             "skipped, deferred, limited, lock_lost, released, reaped, fail_open)",
             labels=["task", "decision"],
         )

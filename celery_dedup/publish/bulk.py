@@ -29,12 +29,20 @@ from kombu import serialization
 from kombu.exceptions import OperationalError
 
 from .. import runtime
-from ..exceptions import DedupArgumentError, DedupStoreError, DedupUnavailableError, DuplicateTaskError, server_reply
+from ..exceptions import (
+    DedupArgumentError,
+    DedupArgumentsMismatch,
+    DedupStoreError,
+    DedupUnavailableError,
+    DuplicateTaskError,
+    server_reply,
+)
 from ..header import HEADER, GateHeader
 from ..keyed import KeyedTask
 from ..keys import member_for, new_nonce, new_task_id, split_member
 from ..store.store import DedupStore, GateCall
 from ..transports.redis import GatedChannelMixin
+from . import mismatch
 from .delay import delay_seconds
 from .result import DedupResult
 
@@ -69,18 +77,27 @@ def apply_async_many(task: KeyedTask, calls: Iterable[Call], *, chunk: int = 100
     :class:`~celery_dedup.DedupKeyError` with nothing enqueued. A duplicate
     (held before, or earlier in the batch) gets the accepted run's result
     marked ``deduplicated``; ``dedup_on_duplicate="raise"`` does not apply.
+    A duplicate whose arguments differ from its run's is logged and counted
+    (``dedup_on_mismatch``); with ``"raise"``, the first of them is raised once
+    the whole batch is through (sending it again is safe).
 
     Raises:
         DedupKeyError: a call's key cannot be derived.
         DedupArgumentError: ``chunk`` is not a whole number of at least 1.
         DedupUnavailableError: Redis failed mid-batch (``published=None``:
             earlier chunks went out; sending the batch again is safe).
+        DedupArgumentsMismatch: with ``dedup_on_mismatch="raise"``, a call's arguments differ from those of the
+            run it was answered with; every call of the batch was gated.
     """
     if isinstance(chunk, bool) or not isinstance(chunk, int) or chunk < 1:
         raise DedupArgumentError("chunk", chunk, "apply_async_many() sends at least 1 call per round trip")
     normalised = [(tuple(args or ()), dict(kwargs or {})) for args, kwargs in calls]
     policy = task.dedup_policy
-    members = [member_for(task.name, policy.spec.business_key(args, kwargs)) for args, kwargs in normalised]
+    keyed = [
+        policy.spec.key_and_fingerprint(args, kwargs, fingerprint=policy.compares_arguments)
+        for args, kwargs in normalised
+    ]
+    members = [member_for(task.name, key) for key, _ in keyed]
     app = task.app
     if not normalised:
         return []
@@ -92,17 +109,20 @@ def apply_async_many(task: KeyedTask, calls: Iterable[Call], *, chunk: int = 100
         and set(options) <= LEAN_OPTIONS
     )
     if not lean:
-        return [_marked_loop(task, args, kwargs, options) for args, kwargs in normalised]
+        return _loop(task, normalised, options)
     with app.producer_or_acquire() as producer:
         channel = producer.channel
         if not isinstance(channel, GatedChannelMixin):
-            return [_marked_loop(task, args, kwargs, options) for args, kwargs in normalised]
+            return _loop(task, normalised, options)
         builder = _Builder(task, producer, options)
         chunks = (
             [
-                builder.gate_call(channel, member, new_task_id(split_member(member)[1]), args, kwargs)
-                for (args, kwargs), member in zip(
-                    normalised[start : start + chunk], members[start : start + chunk], strict=True
+                builder.gate_call(channel, member, new_task_id(split_member(member)[1]), args, kwargs, fingerprint)
+                for (args, kwargs), member, (_, fingerprint) in zip(
+                    normalised[start : start + chunk],
+                    members[start : start + chunk],
+                    keyed[start : start + chunk],
+                    strict=True,
                 )
             ]
             for start in range(0, len(normalised), chunk)
@@ -116,21 +136,40 @@ def apply_async_many(task: KeyedTask, calls: Iterable[Call], *, chunk: int = 100
                 raise DedupStoreError(task.name, key, reply, published=None) from exc
             raise DedupUnavailableError(task.name, key, exc, published=None) from exc
     results = []
-    for outcome in outcomes:
+    mismatched: list[DedupArgumentsMismatch] = []
+    for outcome, (key, fingerprint) in zip(outcomes, keyed, strict=True):
         result = task.AsyncResult(outcome.task_id)
         result.deduplicated = not outcome.accepted
         results.append(result)
+        found = mismatch.check(task, key, fingerprint, outcome, options, raises=False)
+        if found is not None:
+            mismatched.append(found)
+    _raise_first(task, mismatched)
     return results
 
 
-def _marked_loop(
-    task: KeyedTask, args: tuple[Any, ...], kwargs: dict[str, Any], options: dict[str, Any]
-) -> DedupResult:
-    """One call the lean path cannot build: ``apply_async``, answering a duplicate instead of raising."""
-    try:
-        return task.apply_async(args, kwargs, **options)
-    except DuplicateTaskError as duplicate:
-        return task._marked(duplicate.task_id)
+def _loop(
+    task: KeyedTask, calls: list[tuple[tuple[Any, ...], dict[str, Any]]], options: dict[str, Any]
+) -> list[DedupResult]:
+    """The calls the lean path cannot build: ``apply_async`` each, answering a duplicate instead of raising."""
+    results = []
+    mismatched: list[DedupArgumentsMismatch] = []
+    for args, kwargs in calls:
+        try:
+            results.append(task.apply_async(args, kwargs, **options))
+        except DedupArgumentsMismatch as error:  # raised, so logged and counted already: the rest go out first
+            mismatched.append(error)
+            results.append(task._marked(error.task_id))
+        except DuplicateTaskError as duplicate:
+            results.append(task._marked(duplicate.task_id))
+    _raise_first(task, mismatched)
+    return results
+
+
+def _raise_first(task: KeyedTask, mismatched: list[DedupArgumentsMismatch]) -> None:
+    """With ``dedup_on_mismatch="raise"``, raise the batch's first mismatch once every call went through the gate."""
+    if mismatched and task.dedup_policy.on_mismatch == "raise":
+        raise mismatched[0]
 
 
 def _short_repr(value: Any, limit: int = 1024) -> str:
@@ -177,7 +216,13 @@ class _Builder:
         return dict(routed)
 
     def gate_call(
-        self, channel: GatedChannelMixin, member: str, run_id: str, args: tuple[Any, ...], kwargs: dict[str, Any]
+        self,
+        channel: GatedChannelMixin,
+        member: str,
+        run_id: str,
+        args: tuple[Any, ...],
+        kwargs: dict[str, Any],
+        fingerprint: str = "",
     ) -> GateCall:
         routed = self._route(args, kwargs) if self.route_per_call or self.routed is None else self.routed
         message = self.amqp.create_task_message(
@@ -201,7 +246,7 @@ class _Builder:
         headers.update(routed.get("headers") or {})
         if self.gate_template is None:
             self.gate_template = self.task.dedup_gate_header(member, self.delay)
-        gate = replace(self.gate_template, member=member, nonce=new_nonce())
+        gate = replace(self.gate_template, member=member, nonce=new_nonce(), fingerprint=fingerprint)
         headers[HEADER] = gate.encode()
         queue = routed["queue"]
         exchange, routing_key = self._destination(queue, routed)

@@ -40,6 +40,7 @@ from ..policy import TaskPolicy
 from ..store.store import DedupStore, Outcome
 from ..worker import relay
 from ..worker.delivery import hand_over
+from . import mismatch
 from .delay import delay_seconds
 from .result import DedupResult
 from .ticket import open_ticket, report
@@ -95,22 +96,27 @@ def apply_gated(
     # Task.retry and deferred copies re-publish the run under its id: it
     # keeps its key, even if the arguments changed.
     continues = previous is not None and task_id is not None
+    fingerprint = ""
     if previous is None or task_id is None:
-        member = member_for(task.name, policy.spec.business_key(args, kwargs))
+        key, fingerprint = policy.spec.key_and_fingerprint(args, kwargs, fingerprint=policy.compares_arguments)
+        member = member_for(task.name, key)
     else:
         member = previous.member
     continues = continues or goes_on(task, task_id, member, headers)
+    fingerprint = "" if continues else fingerprint  # a run's own publishes may change its arguments
     business_key = split_member(member)[1]
     # A replacement carrying a replaced run's followers has them to resolve (see relay.py).
     follows = carries_continuation(link, link_error, options) or bool(relay.entries(headers))
     fresh = task_id is None and previous is None and not follows and not policy.mode.parks
-    known = peek(task, member) if fresh else None
+    known = peek(task, member, fingerprint) if fresh else None
     if known is not None:
-        report("", Outcome(False, known))  # answered before any gate: no publish of its own to report it
-        return on_duplicate(task, policy, business_key, known, options)
+        report("", known)  # answered before any gate: no publish of its own to report it
+        return answer(task, known, business_key, "", options, follows=False, fingerprint=fingerprint)
     run_id = task_id or new_task_id(business_key)
     delay = delay_seconds(options.get("countdown"), options.get("eta"))
-    gate = task.dedup_gate_header(member, delay, continues=continues, defers=defers and continues, follows=follows)
+    gate = task.dedup_gate_header(
+        member, delay, continues=continues, defers=defers and continues, follows=follows, fingerprint=fingerprint
+    )
     headers[HEADER] = gate.encode()
 
     def publish(hdrs: dict[str, Any]) -> DedupResult:
@@ -137,7 +143,7 @@ def apply_gated(
     if not outcome.collapsed:
         runtime.runtime_for(app).recent.saw(member, gate.hold_ms / 1000)
     if not outcome.accepted:
-        return answer(task, outcome, business_key, run_id, options, follows=follows)
+        return answer(task, outcome, business_key, run_id, options, follows=follows, fingerprint=fingerprint)
     decisions.log("accepted", task.name, business_key, run_id)
     return add_to_parent(task, result, parent)
 
@@ -179,6 +185,7 @@ def two_phase(
             defers=gate.defers,
             # Eager calls run inside their publish: nothing can be lost between.
             lease_ms=0 if eager else int(config.publish_lease * 1000),
+            fingerprint=gate.fingerprint,
         )
     except STORE_ERRORS as exc:
         key = split_member(gate.member)[1]
@@ -197,9 +204,21 @@ def two_phase(
 
 
 def answer(
-    task: KeyedTask, outcome: Outcome, key: str, run_id: str, options: dict[str, Any], *, follows: bool
+    task: KeyedTask,
+    outcome: Outcome,
+    key: str,
+    run_id: str,
+    options: dict[str, Any],
+    *,
+    follows: bool,
+    fingerprint: str = "",
 ) -> DedupResult:
-    """What a call the gate did not accept gets: the accepted run, as a duplicate, a follower or a join."""
+    """What a call the gate did not accept gets: the accepted run, as a duplicate, a follower or a join.
+
+    ``fingerprint``: the call's arguments fingerprint; one that differs from
+    the run's warns or raises (``dedup_on_mismatch``, see :mod:`.mismatch`).
+    """
+    mismatch.check(task, key, fingerprint, outcome, options, raises=not (outcome.followed or outcome.collapsed))
     if outcome.refused:
         limit = runtime.config_for(task.app).max_followers
         raise DedupFollowerLimitError(task.name, key, outcome.task_id, limit)
@@ -212,18 +231,18 @@ def answer(
     return on_duplicate(task, task.dedup_policy, key, outcome.task_id, options, follows=follows)
 
 
-def peek(task: KeyedTask, member: str) -> str | None:
-    """The accepted run's id if ``member`` is held, asked before any message is built.
+def peek(task: KeyedTask, member: str, fingerprint: str = "") -> Outcome | None:
+    """A duplicate's outcome (the accepted run) if ``member`` is held, asked before any message is built.
 
     Asked only for keys this process saw held lately (a hint, never
     trusted: the server answers); a key freed since costs this one extra
-    round trip.
+    round trip. ``fingerprint`` is compared as the gate would.
     """
     recent = runtime.runtime_for(task.app).recent
     if not recent.hint(member):
         return None
     try:
-        known = runtime.store_for(task.app).peek(member)
+        known = runtime.store_for(task.app).peek(member, fingerprint)
     except STORE_ERRORS:
         return None  # the gate decides, with its own error handling
     if known is None:

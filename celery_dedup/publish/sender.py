@@ -14,9 +14,10 @@ from kombu.utils.imports import symbol_by_name
 
 from .. import runtime
 from ..header import HEADER, GateHeader
-from ..keys import member_for
+from ..keys import member_for, split_member
 from ..task import DedupTask
 from ..transports import redis as gated_redis
+from . import mismatch
 from .call import carries_continuation
 from .delay import delay_seconds
 from .ticket import Ticket, open_ticket
@@ -32,16 +33,18 @@ def _add_gate_header(app: Any, name: str, headers: dict[str, Any], body: Any) ->
     if not runtime.runtime_for(app).atomic:
         logger.warning("%s published by name on a non-Redis broker: not gated", name)
         return
+    policy = task.dedup_policy
     try:
         args, kwargs = body[0], body[1]
-        business_key = task.dedup_policy.spec.business_key(args, kwargs)
+        business_key, fingerprint = policy.spec.key_and_fingerprint(args, kwargs, fingerprint=policy.compares_arguments)
     except Exception:
         logger.exception("could not derive the key of %s published by name: not gated", name)
         return
     delay = delay_seconds(None, headers.get("eta"))  # send_task(countdown=) arrives as an ETA
     embed = body[2] if len(body) > 2 and isinstance(body[2], dict) else {}
     follows = bool(headers.get("group")) or carries_continuation(embed.get("callbacks"), embed.get("errbacks"), embed)
-    headers[HEADER] = task.dedup_gate_header(member_for(task.name, business_key), delay, follows=follows).encode()
+    member = member_for(task.name, business_key)
+    headers[HEADER] = task.dedup_gate_header(member, delay, follows=follows, fingerprint=fingerprint).encode()
 
 
 class _Refused(BaseException):
@@ -96,7 +99,8 @@ def gated_sender(app: Any, send: Callable[..., Any]) -> Callable[..., Any]:
     def send_task_message(producer: Any, name: str, message: Any, **options: Any) -> Any:
         # apply_async passes its header as an option; Celery merges it over the message's.
         given = options.get("headers") or {}
-        if HEADER not in message.headers and HEADER not in given:
+        by_name = HEADER not in message.headers and HEADER not in given
+        if by_name:
             _add_gate_header(app, name, message.headers, message.body)
         gate = GateHeader.decode(given if HEADER in given else message.headers)
         if gate is None:  # not keyed, or published ungated (fail_open)
@@ -105,6 +109,10 @@ def gated_sender(app: Any, send: Callable[..., Any]) -> Callable[..., Any]:
             try:
                 return send(_GatedProducer(producer, ticket), name, message, **options)
             except _Refused:
+                task, outcome = app.tasks.get(name), ticket.outcome
+                # apply_async answers its own calls; a publish by name only warns.
+                if by_name and isinstance(task, DedupTask) and outcome is not None:
+                    mismatch.check(task, split_member(gate.member)[1], gate.fingerprint, outcome, {}, raises=False)
                 return None
 
     return send_task_message

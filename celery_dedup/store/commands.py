@@ -107,6 +107,8 @@ class Gate(NamedTuple):
     window_ms: Number = 0
     max_wait_ms: Number = 0
     latest: Flag = "0"
+    #: The call's arguments fingerprint, "" for a call that is not compared (``dedup_on_mismatch``).
+    args_fp: str = ""
 
 
 class GateCode(IntEnum):
@@ -147,6 +149,8 @@ class ConfirmCode(IntEnum):
 class Peek(NamedTuple):
     member: str
     prefix: str
+    #: As the gate's.
+    args_fp: str = ""
 
 
 class PeekCode(IntEnum):

@@ -248,6 +248,14 @@ FIELD_DOCS = (
         "kwargs", "run", "Keyword arguments", "The call's keyword arguments, as repr (kept with dedup_record_args)."
     ),
     FieldDoc(
+        "args_fp",
+        "run",
+        "Arguments fingerprint",
+        "A hash of the accepted call's bound arguments (16 hex digits): a duplicate whose arguments hash "
+        "otherwise is counted as mismatched (dedup_on_mismatch). None for a task that does not compare; "
+        "deleted when the run ends and frees its key.",
+    ),
+    FieldDoc(
         "purged",
         "run",
         "Purged",
@@ -320,6 +328,13 @@ FIELD_DOCS = (
         "counters",
         "Duplicates suppressed",
         "Calls answered with this run's id instead of publishing again.",
+    ),
+    FieldDoc(
+        "mismatched",
+        "counters",
+        "Mismatched duplicates",
+        "Duplicate calls (followers and joined calls too) whose arguments differed from this run's: "
+        "their own work was not done.",
     ),
     FieldDoc(
         "skipped",

@@ -238,6 +238,10 @@ class Status:
     #: Limits: why the run waits for its group now ("" when it does not), and how long its last wait took (ms).
     limit_wait: str = ""
     waited_ms: int = 0
+    #: Duplicate calls whose arguments differed from the run's (``dedup_on_mismatch``), and the run's arguments
+    #: fingerprint ("" when it has none).
+    mismatched: int = 0
+    args_fp: str = ""
 
     @classmethod
     def from_record(cls, member: str, fields: Mapping[str, str], history: Sequence[str] | None = None) -> Status:
@@ -282,6 +286,8 @@ class Status:
             fields=raw,
             limit_wait=get("limit_wait", ""),
             waited_ms=_int(get("waited_ms")) or 0,
+            mismatched=_int(get("mismatched")) or 0,
+            args_fp=get("args_fp", ""),
         )
 
     @property

@@ -130,6 +130,16 @@ class Outcome:
     followed: bool = False
     #: Not accepted, and not parked: the run has ``dedup_max_followers`` already.
     refused: bool = False
+    #: Not accepted: the arguments fingerprint of run ``task_id`` ("" when it has none, see ``dedup_on_mismatch``).
+    fingerprint: str = ""
+
+    def mismatches(self, fingerprint: str) -> bool:
+        """Whether a call with arguments fingerprint ``fingerprint`` was answered with a run of other arguments.
+
+        Only where both have a fingerprint: a call or a run that was not
+        fingerprinted is never a mismatch.
+        """
+        return not self.accepted and bool(fingerprint and self.fingerprint) and fingerprint != self.fingerprint
 
 
 @dataclass(frozen=True)
@@ -147,9 +157,10 @@ def _outcome(reply: Sequence[Any]) -> Outcome:
     return Outcome(
         accepted=code in (GateCode.ACCEPTED, GateCode.NOTHING_TO_PUSH),
         task_id=_text(reply[1]),
-        collapsed=code == GateCode.JOINED or (follower and len(reply) > 2 and int(reply[2]) == 1),
+        collapsed=code == GateCode.JOINED or (follower and len(reply) > 3 and int(reply[3]) == 1),
         followed=follower,
         refused=code == GateCode.REFUSED,
+        fingerprint=_text(reply[2]) if len(reply) > 2 else "",
     )
 
 
@@ -421,6 +432,7 @@ class DedupStore:
         defers: bool = False,
         follow: int = 0,
         lease_ms: int = 0,
+        fingerprint: str = "",
     ) -> GateCall:
         """The gate script's keys and arguments: hold ``member`` for ``task_id``, push ``message`` onto ``queue``.
 
@@ -435,6 +447,9 @@ class DedupStore:
         started. ``follow``: as
         a duplicate, park the message as one of at most this many followers
         of the accepted run (0: the call has nothing to continue).
+        ``fingerprint``: the call's arguments fingerprint, kept by a new run
+        and compared by a duplicate ("" for neither); a duplicate's
+        :class:`Outcome` carries the accepted run's.
         """
         at = self._at(member)
         keys = [at.held, at.record(member)]
@@ -464,6 +479,7 @@ class DedupStore:
             window_ms=window_ms,
             max_wait_ms=max_wait_ms,
             latest="1" if latest else "0",
+            args_fp=fingerprint,
         )
         return GateCall(keys, command)
 
@@ -524,11 +540,18 @@ class DedupStore:
         field = f"{task_namespace(task_name)}:{decision}"
         self.client.hincrby(self.schema.shard_of(field).stats, field, amount)
 
-    def peek(self, member: str) -> str | None:
-        """The run holding ``member`` (its duplicate counter incremented), or None if it is free."""
+    def peek(self, member: str, fingerprint: str = "") -> Outcome | None:
+        """A duplicate's outcome if ``member`` is held (its duplicate counter incremented), or None if it is free.
+
+        ``fingerprint``: the call's arguments fingerprint, compared with the
+        run's as the gate compares it; the outcome carries the run's.
+        """
         at = self._at(member)
-        code, owner = self.scripts.run([at.held, at.record(member)], commands.Peek(member=member, prefix=at.prefix))
-        return _text(owner) if PeekCode(int(code)) == PeekCode.DUPLICATE else None
+        command = commands.Peek(member=member, prefix=at.prefix, args_fp=fingerprint)
+        reply = self.scripts.run([at.held, at.record(member)], command)
+        if PeekCode(int(reply[0])) != PeekCode.DUPLICATE:
+            return None
+        return Outcome(False, _text(reply[1]), fingerprint=_text(reply[2]))
 
     def gate_many(self, chunks: Iterable[Sequence[GateCall]], *, client: redis.Redis | None = None) -> list[Outcome]:
         """Run gate calls chunk by chunk on one connection; each call is atomic on its own.

@@ -115,6 +115,7 @@ class GatedChannelMixin:
             continues=gate.continues,
             defers=gate.defers,
             follow=gate.follow,
+            fingerprint=gate.fingerprint,
         )
         return store, call
 

@@ -26,6 +26,7 @@ EXAMPLES: list[DedupError] = [
     exceptions.DedupConfigError("dedup_ttl", -1, "must be positive", task="shop.charge"),
     exceptions.DedupKeyError("shop.charge", "order_id", lambda: None, "no canonical text form"),
     exceptions.DuplicateTaskError("shop.charge", "order:1", "order:1~abc"),
+    exceptions.DedupArgumentsMismatch("shop.charge", "order:1", "order:1~abc", "0123456789abcdef", "fedcba9876543210"),
     exceptions.DedupUnavailableError("shop.charge", "order:1", CAUSE, published=None),
     exceptions.DedupStoreError("shop.charge", "order:1", redis.exceptions.OutOfMemoryError("command not allowed")),
     exceptions.DedupStoreFormatError("dedup", 3, 2),

@@ -208,7 +208,12 @@ if not final then
   redis.call('HDEL', record, 'replacing')
 end
 if ENDED[state] then
-  redis.call('HDEL', record, unpack(UNENDED_ONLY))  -- a final ending: what only an unended run needs goes
+  -- A final ending: what only an unended run needs goes; with the key, so does what duplicates are compared with.
+  if drop and not running then
+    redis.call('HDEL', record, 'args_fp', unpack(UNENDED_ONLY))
+  else
+    redis.call('HDEL', record, unpack(UNENDED_ONLY))
+  end
 end
 transition(prefix, record, member, state, now, note, history_len, current[3], fields,
   {tonumber(current[4] or 0), tonumber(current[5])})

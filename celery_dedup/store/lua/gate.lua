@@ -35,6 +35,9 @@
 -- ARGV[19]  max_wait_ms: with queue, debounce max wait
 -- ARGV[20]  latest: with queue, "1" if a later call's payload replaces the pending one
 -- Without a queue, ARGV[13..20] are "" (numbers "0").
+-- ARGV[21]  args_fp: the call's arguments fingerprint; "" for a call that is
+--           not compared (dedup_on_mismatch "ignore", debounce "latest", a
+--           continuation), see "Arguments" below
 -- Where the message went (queue, tag, unacked hash, pushed_at) is recorded, so
 -- the reaper can tell a message the transport lost after fetching it.
 --
@@ -64,6 +67,11 @@
 -- started (`joined_at`: another continuation, e.g. of a copy of the body that
 -- lost its lock, held the key again), whose arguments are newer.
 --
+-- Arguments: a new run keeps the call's fingerprint (`args_fp`). A duplicate,
+-- a follower or a join whose fingerprint differs from it is counted
+-- (`mismatched`, in the record and the stats: lib's note_mismatch); the run's
+-- fingerprint goes back with the answer, for the caller to warn or raise.
+--
 -- Followers: a duplicate (or a debounce join) that carries something to
 -- continue (max_followers > 0: its id in a group or chord, callbacks, a chain) is
 -- parked in P:fol:M under its own task id, with its message and queue, as a
@@ -76,18 +84,19 @@
 -- lease, so a publisher that dies in between frees it when the lease ends, and
 -- the next call takes it over as it would any hold that has passed.
 --
--- Returns {code, task id}:
---   {1, task_id}  accepted: key held, message pushed (or parked, debounce)
---   {0, owner}    duplicate: the key is held by run `owner`, or the call names
---                 run `owner` itself; nothing written but the record's
---                 duplicate counter
---   {2, task_id}  nothing pushed, as nothing is needed: this very publish was
---                 accepted before (a kombu retry), or it continues a run that
---                 has already ended (a late deferred copy)
---   {3, owner}    debounce: joined the burst of run `owner`; nothing pushed
---   {4, owner}    refused: run `owner` has max_followers already; nothing written
---   {5, owner}    a follower of run `owner` (a duplicate): parked
---   {5, owner, 1} a follower that joined the burst of run `owner` (as code 3): parked
+-- Returns {code, task id}; an answer naming the run `owner` that has the key
+-- adds that run's arguments fingerprint, fp ("" if it has none):
+--   {1, task_id}       accepted: key held, message pushed (or parked, debounce)
+--   {0, owner, fp}     duplicate: the key is held by run `owner`, or the call
+--                      names run `owner` itself; nothing written but the
+--                      record's duplicate (and mismatch) counters
+--   {2, task_id}       nothing pushed, as nothing is needed: this very publish
+--                      was accepted before (a kombu retry), or it continues a
+--                      run that has already ended (a late deferred copy)
+--   {3, owner, fp}     debounce: joined the burst of run `owner`; nothing pushed
+--   {4, owner}         refused: run `owner` has max_followers already; nothing written
+--   {5, owner, fp}     a follower of run `owner` (a duplicate): parked
+--   {5, owner, fp, 1}  a follower that joined the burst of run `owner` (as code 3): parked
 -- Deadlines come from the server clock; a held member whose deadline passed, or
 -- whose record is gone, is stale and taken over.
 
@@ -97,8 +106,10 @@ local debounce = queue and window_ms > 0
 local due_key = KEY.due(prefix)
 
 local now = now_ms()
-local owner = redis.call('HMGET', record, 'task_id', 'nonce', 'held_until', 'state', 'nonces', 'joined_nonce', 'ended')
+local owner = redis.call('HMGET', record, 'task_id', 'nonce', 'held_until', 'state', 'nonces', 'joined_nonce', 'ended',
+  'args_fp')
 local owner_id, owner_nonce, owner_state, owner_nonces = owner[1], owner[2], owner[4], owner[5] or ''
+local owner_fp = owner[8] or ''
 
 local followers = KEY.followers(prefix, member)
 
@@ -129,18 +140,20 @@ local function duplicate_of(run)
       return {4, run}
     end
     redis.call('HINCRBY', record, 'duplicates', 1)
-    return {5, run}
+    note_mismatch(prefix, record, member, args_fp, owner_fp)
+    return {5, run, owner_fp}
   end
   redis.call('HINCRBY', record, 'duplicates', 1)
   count(prefix, member, 'deduplicated')
-  return {0, run}
+  note_mismatch(prefix, record, member, args_fp, owner_fp)
+  return {0, run, owner_fp}
 end
 
 if owner_nonce == nonce or remembers(owner_nonces, nonce) then
   return {2, task_id}  -- kombu retried a publish the gate accepted already
 end
 if owner[6] == nonce then
-  return {3, owner_id}  -- ... or one that joined a debounced burst already
+  return {3, owner_id, owner_fp}  -- ... or one that joined a debounced burst already
 end
 
 local same_run = owner_id == task_id
@@ -197,11 +210,12 @@ else
       end
     end
     count(prefix, member, 'collapsed')
+    note_mismatch(prefix, record, member, args_fp, owner_fp)
     if max_followers > 0 then
       park(owner_id, owner_state)
-      return {5, owner_id, 1}
+      return {5, owner_id, owner_fp, 1}
     end
-    return {3, owner_id}
+    return {3, owner_id, owner_fp}
   end
 end
 
@@ -223,6 +237,9 @@ else
   end
   local leased = not queue and lease_ms > 0
   add('task_id', task_id, 'nonce', nonce, 'held_until', now + (leased and lease_ms or hold_ms), 'queued_at', now)
+  if args_fp ~= '' then
+    add('args_fp', args_fp)
+  end
   if leased then
     add('hold_ms', hold_ms)  -- the hold to give once the message is known to be out (confirm.lua, start.lua)
   end

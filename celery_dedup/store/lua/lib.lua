@@ -14,11 +14,21 @@ local function split_member(member)
   return string.sub(member, 1, colon - 1), string.sub(member, colon + 1)
 end
 
--- Count one decision about M for its task: accepted, deduplicated, collapsed, followed,
--- skipped, deferred, taken_over, lock_lost, released, reaped (fail_open comes from Python).
+-- Count one decision about M for its task: accepted, deduplicated, mismatched, collapsed,
+-- followed, skipped, deferred, taken_over, lock_lost, released, reaped (fail_open comes from Python).
 local function count(prefix, member, decision, amount)
   local ns = split_member(member)
   redis.call('HINCRBY', KEY.stats(prefix), ns .. ':' .. decision, amount or 1)
+end
+
+-- A call answered with M's run (a duplicate, a follower, a join) whose arguments
+-- fingerprint `given` differs from the run's (`accepted`; both "" when not
+-- taken): counted in the record (`mismatched`) and the stats.
+local function note_mismatch(prefix, record, member, given, accepted)
+  if given ~= '' and accepted ~= '' and given ~= accepted then
+    redis.call('HINCRBY', record, 'mismatched', 1)
+    count(prefix, member, 'mismatched')
+  end
 end
 
 -- History (format 2) lives in the record, one field per entry: `h<n>`, n
