@@ -414,9 +414,13 @@ def test_a_step_whose_begin_lost_its_reply_is_begun_again_by_its_own_delivery_no
         )
         calls: list[str] = []
 
+        def provider(key: str) -> str:
+            calls.append(key)
+            return "receipt"
+
         def charge(self: DedupTask, n: int) -> Any:
             proxy.arm("after")  # the next script this delivery runs: the step's begin
-            return self.dedup_once("charge", lambda key: calls.append(key) or "receipt", on_doubt="raise")
+            return self.dedup_once("charge", provider, on_doubt="raise")
 
         task = eager_task(app, charge)
         started = time.monotonic()
