@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import json
 import os
+import secrets
 import threading
 import time
 from collections.abc import Callable
@@ -164,6 +165,51 @@ def work(task: DedupTask, seconds: float, on_lock_lost: Callable[[], object]) ->
         time.sleep(min(left, 0.05))
 
 
+def run_step(
+    task: DedupTask, history: History | None, fields: dict[str, Any], name: str, seconds: float, on_doubt: str
+) -> str:
+    """``task.dedup_once(name, fn, on_doubt=on_doubt)``, whose ``fn`` sleeps ``seconds``; every part recorded.
+
+    Events (with ``fields``, the step's ``name`` and ``on_doubt``): ``step_enter`` as it is asked for,
+    ``step_call`` as ``fn`` is called (with the idempotency key it got), ``step_return`` as ``fn`` returns
+    (its value: unique to the call), ``step_exit`` as ``dedup_once`` returns (``outcome="done"``, whether
+    it called ``fn``, the value it returned) or raises (the exception's name, ``fn_error`` if ``fn`` raised
+    it, ``recorded`` for a lost lock: whether the step was recorded done).
+    """
+    common = {**fields, "step": name, "on_doubt": on_doubt}
+    emit = history.emit if history is not None else (lambda *args, **kwargs: {})
+    called, fn_error = False, ""
+
+    def fn(key: str) -> str:
+        nonlocal called, fn_error
+        called = True
+        emit("step_call", key=key, **common)
+        try:
+            time.sleep(seconds)
+        except BaseException as exc:
+            fn_error = type(exc).__name__
+            raise
+        value = f"{fields['call']}/{name}/{os.getpid()}/{secrets.token_hex(4)}"
+        emit("step_return", value=value, **common)
+        return value
+
+    emit("step_enter", **common)
+    try:
+        value = task.dedup_once(name, fn, on_doubt=on_doubt)
+    except BaseException as exc:
+        emit(
+            "step_exit",
+            outcome=type(exc).__name__,
+            called=called,
+            fn_error=fn_error,
+            recorded=getattr(exc, "recorded", None),
+            **common,
+        )
+        raise
+    emit("step_exit", outcome="done", called=called, value=value, **common)
+    return value
+
+
 def conclude(task: DedupTask, outcome: str, member: str) -> None:
     """End the body as told: retry once, replace itself, fail for good, or (returning) succeed."""
     if outcome == "retry":
@@ -191,8 +237,22 @@ def outcome_of(exc: BaseException) -> str:
     return type(exc).__name__
 
 
+def lock_lost_seen(history: History | None, fields: dict[str, Any]) -> Callable[[], object]:
+    """What ``work`` calls once the body sees its lock lost: a ``lock_lost_seen`` event."""
+    seen = False
+
+    def report() -> None:
+        nonlocal seen
+        if history is not None and not seen:
+            seen = True
+            history.emit("lock_lost_seen", **fields)
+
+    return report
+
+
 def make_body(history: History | None) -> Callable[..., str]:
-    """The body every chaos task runs: record its start, sleep (watching the lock), fail or retry, record its end."""
+    """The body every chaos task runs: record its start, sleep (watching the lock) with its steps in between (each
+    a ``dedup_once`` whose function sleeps too), fail, retry or replace itself, record its end."""
 
     def body(
         self: DedupTask,
@@ -202,9 +262,11 @@ def make_body(history: History | None) -> Callable[..., str]:
         fail: bool = False,
         retry: bool = False,
         replace: str = "",
+        steps: int = 0,
+        on_doubt: str = "retry",
     ) -> str:
         request = self.request
-        member = member_for(self.name, self.dedup_business_key(k, call, sleep, fail, retry, replace))
+        member = member_for(self.name, self.dedup_business_key(k, call, sleep, fail, retry, replace, steps, on_doubt))
         fields = {"task_id": request.id, "member": member, "call": call, "tid": threading.get_ident()}
         limit = MODE_BY_TASK[self.name].limit if self.name in MODE_BY_TASK else 0
         if history is not None:
@@ -213,7 +275,12 @@ def make_body(history: History | None) -> Callable[..., str]:
         outcome = "succeeded"
         ended = False
         try:
-            work(self, sleep, lambda: history.emit("lock_lost_seen", **fields) if history else None)
+            seen = lock_lost_seen(history, fields)
+            share = sleep / (steps + 1)  # each step gets a share: half in the body before it, half in its call
+            for step in range(1, steps + 1):
+                work(self, share / 2, seen)
+                run_step(self, history, fields, f"s{step}", share / 2, on_doubt)
+            work(self, share, seen)
             if retry and not request.retries:
                 outcome = "retry"
             elif replace:

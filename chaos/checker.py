@@ -70,6 +70,25 @@ violation is printed with an excerpt of the history around it.
     the run still owned its record (``until_executing`` and ``debounce`` pass
     the record to the next call of the key while the body runs; recovery
     finds runs by their records).
+``step-once``
+    A step (``dedup_once``) recorded done is never executed again by a later
+    delivery of its run (a retry, a redelivery, a copy): its function is not
+    called after the step was recorded done, and a delivery that skips it
+    gets the value a completed call of it returned. Explained: a wipe of the
+    server's data in between; for an ungated key, a later run of the key that
+    used steps in between (a run's steps are kept until then: documented).
+``step-doubt``
+    Every step found in doubt is reported as such: a call of a step after an
+    earlier call of it that did not end (its executor was killed, paused past
+    its lock, or could not record the ending) is preceded by the library's
+    report (the "in doubt ... called again" warning, or the key's history
+    entry ``<step> in doubt, again``), never made with ``on_doubt="raise"``,
+    and ``DedupStepInDoubt`` is raised only for a step that began and never
+    completed. A call after one whose function raised (recorded ``failed``)
+    needs no report. Explained as for ``step-once``.
+``step-key``
+    A step's idempotency key never changes within its run: every call of the
+    step, in every delivery of the run, gets the same key.
 ``continuation``
     A chained call (``head | chaos.after``) whose run resolved (it succeeded,
     or replaced itself by a plain task that ran) goes on with its chain,
@@ -111,6 +130,9 @@ INVARIANTS = (
     "continuation",
     "limit",
     "recovery",
+    "step-once",
+    "step-doubt",
+    "step-key",
     "transition",
 )
 #: States after which a run has ended (the store schema's), and those that count as its fate.
@@ -133,8 +155,15 @@ NOT_FINAL = frozenset(
         "GreenletExit",
         "killed",
         "unknown",
+        # a step found the delivery's lock lost: it stands down and ends nothing (the run goes on elsewhere)
+        "DedupLockLostError",
     }
 )
+#: How a step's function can be cut off by its process going (a terminate, a shutdown, a killed greenlet):
+#: the step was not recorded failed, it is in doubt.
+INTERRUPTIONS = frozenset({"SystemExit", "KeyboardInterrupt", "GreenletExit"})
+#: Step events the chaos body writes (see chaos.app.run_step).
+STEP_EVENTS = frozenset({"step_enter", "step_call", "step_return", "step_exit"})
 #: The outcome of a body that replaced itself by a plain task: its run ended ``replaced`` and freed its key.
 REPLACED_BY_PLAIN = "replaced-by-plain"
 #: The outcome of a body whose ``Task.retry`` could not publish the retry: Celery rejects the message without
@@ -150,6 +179,7 @@ EXPLAINED = {
     "crash": "worker crashes outside celery-dedup (Celery or kombu; the worker was replaced)",
     "continuation": "chains whose next step a kill lost after their run succeeded",
     "limit": "limit groups over N after a fault kept a body from renewing its slot",
+    "steps": "steps of an ungated key called again after a later run of the key used steps (a documented limit)",
 }
 #: How soon after resolving a chain's head its process must die to explain a next step never sent, seconds.
 SEND_WINDOW = 3.0
@@ -347,10 +377,26 @@ class History:
                 self.settled[event["task_id"]].append(settled)
             elif event["ev"] == "finish_failed":
                 self.finish_failed.add(str(event.get("task_id")))
+        self._index_steps(events)
         self.renewer_losses = [e for e in events if e["ev"] == "lock_lost_log"]
         self.slot_losses = [e for e in events if e["ev"] == "slot_lost_log"]
         self._index_chains(events)
         self._index_workers(events)
+
+    def _index_steps(self, events: list[Event]) -> None:
+        #: The step events of each step of a run, by (task id, step name), in time order.
+        self.steps: dict[tuple[str, str], list[Event]] = defaultdict(list)
+        #: When each member's runs entered a step (``dedup_once`` called), with the run's id.
+        self.step_entries: dict[str, list[tuple[float, str]]] = defaultdict(list)
+        #: The library's "step in doubt ... called again" warnings, by (task id, step name).
+        self.doubt_reports: dict[tuple[str, str], list[Event]] = defaultdict(list)
+        for event in events:
+            if event["ev"] in STEP_EVENTS:
+                self.steps[(event["task_id"], event["step"])].append(event)
+                if event["ev"] == "step_enter":
+                    self.step_entries[event["member"]].append((event["t"], event["task_id"]))
+            elif event["ev"] == "step_doubt_log":
+                self.doubt_reports[(str(event.get("task_id")), str(event.get("step")))].append(event)
 
     def _index_workers(self, events: list[Event]) -> None:
         #: Worker processes by role (``worker-0.3``); a history from before pools were recorded is prefork.
@@ -652,6 +698,46 @@ class History:
     def rel(self, t: float) -> str:
         return f"+{t - self.t0:.3f}s"
 
+    def step_done_at(self, task_id: str, step: str, member: str) -> float | None:
+        """When step ``step`` of run ``task_id`` was first recorded done, or None.
+
+        The evidence: a ``dedup_once`` that returned (the step is done in the store
+        by then), one that raised ``DedupLockLostError`` after recording it, or the
+        key's history entry ``<step> done``.
+        """
+        times = [
+            e["t"]
+            for e in self.steps.get((task_id, step), [])
+            if e["ev"] == "step_exit"
+            and (e["outcome"] == "done" or (e["outcome"] == "DedupLockLostError" and e.get("recorded")))
+        ]
+        times += [e.t for e in self.entries(member, task_id) if e.state == "step" and e.note == f"{step} done"]
+        return min(times, default=None)
+
+    def steps_forgotten(self, member: str, task_id: str, start: float, end: float) -> str | None:
+        """Why the store may have forgotten run ``task_id``'s steps between ``start`` and ``end``, or None."""
+        if self.wiped_after_recording(start, end):
+            return "the server's data was wiped"
+        spec = MODE_BY_TASK.get(member.split(":", 1)[0])
+        if spec is not None and not spec.gated:
+            later = next(
+                (t for t, run in self.step_entries.get(member, []) if run != task_id and start <= t <= end), None
+            )
+            if later is not None:
+                return f"a later run of the ungated key used steps at {self.rel(later)}"
+        return None
+
+    def doubt_reported(self, call: Event, since: float) -> bool:
+        """Whether the library reported the step of ``call`` in doubt before it was called (after ``since``)."""
+        key = (call["task_id"], call["step"])
+        if any(e["pid"] == call["pid"] and since <= e["t"] <= call["t"] + MS for e in self.doubt_reports.get(key, [])):
+            return True
+        note = f"{call['step']} in doubt, again"
+        return any(
+            e.state == "step" and e.note == note and since - MS <= e.t <= call["t"] + MS
+            for e in self.entries(call["member"], call["task_id"])
+        )
+
     # --- excerpts --------------------------------------------------------------------------
 
     def excerpt(self, member: str, task_ids: Iterable[str], start: float, end: float, limit: int = 16) -> list[str]:
@@ -694,7 +780,10 @@ def _entry(raw: str) -> Entry:
 
 
 def _describe(event: Event) -> str:
-    keys = ("kind", "action", "decision", "task_id", "call", "outcome", "id", "member", "pids", "pid", "message")
+    keys = (
+        *("kind", "action", "decision", "task_id", "call", "step", "outcome", "id", "member", "pids", "pid", "key"),
+        *("value", "message"),
+    )
     shown = []
     for key in keys:
         value = event.get(key)
@@ -736,6 +825,7 @@ class Checker:
         self.continuations()
         self.limits()
         self.recovery()
+        self.steps()
 
     def crashes(self) -> None:
         workers = {e["slot"] for e in self.h.events if e["ev"] == "spawn" and e["slot"].startswith("worker")}
@@ -1095,6 +1185,107 @@ class Checker:
                 continue
             return event
         return None
+
+    # --- steps (dedup_once) ------------------------------------------------------------------
+
+    def steps(self) -> None:
+        """Each step of each run: done is done, a doubt is reported, the key stays."""
+        for (task_id, step), events in self.h.steps.items():
+            member = events[0]["member"]
+            calls = [e for e in events if e["ev"] == "step_call"]
+            done_at = self.h.step_done_at(task_id, step, member)
+            self._step_key(task_id, step, member, calls)
+            self._step_once(task_id, step, member, events, calls, done_at)
+            self._step_doubt(task_id, step, member, events, calls, done_at)
+
+    def _step_key(self, task_id: str, step: str, member: str, calls: list[Event]) -> None:
+        if not calls:
+            return
+        self.checked["step-key"] += 1
+        keys = sorted({str(call["key"]) for call in calls})
+        if len(keys) > 1:
+            where = ", ".join(f"{call['key']!r} (pid {call['pid']}, {self.h.rel(call['t'])})" for call in calls)
+            message = f"step {step} of run {task_id} was called with {len(keys)} idempotency keys: {where}"
+            self.violation("step-key", member, message, t=calls[0]["t"], ids=(task_id,), until=calls[-1]["t"])
+
+    def _step_once(
+        self, task_id: str, step: str, member: str, events: list[Event], calls: list[Event], done_at: float | None
+    ) -> None:
+        h = self.h
+        for call in calls:
+            self.checked["step-once"] += 1
+            if done_at is None or call["t"] <= done_at:
+                continue
+            what = (
+                f"step {step} of run {task_id} was recorded done at {h.rel(done_at)} and executed again at "
+                f"{h.rel(call['t'])} (pid {call['pid']})"
+            )
+            why = h.steps_forgotten(member, task_id, done_at, call["t"])
+            if why is not None:
+                kind = "wiped" if why.startswith("the server's data") else "steps"
+                self.explained.append(Explained(kind, member, f"{what}: {why}"))
+                continue
+            self.violation("step-once", member, what, t=done_at, ids=(task_id,), until=call["t"])
+        for skip in (e for e in events if e["ev"] == "step_exit" and e["outcome"] == "done" and not e.get("called")):
+            self.checked["step-once"] += 1
+            returned = {e.get("value") for e in events if e["ev"] == "step_return" and e["t"] <= skip["t"]}
+            if skip.get("value") in returned:
+                continue
+            message = (
+                f"a delivery of run {task_id} (pid {skip['pid']}) skipped step {step} at {h.rel(skip['t'])} as done "
+                f"and got {skip.get('value')!r}, which no completed call of it returned "
+                f"(calls returned {sorted(map(str, returned))})"
+            )
+            self.violation("step-once", member, message, t=skip["t"], ids=(task_id,))
+
+    def _step_doubt(
+        self, task_id: str, step: str, member: str, events: list[Event], calls: list[Event], done_at: float | None
+    ) -> None:
+        h = self.h
+        for earlier, call in pairwise(calls):
+            if done_at is not None and done_at < call["t"]:
+                continue  # a call after the step was done: step-once's
+            self.checked["step-doubt"] += 1
+            ending = next(
+                (
+                    e
+                    for e in events
+                    if e["ev"] == "step_exit"
+                    and e["pid"] == earlier["pid"]
+                    and e.get("tid", 0) == earlier.get("tid", 0)
+                    and e["t"] >= earlier["t"]
+                ),
+                None,
+            )
+            error = str(ending.get("fn_error") or "") if ending is not None else ""
+            if error and error not in INTERRUPTIONS:
+                continue  # its function raised: the step was recorded failed, and is tried again
+            what = (
+                f"step {step} of run {task_id} was called again at {h.rel(call['t'])} (pid {call['pid']}) after a call "
+                f"at {h.rel(earlier['t'])} (pid {earlier['pid']}) that did not end"
+            )
+            why = h.steps_forgotten(member, task_id, earlier["t"], call["t"])
+            if why is not None:
+                kind = "wiped" if why.startswith("the server's data") else "steps"
+                self.explained.append(Explained(kind, member, f"{what}: {why}"))
+                continue
+            if call.get("on_doubt") == "raise":
+                message = f"{what}, with on_doubt='raise': it had to raise DedupStepInDoubt"
+                self.violation("step-doubt", member, message, t=earlier["t"], ids=(task_id,), until=call["t"])
+            elif not h.doubt_reported(call, earlier["t"]):
+                message = f"{what}, and nothing reported it in doubt"
+                self.violation("step-doubt", member, message, t=earlier["t"], ids=(task_id,), until=call["t"])
+        for raised in (e for e in events if e["ev"] == "step_exit" and e["outcome"] == "DedupStepInDoubt"):
+            self.checked["step-doubt"] += 1
+            began = any(call["t"] < raised["t"] for call in calls)
+            if began and (done_at is None or done_at > raised["t"]):
+                continue
+            state = f"was done at {h.rel(done_at)}" if done_at is not None and began else "never began"
+            message = (
+                f"a delivery of run {task_id} (pid {raised['pid']}) raised DedupStepInDoubt for step {step} at "
+                f"{h.rel(raised['t'])}, which {state}"
+            )
+            self.violation("step-doubt", member, message, t=raised["t"], ids=(task_id,))
 
     def _judge_result(self, call: Call) -> None:
         """A chain goes on with its run's result (or its replacement's): the call whose arguments a body of it ran."""

@@ -22,9 +22,13 @@ Event kinds (field ``ev``) and who writes them:
   id, member, the ``call`` whose arguments it runs, pid and thread (``tid``:
   a threads or gevent pool runs several bodies in one process), and for a
   limited task its limit ``group`` and that group's ``limit``;
-- ``decision`` / ``lock_lost_log`` / ``slot_lost_log`` / ``finish_failed``:
-  the library's log lines on ``celery_dedup`` (decisions, the renewer's lost
-  locks and limit slots, endings it could not record);
+- ``step_enter`` / ``step_call`` / ``step_return`` / ``step_exit``: a step
+  (``dedup_once``) of a body: asked for, its function called (with the
+  idempotency key it got), returned (its value), and how ``dedup_once`` ended;
+- ``decision`` / ``lock_lost_log`` / ``slot_lost_log`` / ``finish_failed`` /
+  ``step_doubt_log``: the library's log lines on ``celery_dedup`` (decisions,
+  the renewer's lost locks and limit slots, endings it could not record, a
+  step found in doubt and called again);
 - ``recovered``: the library put a dead worker's run back in its queue;
 - ``received`` / ``revoked`` / ``settled``: a worker's ``task_received``
   signal (its consumer took the message), ``task_revoked`` (a terminated
@@ -107,6 +111,10 @@ class DecisionRecorder(logging.Handler):
             elif str(record.msg).startswith("recovered:"):
                 task_id = record.args[1] if isinstance(record.args, tuple) and len(record.args) > 1 else None
                 self.history.emit("recovered", task_id=task_id, message=record.getMessage())
+            elif "in doubt (attempt" in str(record.msg) and isinstance(record.args, tuple) and len(record.args) > 4:
+                # "%s[%s] step %r in doubt (attempt %s): called again with idempotency key %r"
+                _, task_id, step, _, key = record.args[:5]
+                self.history.emit("step_doubt_log", task_id=task_id, step=step, key=key, message=record.getMessage())
             elif record.levelno >= logging.ERROR and str(record.msg).startswith("could not record"):
                 task_id = record.args[2] if isinstance(record.args, tuple) and len(record.args) > 2 else None
                 self.history.emit("finish_failed", task_id=task_id, message=record.getMessage())

@@ -274,6 +274,7 @@ def snapshot(client: redis.Redis, store: redis.Redis | None = None) -> dict[str,
             "held": member in held,
             "lock": None if lock is None else _text(lock),
             "lock_pttl": int(client.pttl(f"dedup:lock:{member}")),
+            "steps": {_text(k): _text(v) for k, v in client.hgetall(f"dedup:steps:{member}").items()},
         }
     queued_ids = []
     raw_messages = [raw for queue in QUEUES for raw in broker.lrange(queue, 0, -1)]

@@ -44,6 +44,10 @@ KEYS_PER_MODE = 35
 TWO_PHASE_WAYS = ("delay", "countdown", "eta", "many")
 #: How each call is published, with its weight.
 WAYS = {"delay": 40, "countdown": 12, "eta": 8, "many": 10, "send_task": 12, "chain": 10}
+#: How many steps (``dedup_once``) a body takes, with their weights; and how often a call's steps raise in doubt.
+STEPS = (0, 1, 2)
+STEP_WEIGHTS = (50, 30, 20)
+RAISE_ON_DOUBT = 0.2
 #: Modes' weights (by task: ``limit1`` and ``limit2`` are limited tasks): the gated modes dominate.
 MODE_WEIGHTS = {
     "until_executed": 30,
@@ -71,10 +75,13 @@ class Call:
     delay: float = 0.0
     #: ``Task.replace`` instead of returning: ``"same"`` key (the run goes on), ``"plain"`` task (it ends), or "".
     replace: str = ""
+    #: Steps (``dedup_once``) the body takes, and what a step found in doubt does (``on_doubt``).
+    steps: int = 0
+    on_doubt: str = "retry"
 
     @property
-    def args(self) -> tuple[str, str, float, bool, bool, str]:
-        return (self.k, self.call_id, self.sleep, self.fail, self.retry, self.replace)
+    def args(self) -> tuple[str, str, float, bool, bool, str, int, str]:
+        return (self.k, self.call_id, self.sleep, self.fail, self.retry, self.replace, self.steps, self.on_doubt)
 
 
 @dataclass
@@ -87,10 +94,13 @@ class Schedule:
     modes: tuple[str, ...] = tuple(MODE_WEIGHTS)
     ways: tuple[str, ...] = tuple(WAYS)
     rng: random.Random = field(init=False)
+    #: Draws the steps of each call, apart from ``rng``: a seed's calls, keys and pauses stay what they were.
+    step_rng: random.Random = field(init=False)
     count: int = 0
 
     def __post_init__(self) -> None:
         self.rng = random.Random(self.seed)
+        self.step_rng = random.Random(f"steps:{self.seed}")
 
     def _key(self) -> str:
         weights = [1 / (i + 1) for i in range(self.keys)]
@@ -118,6 +128,8 @@ class Schedule:
             way=way,
             delay=delay,
             replace="same" if 0.16 <= roll < 0.19 else "plain" if 0.19 <= roll < 0.2 else "",
+            steps=self.step_rng.choices(STEPS, STEP_WEIGHTS)[0],
+            on_doubt="raise" if self.step_rng.random() < RAISE_ON_DOUBT else "retry",
         )
 
     def __iter__(self) -> Iterator[tuple[list[Call], float]]:
@@ -219,6 +231,8 @@ class Producer:
             "fail": call.fail,
             "retry": call.retry,
             "replace": call.replace,
+            "steps": call.steps,
+            "on_doubt": call.on_doubt,
         }
 
     def _send(self, task: DedupTask, batch: list[Call]) -> list[tuple[str, str]]:

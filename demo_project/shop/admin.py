@@ -9,7 +9,7 @@ from django.utils.safestring import SafeString
 from celery_dedup.store.status import Status
 
 from .dedup_links import DedupRecord, dedup_record
-from .models import Charge, EmailLog, InventorySync, Order, OrderLine, SalesReport
+from .models import Charge, ChargeDelivery, EmailLog, InventorySync, Order, OrderLine, SalesReport
 from .tasks import charge_payment, send_confirmation_email
 
 #: the record fields the order's change page shows
@@ -30,7 +30,14 @@ class OrderLineInline(admin.TabularInline):
 class ChargeInline(admin.TabularInline):
     model = Charge
     extra = 0
-    readonly_fields = ("amount", "task_id", "created")
+    fields = readonly_fields = ("amount", "idempotency_key", "task_id", "created")
+    can_delete = False
+
+
+class ChargeDeliveryInline(admin.TabularInline):
+    model = ChargeDelivery
+    extra = 0
+    fields = readonly_fields = ("task_id", "pid", "step", "charge", "created")
     can_delete = False
 
 
@@ -51,7 +58,7 @@ class OrderAdmin(admin.ModelAdmin):
     list_filter = ("status", "paid")
     search_fields = ("number", "email")
     readonly_fields = ("dedup_records",)
-    inlines = (OrderLineInline, ChargeInline)
+    inlines = (OrderLineInline, ChargeInline, ChargeDeliveryInline)
 
     @admin.display(description="charges")
     def charge_count(self, order: Order) -> int:
@@ -76,7 +83,13 @@ class OrderAdmin(admin.ModelAdmin):
 
 @admin.register(Charge)
 class ChargeAdmin(admin.ModelAdmin):
-    list_display = ("order", "amount", "task_id", "created")
+    list_display = ("order", "amount", "idempotency_key", "task_id", "created")
+    search_fields = ("idempotency_key", "task_id")
+
+
+@admin.register(ChargeDelivery)
+class ChargeDeliveryAdmin(admin.ModelAdmin):
+    list_display = ("order", "task_id", "pid", "step", "charge", "created")
 
 
 @admin.register(EmailLog)

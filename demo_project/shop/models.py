@@ -24,6 +24,10 @@ class Order(models.Model):
     number = models.CharField(max_length=16, unique=True, default=new_order_number)
     email = models.EmailField("customer e-mail")
     status = models.CharField(max_length=8, choices=Status.choices, default=Status.NEW)
+    #: the charge run that claimed the order (``paying``): its own redelivered copy may go on, no other run
+    payment_run = models.CharField(max_length=255, blank=True, default="")
+    #: the demo's kill switch: the charge run SIGKILLs its own worker process right after the charge step
+    kill_after_charge = models.BooleanField("kill the worker after charging", default=False)
     created = models.DateTimeField(auto_now_add=True)
     paid = models.BooleanField(default=False)
     emailed = models.BooleanField("confirmation sent", default=False)
@@ -70,15 +74,59 @@ class OrderLine(models.Model):
 
 
 class Charge(models.Model):
-    """One call to the payment gateway: more than one per order is the bug this demo prevents."""
+    """One charge the (simulated) payment provider made: more than one per order is the bug this demo prevents.
+
+    The provider keeps them by idempotency key (see ``provider.py``): a second
+    request with a key it knows gets the charge that key made, as Stripe answers.
+    """
 
     order = models.ForeignKey(Order, related_name="charges", on_delete=models.CASCADE)
     amount = models.DecimalField(max_digits=10, decimal_places=2)
     task_id = models.CharField(max_length=255)
+    #: the key the charge was requested with (the charge step's); null for charges made before there were keys
+    idempotency_key = models.CharField(max_length=255, unique=True, null=True, blank=True)
     created = models.DateTimeField(auto_now_add=True)
 
     def __str__(self) -> str:
         return f"charge #{self.pk} of {self.amount} for order {self.order.number}"
+
+
+class ChargeDelivery(models.Model):
+    """One delivery of a charge run that reached its charge step: which process ran it, and what the step did."""
+
+    class Step(models.TextChoices):
+        #: the step called the provider, which made the charge
+        CHARGED = "charged", "charged"
+        #: the step was in doubt (its executor died inside it) and called the provider again with its key:
+        #: the provider answered with the charge that key had made
+        REPLAYED = "replayed", "replayed"
+        #: the step was done by an earlier delivery: the provider was not called, its stored charge id returned
+        SKIPPED = "skipped", "skipped"
+
+    order = models.ForeignKey(Order, related_name="deliveries", on_delete=models.CASCADE)
+    task_id = models.CharField(max_length=255)
+    pid = models.PositiveIntegerField()
+    step = models.CharField(max_length=8, choices=Step.choices)
+    charge = models.ForeignKey(Charge, related_name="deliveries", null=True, on_delete=models.SET_NULL)
+    created = models.DateTimeField(auto_now_add=True)
+
+    class Meta:
+        ordering = ("pk",)
+        verbose_name_plural = "charge deliveries"
+
+    def __str__(self) -> str:
+        return f"{self.task_id} in pid {self.pid}: {self.step}"
+
+    @property
+    def what(self) -> str:
+        """What the charge step did in this delivery, for people."""
+        number = f"charge #{self.charge_id}" if self.charge_id else "no charge"
+        step = self.Step(self.step)
+        if step is self.Step.SKIPPED:
+            return f"skipped: done by an earlier delivery ({number}, the step's stored value)"
+        if step is self.Step.REPLAYED:
+            return f"called the provider again with the step's key: it answered with {number}, made before"
+        return f"called the provider: {number}"
 
 
 class EmailLog(models.Model):

@@ -4,7 +4,9 @@
   Two guards, because each covers what the other cannot: the dedup key
   (held until the charge ran) makes concurrent and repeated presses one run;
   the order's state, claimed by a conditional UPDATE, stops a run that comes
-  after that one ended. Dedup windows end, business invariants don't.
+  after that one ended. Dedup windows end, business invariants don't. A
+  third covers the run itself: the provider call is a step (``dedup_once``),
+  so a redelivery after its worker died does not charge again.
   On success it sends the confirmation.
 - ``send_confirmation_email``: never two e-mails for an order (held a day,
   even after it was sent), and at most 30 e-mails a minute, the mail
@@ -19,59 +21,80 @@ from __future__ import annotations
 
 import datetime
 import logging
-import time
+import os
+import signal
 from decimal import Decimal
 from typing import Any
 
-from django.conf import settings
 from django.core.mail import send_mail
-from django.db import transaction
 from django.db.models import Sum
 
 from celery_dedup import DedupTask
 from demo_project.celery import app
 
-from .models import Charge, EmailLog, InventorySync, Order, OrderLine, SalesReport
+from . import provider
+from .models import ChargeDelivery, EmailLog, InventorySync, Order, OrderLine, SalesReport
 
 logger = logging.getLogger(__name__)
 
 
-def gateway_charge(order: Order, amount: Decimal) -> None:
-    """The payment gateway, simulated: it takes ``DEMO_GATEWAY_SECONDS`` (default 1 s) and never declines."""
-    time.sleep(getattr(settings, "DEMO_GATEWAY_SECONDS", 1.0))
-
-
-@app.task(base=DedupTask, bind=True, dedup_key="order:{order_id}")
+@app.task(base=DedupTask, bind=True, dedup_key="order:{order_id}", acks_late=True, reject_on_worker_lost=True)
 def charge_payment(self: Any, order_id: int) -> str:
-    """Charge the order's total at the (simulated, slow) payment gateway, then confirm by e-mail.
+    """Charge the order's total at the (simulated, slow) payment provider, once, then confirm by e-mail.
 
-    Charges only a new order: the run first claims it (``new`` -> ``paying``)
-    with a conditional UPDATE, which one run at most can win, whatever the
-    dedup key says by then. A run that finds the order paid, or being paid,
-    charges nothing and says why. If the gateway call fails the claim is
-    given back, so "pay" can be pressed again; a worker killed at the gateway
-    leaves the order ``paying``, for someone to check with the gateway
-    rather than charge blindly twice.
+    Charges only a new order: the run first claims it (``new`` -> ``paying``,
+    naming itself) with a conditional UPDATE, which one run at most can win,
+    whatever the dedup key says by then; a later delivery of the same run (a
+    redelivery after its worker died) goes on with its own claim. A run that
+    finds the order paid, or being paid by another run, charges nothing and
+    says why. The charge is a step (``dedup_once``): a delivery that reaches
+    it once it is done gets the stored charge id instead of calling the
+    provider, and a delivery whose worker died inside it calls the provider
+    again with the same idempotency key, which answers with the charge that
+    key made. If the provider call fails the claim is given back, so "pay"
+    can be pressed again.
+
+    With the order's ``kill_after_charge`` set, the delivery SIGKILLs its own
+    process right after the charge step (once: it clears the flag first).
+    ``acks_late`` and ``reject_on_worker_lost`` put the message back at once,
+    and the redelivered run skips the charge.
     """
-    claimed = Order.objects.filter(pk=order_id, status=Order.Status.NEW).update(status=Order.Status.PAYING)
+    run = self.request.id
+    claimed = Order.objects.filter(pk=order_id, status=Order.Status.NEW).update(
+        status=Order.Status.PAYING, payment_run=run
+    )
     order = Order.objects.get(pk=order_id)
-    if not claimed:
+    if not claimed and not (order.status == Order.Status.PAYING and order.payment_run == run):
         refusal: str = order.refusal()
         logger.info("not charging: %s", refusal)
         return refusal
     amount = order.total
+    called: list[provider.Receipt] = []
+
+    def charge_card(key: str) -> int:
+        receipt = provider.charge(order_id, amount, idempotency_key=key, task_id=run)
+        called.append(receipt)
+        return receipt.charge_id
+
     try:
-        gateway_charge(order, amount)
+        charge_id: int = self.dedup_once("charge-card", charge_card)
     except Exception:  # declined or unreachable: nothing was charged, so the order may be paid again
-        Order.objects.filter(pk=order_id, status=Order.Status.PAYING).update(status=Order.Status.NEW)
+        Order.objects.filter(pk=order_id, status=Order.Status.PAYING, payment_run=run).update(
+            status=Order.Status.NEW, payment_run=""
+        )
         raise
-    with transaction.atomic():
-        charge = Charge.objects.create(order=order, amount=amount, task_id=self.request.id)
-        Order.objects.filter(pk=order_id).update(paid=True, status=Order.Status.PAID)
+    step = ChargeDelivery.Step.SKIPPED
+    if called:
+        step = ChargeDelivery.Step.REPLAYED if called[-1].replayed else ChargeDelivery.Step.CHARGED
+    ChargeDelivery.objects.create(order=order, task_id=run, pid=os.getpid(), step=step, charge_id=charge_id)
+    if Order.objects.filter(pk=order_id, kill_after_charge=True).update(kill_after_charge=False):
+        logger.warning("charged order %s: killing this worker process (pid %s), as asked", order.number, os.getpid())
+        os.kill(os.getpid(), signal.SIGKILL)
+    Order.objects.filter(pk=order_id).update(paid=True, status=Order.Status.PAID)
     logger.info("charged %s for order %s", amount, order.number)
     send_confirmation_email.delay(order_id)
     daily_sales_report.delay(order.created.date().isoformat())
-    return f"charged {amount} (charge #{charge.pk})"
+    return f"charged {amount} (charge #{charge_id})"
 
 
 @app.task(

@@ -189,6 +189,45 @@ def test_charge_task_refuses_a_paid_order(demo: DemoProcess) -> None:
 
 
 @pytest.mark.slow
+def test_a_worker_killed_right_after_the_charge_step_charges_once(demo: DemoProcess) -> None:
+    """ "Pay" with the kill flag: the pool process that charged the card SIGKILLs itself before the run ends.
+
+    Proves: the message is delivered again (acks_late, rejected when its worker was lost) within seconds;
+    the redelivered run of the same id skips the charge step (done) and gets its stored charge id, so the
+    provider holds one charge, made with the step's idempotency key; the order ends paid and e-mailed once;
+    the order page shows the charge, its key, both deliveries and the record's history.
+    """
+    client = Client(demo.base)
+    order_id = client.place_order(TEA_001=1)
+    _, page = client.get(f"/orders/{order_id}/")
+    _, answer = client.post(f"/orders/{order_id}/pay/", {"kill": "1"}, client.csrf_token(page))
+    assert "killed right after the charge" in " ".join(messages(answer))
+    order = client.settled(order_id, timeout=90)
+    assert (order["status"], order["charges"], order["emails"]) == ("paid", 1, 1), order
+    run = order["charge_dedup"]["task_id"]
+    (charge,) = order["charge_list"]
+    key = charge["idempotency_key"]
+    assert key == f"{CHARGE_TASK}:order:{order_id}:{run.removeprefix(f'order:{order_id}')}:charge-card"
+    first, second = order["deliveries"]
+    assert (first["task_id"], second["task_id"]) == (run, run), "one run, delivered twice"
+    assert (first["step"], second["step"]) == ("charged", "skipped"), order["deliveries"]
+    assert first["charge_id"] == second["charge_id"] == charge["id"]
+    assert first["pid"] != second["pid"]
+    assert not alive(first["pid"]), "the process that charged was killed"
+    (step,) = order["steps"]
+    assert (step["name"], step["state"], step["attempts"], step["key"]) == ("charge-card", "done", 1, key)
+    history = [(entry["state"], entry["note"]) for entry in order["history"] if entry["task_id"] == run]
+    assert [state for state, _ in history].count("started") == 2, history
+    assert [note for state, note in history if state == "step"] == ["charge-card started", "charge-card done"]
+    assert history[-1][0] == "succeeded"
+    assert order["charge_result"] == f"charged {charge['amount']} (charge #{charge['id']})"
+
+    _, page = client.get(f"/orders/{order_id}/")
+    assert key in html.unescape(page)
+    assert "skipped: done by an earlier delivery" in html.unescape(page)
+
+
+@pytest.mark.slow
 def test_dedup_links_lead_to_exactly_this_orders_records(demo: DemoProcess) -> None:
     client = Client(demo.base)
     client.login()

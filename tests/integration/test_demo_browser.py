@@ -1,4 +1,5 @@
-"""The demo in a real browser: log in, order, double-click "pay", pay again in a stale tab, find one charge.
+"""The demo in a real browser: log in, order, double-click "pay", pay again in a stale tab, find one charge;
+and pay with the worker killed right after the charge, find one charge and the redelivery that skipped it.
 
 Drives Debian's Chromium (``/usr/bin/chromium``) through Playwright; skipped
 without it (``python3 run-tests`` installs it when run as root). The admin
@@ -146,3 +147,55 @@ def test_double_click_pay_leaves_one_succeeded_record(demo: DemoProcess, page: A
     assert demo.stop(signal.SIGTERM) == 0, demo.output()
     assert not [pid for pid in processes if alive(pid)]
     assert port_free(demo.port)
+
+
+def test_pay_and_kill_the_worker_shows_one_charge_and_the_redelivery_that_skipped_it(
+    demo: DemoProcess, page: Any, tmp_path: Path
+) -> None:
+    """The second button: the worker process that charged the card is SIGKILLed right after the charge step.
+
+    The order page then shows one charge at the provider with the step's idempotency key, the two
+    deliveries of the one run (the first charged, the redelivered one skipped the step) and the
+    key's history with both starts and the step's entries.
+    """
+    page.goto(f"{demo.base}/")
+    page.fill("#id_qty_TEA-001", "1")
+    page.fill("#id_email", "kill@example.com")
+    page.click("#place-order")
+    page.wait_for_url(re.compile(r"/orders/\d+/$"))
+    order_id = int(page.url.rstrip("/").rsplit("/", 1)[1])
+    with page.expect_navigation():
+        page.click("#pay-and-kill")
+    assert "killed right after the charge" in page.locator(".messages").inner_text()
+
+    client = Client(demo.base)
+    order = client.settled(order_id, timeout=90)
+    page.goto(f"{demo.base}/orders/{order_id}/")
+    assert page.locator("#paid").inner_text().strip() == f"Paid (charge #{order['charge_ids'][0]})"
+
+    charges = page.locator("#provider-charges tbody tr")
+    assert charges.count() == 1, "one charge at the provider"
+    key = charges.first.locator("code.key").inner_text().strip()
+    run = order["charge_dedup"]["task_id"]
+    assert key.startswith(f"{CHARGE_TASK}:order:{order_id}:~") and key.endswith(":charge-card")
+
+    deliveries = page.locator("#deliveries tbody tr")
+    assert deliveries.count() == 2
+    first, second = deliveries.nth(0).inner_text(), deliveries.nth(1).inner_text()
+    assert run in first and run in second, "one run, delivered twice"
+    assert "called the provider: charge #" in first
+    assert "skipped: done by an earlier delivery" in second
+
+    step = page.locator("#charge-steps tbody tr")
+    assert step.count() == 1
+    assert step.first.locator("td").nth(1).inner_text().strip() == "done"
+    assert step.first.locator("code.key").inner_text().strip() == key
+
+    states = [cell.strip() for cell in page.locator("#charge-history td.state").all_inner_texts()]
+    assert states.count("started") == 2 and states[-1] == "succeeded", states
+    history = page.locator("#charge-history").inner_text()
+    assert "charge-card started" in history and "charge-card done" in history
+    page.screenshot(path=str(tmp_path / "order-killed-after-charge.png"), full_page=True)
+
+    assert client.order(order_id)["charges"] == 1
+    assert demo.stop(signal.SIGTERM) == 0, demo.output()

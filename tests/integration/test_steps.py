@@ -12,10 +12,12 @@ from __future__ import annotations
 import json
 import os
 import signal
+import time
 import uuid
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
+from urllib.parse import urlparse
 
 import pytest
 import redis
@@ -23,7 +25,9 @@ from celery import Celery
 
 from celery_dedup import DedupError, DedupLockLostError, DedupStepError, DedupStepInDoubt, DedupTask, runtime
 from celery_dedup.keys import KeySchema, member_for
+from celery_dedup.store.scripts import load_script
 from celery_dedup.store.status import StepStatus
+from chaos.proxy import FaultProxy
 
 from .. import steps_app
 from ..conftest import AppFactory, Server, WorkerProcess, in_process_worker, wait_for
@@ -392,6 +396,42 @@ def test_misuse_is_refused_with_a_clear_error(make_app: AppFactory, r: redis.Red
     with pytest.raises(DedupStepError, match="only inside the body"):
         eager_task(app, plain)(13)  # called as a function: no delivery
     assert issubclass(DedupStepInDoubt, DedupError) and issubclass(DedupLockLostError, DedupError)
+
+
+def test_a_step_whose_begin_lost_its_reply_is_begun_again_by_its_own_delivery_not_in_doubt(
+    make_app: AppFactory, server: Server, r: redis.Redis
+) -> None:
+    """The server began the step but the connection was cut before its reply came back (what a chaos run's
+    proxy did); the delivery asks again with its own token. That step lock is its own and its function was
+    never called: it begins the step at once (attempt 1, no doubt), rather than waiting out its own lock as
+    another delivery's and then finding the step in doubt, which with ``on_doubt="raise"`` failed the run."""
+    r.execute_command("SCRIPT", "LOAD", load_script("step_begin"))  # the cut EVALSHA runs the script
+    port = urlparse(server.url).port
+    assert port is not None
+    with FaultProxy(port) as proxy:
+        app = make_app(
+            broker_url=proxy.url, task_always_eager=True, task_eager_propagates=True, dedup_lock_ttl=LOCK_TTL
+        )
+        calls: list[str] = []
+
+        def provider(key: str) -> str:
+            calls.append(key)
+            return "receipt"
+
+        def charge(self: DedupTask, n: int) -> Any:
+            proxy.arm("after")  # the next script this delivery runs: the step's begin
+            return self.dedup_once("charge", provider, on_doubt="raise")
+
+        task = eager_task(app, charge)
+        started = time.monotonic()
+        assert task.delay(15).get() == "receipt"
+        took = time.monotonic() - started
+        assert [(incident.point, incident.command) for incident in proxy.incidents] == [("after", b"EVALSHA")]
+        assert len(calls) == 1
+        found = steps(app, member_for(task.name, "order:15"))
+        assert (found["charge"].state, found["charge"].attempts) == ("done", 1)
+        assert step_notes(app, member_for(task.name, "order:15")) == ["charge started", "charge done"]
+        assert took < LOCK_TTL, f"waited {took:.1f} s for its own step lock"
 
 
 def test_a_run_without_steps_writes_no_steps(make_app: AppFactory, r: redis.Redis) -> None:

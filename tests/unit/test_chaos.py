@@ -563,6 +563,182 @@ def test_an_early_acknowledged_run_or_a_fault_in_between_is_not_held_to_recovery
     assert invariants(report) == [] and report.checked["recovery"] == 0
 
 
+# --- steps (dedup_once) -------------------------------------------------------------------------
+
+KEY = "chaos.until_executed:k1:a:s1"
+
+
+class Step:
+    """The step events of one ``dedup_once("s1", ...)`` in a body of run ``a``, as the chaos body writes them."""
+
+    def __init__(self, story: Story, pid: int, *, on_doubt: str = "retry") -> None:
+        self.story, self.pid = story, pid
+        self.common: dict[str, Any] = {"task_id": "a", "member": MEMBER, "call": "c", "tid": 0, "step": "s1"}
+        self.common["on_doubt"] = on_doubt
+
+    def enter(self, t: float) -> Step:
+        self.story.add(t, "step_enter", pid=self.pid, **self.common)
+        return self
+
+    def call(self, t: float, key: str = KEY) -> Step:
+        self.story.add(t, "step_call", pid=self.pid, key=key, **self.common)
+        return self
+
+    def returned(self, t: float, value: str) -> Step:
+        self.story.add(t, "step_return", pid=self.pid, value=value, **self.common)
+        self.story.add(t + 0.01, "step_exit", pid=self.pid, outcome="done", called=True, value=value, **self.common)
+        return self
+
+    def skipped(self, t: float, value: str) -> Step:
+        self.story.add(t, "step_exit", pid=self.pid, outcome="done", called=False, value=value, **self.common)
+        return self
+
+    def raised(self, t: float, outcome: str, *, called: bool = False, fn_error: str = "") -> Step:
+        self.story.add(t, "step_exit", pid=self.pid, outcome=outcome, called=called, fn_error=fn_error, **self.common)
+        return self
+
+    def doubt_reported(self, t: float) -> Step:
+        message = f"chaos.until_executed[a] step 's1' in doubt (attempt 1): called again with idempotency key {KEY!r}"
+        self.story.add(t, "step_doubt_log", pid=self.pid, task_id="a", step="s1", key=KEY, message=message)
+        return self
+
+
+def killed_in_step(story: Story) -> Story:
+    """Run ``a``: its first body (pid 100) is SIGKILLed inside step s1; a redelivered body (pid 200) runs from 5 s."""
+    story.call(0, "a").body(1, None, "a", pid=100)
+    Step(story, 100).enter(1.1).call(1.1)
+    story.add(2, "kill", role="runner", pids=[100], why="kill-child")
+    return story.body(5, 6, "a", pid=200)
+
+
+def test_a_step_recorded_done_and_executed_again_breaks_step_once(tmp_path: Path) -> None:
+    """Done is done: a later delivery of the run that reaches a done step gets its value, it does not call it."""
+
+    def story(name: str, *, again: bool, wipe: bool = False) -> Story:
+        told = Story(tmp_path / name).call(0, "a").body(1, None, "a", pid=100)
+        Step(told, 100).enter(1.1).call(1.1).returned(1.5, "v1")
+        told.add(2, "kill", role="runner", pids=[100], why="kill-child")
+        if wipe:
+            told.add(3, "fault", role="nemesis", kind="restart", wipe=True, seconds=0.5)
+        told.body(5, 6, "a", pid=200)
+        second = Step(told, 200).enter(5.1)
+        if again:
+            second.doubt_reported(5.1).call(5.1).returned(5.5, "v2")
+        else:
+            second.skipped(5.1, "v1")
+        return told
+
+    report = story("again", again=True).check()
+    assert invariants(report) == ["step-once"]
+    assert "recorded done at +1.51" in report.violations[0].message
+    skipped = story("skipped", again=False).check()
+    assert invariants(skipped) == [] and skipped.checked["step-once"] == 2
+    assert invariants(story("wiped", again=True, wipe=True).check()) == [], "a wipe forgets the step"
+
+
+def test_a_skipped_step_returns_the_value_a_completed_call_returned(story: Story) -> None:
+    """A step killed inside its call never completed: a delivery that skips it as done breaks step-once."""
+    killed_in_step(story)
+    Step(story, 200).enter(5.1).skipped(5.1, "made-up")
+    report = story.check()
+    assert invariants(report) == ["step-once"]
+    assert "which no completed call of it returned" in report.violations[0].message
+
+
+def test_a_step_called_again_after_an_unfinished_call_must_be_reported_in_doubt(tmp_path: Path) -> None:
+    unreported = killed_in_step(Story(tmp_path / "unreported"))
+    Step(unreported, 200).enter(5.1).call(5.1).returned(5.5, "v2")
+    report = unreported.check()
+    assert invariants(report) == ["step-doubt"]
+    assert "nothing reported it in doubt" in report.violations[0].message
+
+    logged = killed_in_step(Story(tmp_path / "logged"))
+    Step(logged, 200).enter(5.1).doubt_reported(5.1).call(5.1).returned(5.5, "v2")
+    assert invariants(logged.check()) == []
+
+    history = killed_in_step(Story(tmp_path / "history"))
+    history.server(MEMBER, (1.1, "step", "a", "s1 started"), (5.1, "step", "a", "s1 in doubt, again"))
+    Step(history, 200).enter(5.1).call(5.1).returned(5.5, "v2")
+    assert invariants(history.check()) == []
+
+
+def test_a_step_whose_call_raised_is_called_again_without_doubt(tmp_path: Path) -> None:
+    """A call that raised was recorded failed: calling it again is no doubt. One killed (SystemExit) was not."""
+
+    def story(name: str, fn_error: str) -> Story:
+        outcome = "retry" if fn_error == "SoftTimeLimitExceeded" else fn_error  # the body retried, or its process went
+        told = Story(tmp_path / name).call(0, "a").body(1, 2, "a", pid=100, outcome=outcome)
+        Step(told, 100).enter(1.1).call(1.1).raised(1.9, fn_error, called=True, fn_error=fn_error)
+        told.body(5, 6, "a", pid=200)
+        Step(told, 200).enter(5.1).call(5.1).returned(5.5, "v2")
+        return told
+
+    assert invariants(story("failed", "SoftTimeLimitExceeded").check()) == []
+    assert invariants(story("interrupted", "SystemExit").check()) == ["step-doubt"]
+
+
+def test_a_step_in_doubt_with_on_doubt_raise_raises_and_is_not_called_again(tmp_path: Path) -> None:
+    raised = killed_in_step(Story(tmp_path / "raised"))
+    Step(raised, 200, on_doubt="raise").enter(5.1).raised(5.1, "DedupStepInDoubt")
+    report = raised.check()
+    assert invariants(report) == [] and report.checked["step-doubt"] == 1
+
+    called = killed_in_step(Story(tmp_path / "called"))
+    Step(called, 200, on_doubt="raise").enter(5.1).doubt_reported(5.1).call(5.1).returned(5.5, "v2")
+    report = called.check()
+    assert invariants(report) == ["step-doubt"]
+    assert "on_doubt='raise'" in report.violations[0].message
+
+
+def test_a_step_done_is_never_reported_in_doubt(story: Story) -> None:
+    story.call(0, "a").body(1, None, "a", pid=100)
+    Step(story, 100).enter(1.1).call(1.1).returned(1.5, "v1")
+    story.add(2, "kill", role="runner", pids=[100], why="kill-child")
+    story.body(5, 6, "a", pid=200, outcome="DedupStepInDoubt")
+    Step(story, 200, on_doubt="raise").enter(5.1).raised(5.1, "DedupStepInDoubt")
+    report = story.check()
+    assert invariants(report) == ["step-doubt"]
+    assert "was done" in report.violations[0].message
+
+
+def test_a_steps_key_never_changes_within_its_run(tmp_path: Path) -> None:
+    same = killed_in_step(Story(tmp_path / "same"))
+    Step(same, 200).enter(5.1).doubt_reported(5.1).call(5.1).returned(5.5, "v2")
+    report = same.check()
+    assert invariants(report) == [] and report.checked["step-key"] == 1
+
+    changed = killed_in_step(Story(tmp_path / "changed"))
+    Step(changed, 200).enter(5.1).doubt_reported(5.1).call(5.1, key=KEY + "-2").returned(5.5, "v2")
+    report = changed.check()
+    assert invariants(report) == ["step-key"]
+    assert KEY + "-2" in report.violations[0].message
+
+
+def test_an_ungated_keys_later_run_using_steps_explains_a_done_step_called_again(tmp_path: Path) -> None:
+    """Documented: a run's steps are kept until a later run of the key uses steps; without a gate a lost run can
+    be delivered again after that, and calls its done steps again. A gated key has no such excuse."""
+
+    def story(name: str, member: str) -> Report:
+        told = Story(tmp_path / name).call(0, "a", member=member).body(1, None, "a", pid=100, member=member)
+        first = Step(told, 100)
+        first.common["member"] = member
+        first.enter(1.1).call(1.1).returned(1.5, "v1")
+        told.add(2, "kill", role="runner", pids=[100], why="kill-child")
+        told.call(2.5, "b", member=member).body(3, 4, "b", pid=300, member=member)
+        later = Step(told, 300)
+        later.common.update(member=member, task_id="b")
+        later.enter(3.1).call(3.1, key="b-key").returned(3.5, "w1")
+        told.body(5, 6, "a", pid=200, member=member)
+        again = Step(told, 200)
+        again.common["member"] = member
+        again.enter(5.1).call(5.1).returned(5.5, "v2")
+        return told.check()
+
+    ungated = story("ungated", "chaos.while_executing:k1")
+    assert invariants(ungated) == [] and [item.kind for item in ungated.explained] == ["steps"]
+    assert invariants(story("gated", MEMBER)) == ["step-once"]
+
+
 def test_a_transition_the_schema_does_not_allow_is_a_violation(tmp_path: Path) -> None:
     story = Story(tmp_path / "run").call(0, "a")
     (story.run_dir / SERVER_LOG).write_text(

@@ -25,6 +25,11 @@
 -- entry past `until`, or whose owner is dead, is in doubt: its executor died
 -- (or lost its lock) inside the step.
 --
+-- A `running` entry of this very token is this delivery's own begin, asked
+-- again because its reply was lost (a delivery calls each step once, and the
+-- function only after its begin answered): it is granted again, its attempt
+-- and history unchanged, not waited for as another delivery's lock.
+--
 -- Returns {code, detail, extra}:
 --   {1, attempts}         run: execute the step (its lock is this token's now)
 --   {2, attempts}         in doubt, run again (on_doubt "retry"), same as 1
@@ -64,6 +69,12 @@ if entry.state == 'done' then
   keep_steps(steps, record, now, lock_ms, record_ms)
   return {3, entry.result or ''}
 elseif entry.state == 'running' then
+  if entry.token == token then
+    entry['until'] = now + lock_ms
+    redis.call('HSET', steps, field, cjson.encode(entry))
+    keep_steps(steps, record, now, lock_ms, record_ms)
+    return {1, tonumber(entry.attempts or 1)}
+  end
   if entry.token ~= dead and tonumber(entry['until']) > now then
     return {5, tonumber(entry['until']) - now, entry.token}
   end
