@@ -186,7 +186,8 @@ def running(run_id: str | None) -> Delivery | None:
 
     Found through the thread of execution, never by run id alone: two deliveries of one run in one process
     (a copy and the original, in a threads or gevent pool) each see their own. (Not through the task's
-    request: Celery runs the body under a copy of the request the delivery saw.)
+    request: a ``__call__`` between DedupTask's and the body, Celery's own for one, runs the body under a
+    copy of the request the delivery saw.)
     """
     found = _executing.delivery
     if found is not None and found.running and run_id is not None and found.run_id == run_id:
