@@ -55,7 +55,7 @@ import redis
 from celery import Celery
 
 import celery_dedup
-from benchmarks import harness
+from benchmarks import budget, harness
 from celery_dedup import DedupTask
 from celery_dedup.keys import KeySchema
 from celery_dedup.testing import RedisServer
@@ -330,6 +330,7 @@ def parse_args(script: harness.Script, argv: Sequence[str] | None) -> argparse.N
     script.option("--block", 50, "calls per case before switching case")
     script.option("--warmup", 500, "untimed calls per case first", minimum=0)
     script.option("--rt-calls", 200, "calls per case for round trips")
+    script.option("--budget", 2000, "calls per celery-dedup case for the per-call budget (0: none)", minimum=0)
     script.flag(
         "--no-peers", "leave out the celery-once and celery-singleton cases", dest="peers", action="store_false"
     )
@@ -351,6 +352,8 @@ class Run:
     elapsed_s: float
     rows: list[dict[str, Any]]
     trips: list[dict[str, Any]]
+    #: Where the time of a plain, a new-key and a duplicate call goes (``benchmarks/budget.py``).
+    budget: budget.CallRun | None = None
 
 
 def measure(args: argparse.Namespace, server: RedisServer, result_backend: bool) -> Run:
@@ -386,6 +389,11 @@ def measure(args: argparse.Namespace, server: RedisServer, result_backend: bool)
             bench.clear()
             bench.hold_duplicate_key()
             trips = [count_round_trips(server.url, case, args.rt_calls) for case in cases]
+            call_budget = None
+            if args.budget:
+                bench.clear()
+                bench.hold_duplicate_key()
+                call_budget = budget.call_budget(args.budget, [(case.name, case.call) for case in cases[:3]])
             bench.clear()
     finally:
         # kombu's queue bindings, made by the producer's declare.
@@ -394,7 +402,7 @@ def measure(args: argparse.Namespace, server: RedisServer, result_backend: bool)
             client.delete(*bindings)
         client.close()
         app.close()
-    return Run(result_backend, elapsed, summarize(cases), trips)
+    return Run(result_backend, elapsed, summarize(cases), trips, call_budget)
 
 
 def print_report(args: argparse.Namespace, run: Run) -> None:
@@ -416,6 +424,17 @@ def print_report(args: argparse.Namespace, run: Run) -> None:
             print(f"note: INFO commandstats disagrees with MONITOR for {row['case']}: {row['commandstats_per_call']}")
     if all(row["commandstats_agrees"] for row in run.trips):
         print("INFO commandstats deltas over the same calls agree with MONITOR.")
+    if run.budget is not None:
+        print()
+        print(f"Where a call's time goes: wall µs (this thread's CPU µs) per call, {args.budget} calls per case")
+        print()
+        print(budget.call_table(run.budget))
+        print()
+        print(
+            "Each part's function is wrapped (time.perf_counter_ns and time.thread_time_ns); a part is the median "
+            "over calls of its time in one call, and includes the parts indented under it. CPU time leaves out "
+            "the waits for the server (or for a core)."
+        )
 
 
 def main(argv: Sequence[str] | None = None) -> int:
@@ -435,6 +454,11 @@ def main(argv: Sequence[str] | None = None) -> int:
             "celery_once_duplicate": "raises AlreadyQueued (its default, not graceful), caught by the caller",
             "timing": [{**row, "result_backend": run.result_backend} for run in runs for row in run.rows],
             "round_trips": [{**row, "result_backend": run.result_backend} for run in runs for row in run.trips],
+            "call_budget": [
+                {"result_backend": run.result_backend, "rows": budget.call_rows(run.budget)}
+                for run in runs
+                if run.budget is not None
+            ],
         },
         peers=args.peers,
     )

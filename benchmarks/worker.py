@@ -49,7 +49,7 @@ import redis
 from celery import Celery
 from celery.contrib.testing.worker import start_worker
 
-from benchmarks import harness
+from benchmarks import budget, harness
 from benchmarks.harness import CommandLog, WorkerProcess, commandstats
 from benchmarks.worker_app import PREFIX, QUEUE, build_app, peer_bases
 from celery_dedup import runtime
@@ -579,7 +579,9 @@ def throughput_table(rows: Sequence[dict[str, Any]]) -> str:
 
 
 def time_budget(run: Run) -> list[dict[str, Any]]:
-    rows = []
+    rows: list[dict[str, Any]] = []
+    if not run.guard_calls:  # --budget-only
+        return rows
     pair_us = run.guard_calls["pair_median_us"]
     # Solo only: one process runs everything serially there, so its added time per task can be set against
     # the guard's calls timed alone; prefork's time is spread over the consumer process and the children.
@@ -627,6 +629,8 @@ def parse_args(script: harness.Script, argv: Sequence[str] | None) -> argparse.N
     script.option("--results", "off,on", "throughput without (off) and/or with (on) a result backend", minimum=None)
     script.flag("--no-peers", "leave celery-once and celery-singleton out", dest="peers", action="store_false")
     script.flag("--no-round-trips", "skip the MONITOR round-trip counts", dest="round_trips", action="store_false")
+    script.option("--budget", 1000, "plain and keyed deliveries each for the per-delivery budget (0: none)", minimum=0)
+    script.flag("--budget-only", "only the per-delivery budget: no worker, no round trips, no throughput")
     args = script.parse(argv)
     args.results = [m.strip() for m in args.results.split(",") if m.strip()]
     if not args.results or any(m not in ("off", "on") for m in args.results):
@@ -647,6 +651,8 @@ class Run:
     trips: list[dict[str, Any]]
     throughput: list[dict[str, Any]]
     guard_calls: dict[str, float]
+    #: The per-delivery budget (``benchmarks/budget.py``), by result backend ("off", "on").
+    delivery_budget: dict[str, budget.DeliveryRun] = field(default_factory=dict)
 
 
 def measure(script: harness.Script, args: argparse.Namespace) -> Run:
@@ -660,7 +666,13 @@ def measure(script: harness.Script, args: argparse.Namespace) -> Run:
         trips: list[dict[str, Any]] = []
         throughput: list[dict[str, Any]] = []
         started = time.monotonic()
+        delivery_budget: dict[str, budget.DeliveryRun] = {}
         try:
+            for mode in args.results if args.budget else ():
+                delivery_budget[mode] = budget.delivery_budget(server.url, args.budget, results_on=mode == "on")
+                print(f"per-delivery budget, results {mode}: done", file=sys.stderr)
+            if args.budget_only:
+                return Run(server.binary, server_version, time.monotonic() - started, [], [], {}, delivery_budget)
             guard_calls = time_guard_calls(bench, args.guard_pairs)
             for pool in args.pools:
                 pool_trips, pool_throughput = measure_pool(bench, pool, args)
@@ -670,10 +682,32 @@ def measure(script: harness.Script, args: argparse.Namespace) -> Run:
             admin.close()
             publisher.close()
         elapsed = time.monotonic() - started
-        return Run(server.binary, server_version, elapsed, trips, throughput, guard_calls)
+        return Run(server.binary, server_version, elapsed, trips, throughput, guard_calls, delivery_budget)
 
 
 def print_report(args: argparse.Namespace, run: Run) -> None:
+    if not args.budget_only:
+        print_workers(args, run)
+    for mode, measured in run.delivery_budget.items():
+        print()
+        print(
+            f"Per-delivery budget, {'with the Redis result backend' if mode == 'on' else 'no result backend'}: "
+            f"{args.budget} plain and {args.budget} keyed no-op messages run in this process as a solo worker "
+            "runs them (Celery's request and tracer, the body, the ack; no consumer loop), interleaved in blocks"
+        )
+        print()
+        print(budget.delivery_table(measured))
+        print()
+        print(
+            "Wholes: median per message, nothing wrapped. Parts: a second pass with each part's function "
+            "wrapped (time.perf_counter_ns, and the thread's CPU time: without the waits for the server or a "
+            "core); a part is the median over deliveries of its calls' sum in one delivery, and includes the "
+            "parts indented under it. With the result backend the ending is recorded by the result write, "
+            "after the body: Delivery.end's second call."
+        )
+
+
+def print_workers(args: argparse.Namespace, run: Run) -> None:
     print()
     print(
         f"Redis round trips per task execution, sent by the worker (MONITOR over {args.rt_tasks} executions "
@@ -724,12 +758,12 @@ def print_report(args: argparse.Namespace, run: Run) -> None:
         "The worker, the server and this benchmark share the machine's cores (the solo worker shares this "
         "process); compare the two cases within one pool and run, not absolute numbers across machines."
     )
-    budget = time_budget(run)
-    if budget:
+    added = time_budget(run)
+    if added:
         print()
         print("Where DedupTask's added time per task goes (no-op task, solo worker)")
         print()
-        print(budget_table(budget))
+        print(budget_table(added))
         print()
         print(
             "added: 1/median(DedupTask tasks/s) - 1/median(plain tasks/s). start + finish: the guard's two calls "
@@ -772,6 +806,7 @@ def main(argv: Sequence[str] | None = None) -> int:
             "throughput": run.throughput,
             "guard_calls": run.guard_calls,
             "time_budget": time_budget(run),
+            "delivery_budget": {mode: budget.delivery_rows(measured) for mode, measured in run.delivery_budget.items()},
             "notes": renewal_notes(run.trips, args.lock_ttl_s),
         },
         peers=args.peers,

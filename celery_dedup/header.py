@@ -83,6 +83,8 @@ class GateHeader:
             encoded["held"] = True
         if self.fingerprint:
             encoded["fp"] = self.fingerprint
+        if self.debounce or self.latest:  # what decoding it gives back is this very header
+            globals()["_last_decoded"] = (encoded, self)
         return encoded
 
     @classmethod
@@ -121,6 +123,6 @@ class GateHeader:
         )
 
 
-#: The header mapping decoded last and what it decoded to. Headers are never changed in
-#: place (a changed header is a new mapping: see ``GateHeader.encode``), so identity suffices.
+#: The header mapping decoded (or encoded) last and what it decodes to. Headers are never changed
+#: in place (a changed header is a new mapping: see ``GateHeader.encode``), so identity suffices.
 _last_decoded: tuple[Mapping[str, Any] | None, GateHeader | None] = (None, None)

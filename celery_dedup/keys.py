@@ -42,9 +42,11 @@ task name, ``:``, and the business key)::
 
 from __future__ import annotations
 
+import base64
 import datetime
 import decimal
 import enum
+import functools
 import hashlib
 import inspect
 import json
@@ -75,6 +77,8 @@ _UNSAFE_IN_NAMES = frozenset("%:{}#*,=")
 _ESCAPE_RUN = re.compile(r"(?:%[0-9A-F]{2})+$")
 _HASH_CHARS = 32
 _ID_ALPHABET = "0123456789abcdefghjkmnpqrstvwxyz"  # Crockford base32: no i, l, o, u
+#: RFC 4648's base32 alphabet (what ``base64.b32encode`` writes) to :data:`_ID_ALPHABET`.
+_TO_ID_ALPHABET = bytes.maketrans(b"ABCDEFGHIJKLMNOPQRSTUVWXYZ234567", _ID_ALPHABET.encode("ascii"))
 # Decimals with more zeros than this before or after their digits are written with an exponent.
 _DECIMAL_ZEROS = 20
 
@@ -305,8 +309,9 @@ def _whole_chars(prefix: str) -> str:
     return prefix[: run.start()]
 
 
+@functools.lru_cache(maxsize=1024)
 def task_namespace(task_name: str) -> str:
-    """The escaped task name that prefixes every member of that task."""
+    """The escaped task name that prefixes every member of that task (escaped once per name)."""
     return _escape(task_name, _UNSAFE_IN_NAMES)
 
 
@@ -349,8 +354,8 @@ def new_task_id(business_key: str) -> str:
     The suffix makes each run's id unique, so a result backend never answers a
     new run with an earlier run's result.
     """
-    bits = int.from_bytes(secrets.token_bytes(7), "big")  # 56 random bits; 10 base32 chars use 50
-    suffix = "".join(_ID_ALPHABET[(bits >> shift) & 31] for shift in range(0, 50, 5))
+    # 56 random bits; 10 base32 characters use 50 of them.
+    suffix = base64.b32encode(secrets.token_bytes(7))[:10].translate(_TO_ID_ALPHABET).decode("ascii")
     return f"{business_key}~{suffix}"
 
 
@@ -545,6 +550,14 @@ class KeySpec:
         self.signature = signature
         self.max_length = max_length
         self._var_keyword = next((p.name for p in signature.parameters.values() if p.kind is p.VAR_KEYWORD), None)
+        params = list(signature.parameters.values())
+        #: The parameter names in order and the defaults, for a signature of positional-or-keyword
+        #: parameters only (the common one): its calls are bound without ``Signature.bind``.
+        self._plain: tuple[tuple[str, ...], dict[str, Any]] | None = (
+            (tuple(p.name for p in params), {p.name: p.default for p in params if p.default is not p.empty})
+            if all(p.kind is p.POSITIONAL_OR_KEYWORD for p in params)
+            else None
+        )
         self._render: Callable[[Mapping[str, Any], tuple[Any, ...], dict[str, Any]], str]
         if option is None:
             self._render = self._render_all
@@ -585,16 +598,44 @@ class KeySpec:
         """
         args = tuple(args or ())
         kwargs = dict(kwargs or {})
-        try:
-            bound = self.signature.bind(*args, **kwargs)
-        except TypeError as exc:
-            raise DedupKeyError(self.task, None, (args, kwargs), f"arguments do not match the task: {exc}") from None
-        bound.apply_defaults()
-        arguments = dict(bound.arguments)
-        if self._var_keyword:
-            arguments.update(arguments.pop(self._var_keyword))
+        arguments = self._bound_plainly(args, kwargs)
+        if arguments is None:
+            try:
+                bound = self.signature.bind(*args, **kwargs)
+            except TypeError as exc:
+                raise DedupKeyError(
+                    self.task, None, (args, kwargs), f"arguments do not match the task: {exc}"
+                ) from None
+            bound.apply_defaults()
+            arguments = dict(bound.arguments)
+            if self._var_keyword:
+                arguments.update(arguments.pop(self._var_keyword))
         key = self._render(arguments, args, kwargs) or "*"
         return bound_key(key, self.max_length), arguments_fingerprint(arguments) if fingerprint else ""
+
+    def _bound_plainly(self, args: tuple[Any, ...], kwargs: dict[str, Any]) -> dict[str, Any] | None:
+        """The arguments by name, defaults applied, as ``Signature.bind`` binds a call that fits a plain signature.
+
+        None for any other signature or call (too many arguments, one given twice, unknown or
+        missing): ``Signature.bind`` then binds it, or says why it does not fit.
+        """
+        plain = self._plain
+        if plain is None:
+            return None
+        names, defaults = plain
+        if len(args) > len(names):
+            return None
+        arguments = dict(zip(names, args, strict=False))
+        for name, value in kwargs.items():
+            if name in arguments:
+                return None
+            arguments[name] = value
+        for name in names[len(args) :]:
+            if name not in arguments:
+                if name not in defaults:
+                    return None
+                arguments[name] = defaults[name]
+        return arguments if len(arguments) == len(names) else None
 
     def _check_name(self, name: str, option: Any) -> None:
         params = self.signature.parameters

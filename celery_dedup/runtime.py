@@ -77,6 +77,8 @@ class Runtime:
         self.fail_open: Counter[str] = Counter()
         self.unflushed: Counter[str] = Counter()
         self.recent = RecentKeys()
+        #: kombu's unacknowledged hash for this app's deliveries, read once (see ``recovery.delivery``).
+        self.unacked_key: str | None = None
         self._store: DedupStore | None = None
         self._lock = threading.Lock()
         _runtimes.add(self)

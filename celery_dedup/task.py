@@ -56,6 +56,20 @@ def check_bound_tasks(app: Any) -> None:
             type(task)._refuse_unparkable(app, policy.mode)
 
 
+def _next_call_is_celerys(cls: type) -> bool:
+    """Whether the ``__call__`` that ``DedupTask.__call__`` hands the body to in ``cls`` is Celery's ``Task.__call__``.
+
+    Found once per class, and kept on it.
+    """
+    found: bool | None = vars(cls).get("_dedup_celery_call")
+    if found is None:
+        mro = cls.__mro__
+        nexts = (vars(klass)["__call__"] for klass in mro[mro.index(DedupTask) + 1 :] if "__call__" in vars(klass))
+        found = next(nexts, None) is Task.__call__
+        setattr(cls, "_dedup_celery_call", found)  # noqa: B010 - a per-class cache, not a declared attribute
+    return found
+
+
 def _run_signature(cls: type) -> inspect.Signature:
     """The signature callers must match: ``run`` without ``self`` for methods."""
     for klass in cls.__mro__:
@@ -282,7 +296,18 @@ class DedupTask(_TaskBase):
         The key is settled here, before Celery stores the result: a caller who
         sees the result and calls again starts a new run, never the finished one.
         """
-        return guarded_call(self, args, kwargs, lambda a, k: super(DedupTask, self).__call__(*a, **k))
+        return guarded_call(self, args, kwargs, self._dedup_body)
+
+    def _dedup_body(self, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
+        """The body, as the ``__call__`` after this class's would run it.
+
+        Celery's own ``Task.__call__`` only pushes a copy of the request its
+        tracer pushed already, for a run the tracer started: such a run calls
+        ``run`` at once, as Celery's tracer does for a task without a ``__call__``.
+        """
+        if not self.request.called_directly and _next_call_is_celerys(type(self)):
+            return self.run(*args, **kwargs)
+        return super().__call__(*args, **kwargs)
 
     def on_replace(self, sig: Any) -> Any:
         """``Task.replace``: a replacement under this run's key goes on as the same run.

@@ -353,8 +353,8 @@ def add_to_parent(task: KeyedTask, result: DedupResult, add_to_parent: bool) -> 
     a task its own child). Eager runs are not added, as in Celery.
     """
     app = task.app
-    parent = app.current_worker_task if add_to_parent and not app.conf.task_always_eager else None
-    if parent is not None:
+    parent = app.current_worker_task if add_to_parent else None
+    if parent is not None and not app.conf.task_always_eager:
         parent.add_trail(result)
     return result
 

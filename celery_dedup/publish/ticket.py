@@ -8,9 +8,7 @@ before publishing and reads afterwards.
 
 from __future__ import annotations
 
-import contextlib
-from collections.abc import Iterator
-from contextvars import ContextVar
+from contextvars import ContextVar, Token
 
 from ..store.store import Outcome
 
@@ -32,19 +30,30 @@ _ticket: ContextVar[Ticket | None] = ContextVar("celery_dedup_ticket", default=N
 _last: ContextVar[Outcome | None] = ContextVar("celery_dedup_last_outcome", default=None)
 
 
-@contextlib.contextmanager
-def open_ticket(nonce: str) -> Iterator[Ticket]:
-    """Open a slot for the outcome of the publish carrying ``nonce`` (the open one, if it is that publish's)."""
-    current = _ticket.get()
-    if current is not None and current.nonce == nonce:
-        yield current
-        return
-    ticket = Ticket(nonce)
-    token = _ticket.set(ticket)
-    try:
-        yield ticket
-    finally:
-        _ticket.reset(token)
+class open_ticket:  # used as a function: ``with open_ticket(nonce) as ticket``
+    """Open a slot for the outcome of the publish carrying ``nonce`` (the open one, if it is that publish's).
+
+    A class rather than a generator: every gated publish opens one, some twice.
+    """
+
+    __slots__ = ("_reset", "nonce")
+
+    def __init__(self, nonce: str) -> None:
+        self.nonce = nonce
+        self._reset: Token[Ticket | None] | None = None
+
+    def __enter__(self) -> Ticket:
+        current = _ticket.get()
+        if current is not None and current.nonce == self.nonce:
+            return current
+        ticket = Ticket(self.nonce)
+        self._reset = _ticket.set(ticket)
+        return ticket
+
+    def __exit__(self, *_: object) -> None:
+        if self._reset is not None:
+            _ticket.reset(self._reset)
+            self._reset = None
 
 
 def report(nonce: str, outcome: Outcome) -> None:

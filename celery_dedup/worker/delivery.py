@@ -79,12 +79,19 @@ def error_summary(exc: BaseException) -> str:
 
 def locate(task: KeyedTask, headers: Any, args: Any, kwargs: Any) -> tuple[str, DedupStore, bool] | None:
     """``(member, store, gated)`` of a delivery: from its ``dedup`` header, else from its arguments."""
+    located = _locate(task, GateHeader.decode(headers), args, kwargs)
+    return None if located is None else (located[0], located[1], located[2] is not None)
+
+
+def _locate(
+    task: KeyedTask, gate: GateHeader | None, args: Any, kwargs: Any
+) -> tuple[str, DedupStore, GateHeader | None] | None:
+    """:func:`locate` from a decoded ``gate``, which it returns in place of ``gated``."""
     store = runtime.store_for(task.app)
-    gate = GateHeader.decode(headers)
     if gate is not None:
-        return gate.member, store.with_prefix(gate.prefix), True
+        return gate.member, store.with_prefix(gate.prefix), gate
     try:
-        return member_for(task.name, task.dedup_policy.spec.business_key(args, kwargs)), store, False
+        return member_for(task.name, task.dedup_policy.spec.business_key(args, kwargs)), store, None
     except DedupError:
         logger.exception("%s: cannot derive the key of this delivery; it runs unguarded", task.name)
         return None
@@ -189,7 +196,8 @@ def running(run_id: str | None) -> Delivery | None:
 
     Found through the thread of execution, never by run id alone: two deliveries of one run in one process
     (a copy and the original, in a threads or gevent pool) each see their own. (Not through the task's
-    request: Celery runs the body under a copy of the request the delivery saw.)
+    request: a ``__call__`` between DedupTask's and the body, Celery's own for one, runs the body under a
+    copy of the request the delivery saw.)
     """
     found = _executing.delivery
     if found is not None and found.running and run_id is not None and found.run_id == run_id:
@@ -211,10 +219,11 @@ class Delivery:
         store: DedupStore,
         gated: bool,
         participants: Sequence[Participant] = (),
+        gate: GateHeader | None = None,
     ) -> None:
         self.task = task
-        self.request = task.request
-        self.run_id = str(self.request.id)
+        self.request = request = task.request
+        self.run_id = str(request.id)
         self.args = args
         self.kwargs = kwargs
         self.body = body
@@ -222,10 +231,13 @@ class Delivery:
         self.member = member
         self.store = store
         self.gated = gated
+        #: The message's gate header, decoded (None: a delivery not gated, or not asked).
+        self.gate = gate
         self.participants = tuple(participants)
-        self.policy = task.dedup_policy
-        self.lock_ms = int(self.policy.lock_ttl * 1000)
-        self.record_ms = runtime.config_for(task.app).record_ms
+        self.policy = policy = task.dedup_policy
+        self.lock_ms = int(policy.lock_ttl * 1000)
+        self.config = config = runtime.config_for(task.app)
+        self.record_ms = config.record_ms
         #: Claimed (:func:`~.processes.claim`) by :meth:`start`.
         self.token = ""
         self.decision: StartDecision | None = None
@@ -244,12 +256,20 @@ class Delivery:
     def of(cls, task: KeyedTask, args: Any, kwargs: Any, body: Body) -> Delivery | None:
         """The delivery of ``task``'s current request; None if its key cannot be derived (it runs unguarded)."""
         request = task.request
-        located = locate(task, request.headers, request.args, request.kwargs)
+        located = _locate(task, GateHeader.decode(request.headers), request.args, request.kwargs)
         if located is None:
             return None
-        member, store, gated = located
+        member, store, gate = located
         return cls(
-            task, args, kwargs, body, member=member, store=store, gated=gated, participants=participants_of(task)
+            task,
+            args,
+            kwargs,
+            body,
+            member=member,
+            store=store,
+            gated=gate is not None,
+            participants=participants_of(task),
+            gate=gate,
         )
 
     @property
@@ -352,6 +372,7 @@ class Delivery:
         """Ask the store whether this delivery may run; if so, it now holds the lock ``token``."""
         request = self.request
         policy = self.policy
+        gate = self.gate
         assert self.member is not None
         return self.store.start(
             self.member,
@@ -366,7 +387,8 @@ class Delivery:
             record_ms=self.record_ms,
             want_payload=policy.mode.parks and policy.debounce == "latest",
             on_locked=policy.on_locked,
-            keep_payload=records_args(self.task),
+            # Its publisher (gate header) and this app both allow the arguments to be kept.
+            keep_payload=self.config.record_args and (gate is None or gate.record_args),
             main=recovery.main_token(),
             delivery=recovery.delivery(self.task),
         )
@@ -754,12 +776,6 @@ def lock_lost(task_id: str | None) -> bool:
     """Whether the delivery of run ``task_id`` whose body this thread executes has lost its lock."""
     delivery = running(task_id)
     return delivery is not None and delivery.lock is not None and delivery.lock.lost.is_set()
-
-
-def records_args(task: KeyedTask) -> bool:
-    """Whether the current delivery's arguments may be kept: its publisher (gate header) and this app allow it."""
-    gate = GateHeader.decode(task.request.headers)
-    return runtime.config_for(task.app).record_args and (gate is None or gate.record_args)
 
 
 #: Endings after which an operator may want to run the call again (see operations.requeue).

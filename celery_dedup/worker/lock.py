@@ -4,7 +4,7 @@ A running keyed task holds its key's lock. The process's :class:`Renewer`
 extends every lock it holds in one Redis call at a fraction of the shortest
 TTL. A lock is *lost* when renewal finds it expired or taken over, or cannot
 reach Redis before the lock's TTL would have run out; the task sees that
-through ``lock.lost`` (an Event; tasks ask ``self.dedup_lock_lost``).
+through ``lock.lost`` (a :class:`Flag`; tasks ask ``self.dedup_lock_lost``).
 
 The renewer keeps alive whatever is :class:`Renewable`: execution locks, and
 the limit slots' leases of ``limits``, which it renews with the locks but
@@ -74,6 +74,26 @@ def new_token() -> str:
     return processes.token()
 
 
+class Flag:
+    """Set once, read from any thread: how a lock's owner learns that it was lost.
+
+    ``threading.Event``'s ``set`` and ``is_set`` without its ``wait``, which
+    nobody needs here: an Event builds a Condition and its lock, for every
+    delivery.
+    """
+
+    __slots__ = ("_set",)
+
+    def __init__(self) -> None:
+        self._set = False
+
+    def set(self) -> None:
+        self._set = True
+
+    def is_set(self) -> bool:
+        return self._set
+
+
 class ExecutionLock:
     """One delivery's hold on a key's execution."""
 
@@ -86,7 +106,7 @@ class ExecutionLock:
         self.ttl_ms = ttl_ms
         self.record_ms = record_ms
         self.ref: LockRef = store.lock_ref(member, token)
-        self.lost = threading.Event()
+        self.lost = Flag()
         #: Local (monotonic) time until which the lock is surely still ours.
         self.valid_until = now + ttl_ms / 1000
         #: When the renewer should extend it next.
@@ -197,6 +217,9 @@ _renewer_lock = threading.Lock()
 def renewer() -> Renewer:
     """This process's renewer."""
     global _renewer  # noqa: PLW0603 - one renewer per process is the point
+    found = _renewer
+    if found is not None:  # made already: no lock to take
+        return found
     with _renewer_lock:
         if _renewer is None:
             _renewer = Renewer()

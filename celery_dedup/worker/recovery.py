@@ -155,9 +155,17 @@ def delivery(task: Any) -> tuple[str, str]:
     """
     request = task.request
     tag = (getattr(request, "properties", None) or {}).get("delivery_tag")
-    if not tag or not task.acks_late or not runtime.is_atomic(task.app):
+    if not tag or not task.acks_late:
         return "", ""
-    return str(tag), unacked_keys(task.app)[0]
+    # A message with a delivery tag was fetched from the broker, never run eagerly: whether the store
+    # is the broker is the runtime's to say, and where kombu keeps it unacknowledged does not change
+    # while a worker runs (its channel read it once too).
+    state = runtime.runtime_for(task.app)
+    if not state.atomic:
+        return "", ""
+    if state.unacked_key is None:
+        state.unacked_key = unacked_keys(task.app)[0]
+    return str(tag), state.unacked_key
 
 
 class _Router:

@@ -17,12 +17,12 @@ import time
 import uuid
 from collections.abc import Iterator, Mapping
 from dataclasses import dataclass, field
-from typing import Any, TypeVar
+from typing import Any, ClassVar, TypeVar
 from urllib.parse import urlparse
 
 import pytest
 import redis
-from celery import Celery, signals
+from celery import Celery, Task, signals
 from celery.result import AsyncResult
 from kombu.utils.json import loads
 
@@ -680,6 +680,48 @@ def test_stopped_child_seen_gone_only_after_its_lock_expired_frees_record_and_ke
 
 
 # --------------------------------------------------------------------------- 4. delivery guard
+
+
+class _Around(Task):
+    """A base with a ``__call__`` of its own, after DedupTask's in a task's MRO: it must wrap the body."""
+
+    abstract = True
+    around: ClassVar[list[Any]] = []
+
+    def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        type(self).around.append(self.request.id)
+        return super().__call__(*args, **kwargs)
+
+
+class _AroundDedupTask(DedupTask, _Around):
+    abstract = True
+
+
+def test_the_body_runs_under_the_delivery_s_request_and_any_call_after_dedup_task_s(
+    make_app: AppFactory, r: redis.Redis
+) -> None:
+    """A delivered run's body sees its own request (id, gate header, delivery); a ``__call__`` between
+    DedupTask's and Celery's (a base the task mixes in) still runs around it, with that request."""
+    app = make_app()
+    seen: list[tuple[str, Any, bool, bool]] = []
+
+    def body(self: Any, order_id: int) -> int:
+        request = self.request
+        seen.append((self.name, request.id, "dedup" in (request.headers or {}), bool(request.delivery_info)))
+        return order_id
+
+    plain_based = app.task(base=DedupTask, bind=True, shared=False, name="guard.body.plain", dedup_key="o:{order_id}")(
+        body
+    )
+    around_based = app.task(
+        base=_AroundDedupTask, bind=True, shared=False, name="guard.body.around", dedup_key="o:{order_id}"
+    )(body)
+    _Around.around.clear()
+    with in_process_worker(app):
+        first, second = plain_based.delay(1), around_based.delay(2)
+        assert (first.get(timeout=10), second.get(timeout=10)) == (1, 2)
+    assert seen == [(plain_based.name, first.id, True, True), (around_based.name, second.id, True, True)]
+    assert _Around.around == [second.id], "the mixed-in __call__ ran around the body of its own task only"
 
 
 def test_copies_of_finished_and_superseded_runs_are_skipped(make_app: AppFactory, r: redis.Redis) -> None:

@@ -78,6 +78,32 @@ def test_positional_keyword_and_default_filled_calls_agree() -> None:
     assert s.business_key((42,), {"currency": "USD"}) not in keys
 
 
+def _outcome(s: KeySpec, args: tuple[Any, ...], kwargs: dict[str, Any]) -> str:
+    try:
+        return s.business_key(args, kwargs)
+    except DedupKeyError as exc:
+        return f"error: {exc}"
+
+
+@settings(max_examples=300, deadline=None)
+@given(
+    positional=st.lists(st.integers(0, 3), max_size=4),
+    named=st.dictionaries(st.sampled_from(["order_id", "amount", "currency", "nope"]), st.integers(0, 3), max_size=4),
+)
+@pytest.mark.parametrize("option", ["o:{order_id}:{currency}", ["amount", "order_id"], None])
+def test_a_plain_signature_binds_every_call_as_signature_bind_does(
+    option: KeyOption, positional: list[int], named: dict[str, int]
+) -> None:
+    """Calls of a task whose parameters are all positional-or-keyword are bound without ``Signature.bind``:
+    each gets the key (or the error) that binding it would give, defaults, repeats and unknowns included."""
+    fast = spec(option, charge)
+    bound = spec(option, charge)
+    bound._plain = None  # what every other signature takes: Signature.bind
+    assert fast._plain is not None
+    args = tuple(positional)
+    assert _outcome(fast, args, named) == _outcome(bound, args, named)
+
+
 @pytest.mark.parametrize("option", ["o:{order_id}:{amount}:{currency}", ["order_id", "amount", "currency"], None])
 def test_kwargs_order_is_irrelevant(option: KeyOption) -> None:
     """Keyword arguments in any order give one key, in every key form."""
