@@ -29,12 +29,18 @@ ROOT = Path(__file__).resolve().parent.parent
 HERE = ROOT / "benchmarks"
 QUICK_RESULTS = HERE / "results" / "quick"
 
-#: (script, options for --quick), in running order; the chart last, as it reads enqueue's and storm's results.
+#: (script, options for --quick), in running order; the chart last, as it reads enqueue's, storm's and worker's results.
 SCRIPTS: tuple[tuple[str, tuple[str, ...]], ...] = (
     ("enqueue", ("--calls", "1000", "--repeats", "3", "--warmup", "200", "--rt-calls", "100")),
     ("enqueue_rabbitmq", ("--calls", "500", "--repeats", "2", "--warmup", "50", "--rt-calls", "50")),
     ("bulk", ("--tasks", "2000", "--repeats", "2")),
-    ("worker", ("--tasks", "300", "--repeats", "3", "--rt-tasks", "50", "--warmup", "50", "--guard-pairs", "200")),
+    (
+        "worker",
+        (
+            *("--tasks", "300", "--repeats", "3", "--rt-tasks", "50", "--warmup", "50", "--guard-pairs", "200"),
+            *("--body-drain-s", "0.15", "--body-repeats", "2"),
+        ),
+    ),
     ("memory", ("--keys", "10000", "--sample", "200", "--variant-keys", "200")),
     ("storm", ("--producers", "2", "--keys", "200", "--sends", "2")),
     ("debounce", ("--rounds", "2", "--keys", "5", "--calls", "20")),
