@@ -61,6 +61,8 @@ def quick_outputs(name: str) -> list[str]:
             *("--storm", str(QUICK_RESULTS / "storm.json")),
             *("--recovery", str(QUICK_RESULTS / "recovery.json")),
             *("--output", str(QUICK_RESULTS / "benchmarks.png")),
+            *("--worker", str(QUICK_RESULTS / "worker.json")),
+            *("--body-output", str(QUICK_RESULTS / "body_time.png")),
         ]
     return ["--output", str(QUICK_RESULTS / f"{name}.json")]
 
