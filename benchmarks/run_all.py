@@ -3,17 +3,18 @@
 Each script runs as its own subprocess with this Python, from the repository
 root, with its default options. ``--quick`` passes smaller sizes, for a smoke
 run of the whole kit in a few minutes: its numbers are only indicative, so its
-results and chart go to ``benchmarks/results/quick/`` and leave the full
-results and the docs' chart alone. ``benchmarks/bulk.py`` runs when it exists;
+results and charts go to ``benchmarks/results/quick/`` and leave the full
+results and the docs' charts alone. ``benchmarks/bulk.py`` runs when it exists;
 ``enqueue_rabbitmq`` says it skipped (and succeeds) where RabbitMQ is not
-installed.
+installed, and ``parsers`` where hiredis is not.
 
 Run it from the repository root::
 
     .venv/bin/python -m benchmarks [--quick] [--only enqueue,storm,...]
 
 (``python -m benchmarks.run_all`` is the same). Every script writes its JSON result to
-``benchmarks/results/``; the chart goes to ``docs/_static/benchmarks.png`` too.
+``benchmarks/results/``; the charts go to ``docs/_static/benchmarks.png`` and
+``docs/_static/body_time.png`` too.
 """
 
 from __future__ import annotations
@@ -50,6 +51,7 @@ SCRIPTS: tuple[tuple[str, tuple[str, ...]], ...] = (
     ("cluster", ("--calls", "300", "--repeats", "1", "--threads", "4")),
     ("scale", ("--quick", "--calls", "1000", "--passes", "3", "--renders", "5")),
     ("recovery", ("--repeats", "1", "--wait", "30")),
+    ("parsers", ("--rounds", "1", "--calls", "300", "--repeats", "2", "--tasks", "200")),
     ("chart", ()),
 )
 
