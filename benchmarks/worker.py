@@ -505,6 +505,7 @@ def body_sweep(bench: Bench, pool: str, args: argparse.Namespace) -> dict[str, A
     """
     if not args.body_ms:
         return None
+    started = time.monotonic()
     concurrency = 1 if pool == "solo" else args.concurrency
     libraries = [name for name in SWEEP_TASKS if args.peers or name in ("plain", "celery-dedup")]
     for library in libraries:  # the peers' sleeping tasks have not run yet in this worker
@@ -523,9 +524,19 @@ def body_sweep(bench: Bench, pool: str, args: argparse.Namespace) -> dict[str, A
             for library in libraries[shift:] + libraries[:shift]:
                 rate, _ = drain(bench, sweep_case(library, row["body_ms"]), row["tasks"])
                 row["tasks_per_s"][library].append(rate)
-        print(f"{pool}: body-time sweep repeat {repeat + 1}/{args.body_repeats} done", file=sys.stderr)
+        print(
+            f"{pool}: body-time sweep repeat {repeat + 1}/{args.body_repeats} done "
+            f"({time.monotonic() - started:.0f} s in)",
+            file=sys.stderr,
+        )
     bench.clear()
-    return {"results": "off", "repeats": args.body_repeats, "drain_s": args.body_drain_s, "rows": rows}
+    return {
+        "results": "off",
+        "repeats": args.body_repeats,
+        "drain_s": args.body_drain_s,
+        "elapsed_s": round(time.monotonic() - started, 1),
+        "rows": rows,
+    }
 
 
 # --- output --------------------------------------------------------------------------------------
