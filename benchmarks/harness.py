@@ -40,6 +40,7 @@ from pathlib import Path
 from typing import Any
 
 import redis
+from redis.utils import HIREDIS_AVAILABLE
 
 ROOT = Path(__file__).resolve().parent.parent
 RESULTS = ROOT / "benchmarks" / "results"
@@ -130,7 +131,15 @@ def versions(*extra: str) -> dict[str, str]:
             found[dist] = metadata.version(dist)
         except metadata.PackageNotFoundError:
             found[dist] = "not installed"
+    found["parser"] = redis_parser()
     return found
+
+
+def redis_parser() -> str:
+    """What parses replies (and packs commands) in this process: hiredis, when redis-py can import it."""
+    if HIREDIS_AVAILABLE:
+        return f"hiredis {metadata.version('hiredis')}"
+    return "redis-py's (no hiredis)"
 
 
 def save(output: Path, result: Mapping[str, Any]) -> None:

@@ -3,17 +3,18 @@
 Each script runs as its own subprocess with this Python, from the repository
 root, with its default options. ``--quick`` passes smaller sizes, for a smoke
 run of the whole kit in a few minutes: its numbers are only indicative, so its
-results and chart go to ``benchmarks/results/quick/`` and leave the full
-results and the docs' chart alone. ``benchmarks/bulk.py`` runs when it exists;
+results and charts go to ``benchmarks/results/quick/`` and leave the full
+results and the docs' charts alone. ``benchmarks/bulk.py`` runs when it exists;
 ``enqueue_rabbitmq`` says it skipped (and succeeds) where RabbitMQ is not
-installed.
+installed, and ``parsers`` where hiredis is not.
 
 Run it from the repository root::
 
     .venv/bin/python -m benchmarks [--quick] [--only enqueue,storm,...]
 
 (``python -m benchmarks.run_all`` is the same). Every script writes its JSON result to
-``benchmarks/results/``; the chart goes to ``docs/_static/benchmarks.png`` too.
+``benchmarks/results/``; the charts go to ``docs/_static/benchmarks.png`` and
+``docs/_static/body_time.png`` too.
 """
 
 from __future__ import annotations
@@ -29,12 +30,18 @@ ROOT = Path(__file__).resolve().parent.parent
 HERE = ROOT / "benchmarks"
 QUICK_RESULTS = HERE / "results" / "quick"
 
-#: (script, options for --quick), in running order; the chart last, as it reads enqueue's and storm's results.
+#: (script, options for --quick), in running order; the chart last, as it reads enqueue's, storm's and worker's results.
 SCRIPTS: tuple[tuple[str, tuple[str, ...]], ...] = (
     ("enqueue", ("--calls", "1000", "--repeats", "3", "--warmup", "200", "--rt-calls", "100")),
     ("enqueue_rabbitmq", ("--calls", "500", "--repeats", "2", "--warmup", "50", "--rt-calls", "50")),
     ("bulk", ("--tasks", "2000", "--repeats", "2")),
-    ("worker", ("--tasks", "300", "--repeats", "3", "--rt-tasks", "50", "--warmup", "50", "--guard-pairs", "200")),
+    (
+        "worker",
+        (
+            *("--tasks", "300", "--repeats", "3", "--rt-tasks", "50", "--warmup", "50", "--guard-pairs", "200"),
+            *("--body-drain-s", "0.15", "--body-repeats", "2"),
+        ),
+    ),
     ("memory", ("--keys", "10000", "--sample", "200", "--variant-keys", "200")),
     ("storm", ("--producers", "2", "--keys", "200", "--sends", "2")),
     ("debounce", ("--rounds", "2", "--keys", "5", "--calls", "20")),
@@ -45,6 +52,7 @@ SCRIPTS: tuple[tuple[str, tuple[str, ...]], ...] = (
     ("cluster", ("--calls", "300", "--repeats", "1", "--threads", "4")),
     ("scale", ("--quick", "--calls", "1000", "--passes", "3", "--renders", "5")),
     ("recovery", ("--repeats", "1", "--wait", "30")),
+    ("parsers", ("--rounds", "1", "--calls", "300", "--repeats", "2", "--tasks", "200")),
     ("chart", ()),
 )
 
@@ -56,6 +64,8 @@ def quick_outputs(name: str) -> list[str]:
             *("--storm", str(QUICK_RESULTS / "storm.json")),
             *("--recovery", str(QUICK_RESULTS / "recovery.json")),
             *("--output", str(QUICK_RESULTS / "benchmarks.png")),
+            *("--worker", str(QUICK_RESULTS / "worker.json")),
+            *("--body-output", str(QUICK_RESULTS / "body_time.png")),
         ]
     return ["--output", str(QUICK_RESULTS / f"{name}.json")]
 

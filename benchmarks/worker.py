@@ -12,6 +12,11 @@ What it measures, on real workers consuming a real queue (``benchmarks/worker_ap
 - **Throughput**: ``--tasks`` no-op tasks pre-queued, then drained; tasks/s
   for a plain task and a DedupTask, ``--repeats`` times each, alternating which
   goes first, and the ratio DedupTask/plain.
+- **Throughput against body time**: the same drains for tasks whose body
+  sleeps each of ``--body-ms`` (0, 1, 5 and 20 ms), for plain Celery,
+  celery-dedup, celery-once and celery-singleton; fewer tasks per drain the
+  longer the body. Shows where celery-dedup's fixed cost per task stops
+  mattering (``benchmarks/chart.py`` draws it).
 
 Both run on two workers: ``solo`` (in this process, with
 ``celery.contrib.testing.worker.start_worker``) and ``prefork`` (a
@@ -25,7 +30,7 @@ BRPOP again.
 
 Run it from the repository root::
 
-    .venv/bin/python -m benchmarks.worker [--tasks 2000] [--repeats 7] [--output FILE]
+    .venv/bin/python -m benchmarks.worker [--tasks 2000] [--repeats 7] [--body-ms 0,1,5,20] [--output FILE]
 
 It starts its own server (``celery_dedup.testing.RedisServer``), prints
 Markdown tables and writes ``benchmarks/results/worker.json``. Nothing here
@@ -402,6 +407,15 @@ DEDUP = Case("dedup no-op", "bench.keyed", keyed=True)
 #: The same no-op task keyed by each peer library installed (throughput only).
 PEERS = [Case(f"{name.removeprefix('bench.')} no-op", name, keyed=False) for name, _, _ in peer_bases()]
 PEER_LABELS = {"bench.once": "celery-once", "bench.singleton": "celery-singleton"}
+#: The body-time sweep's libraries and their sleeping tasks (same signature): plain Celery, celery-dedup, the peers.
+SWEEP_TASKS = {
+    "plain": "bench.plain_sleep",
+    "celery-dedup": "bench.keyed_sleep",
+    **{PEER_LABELS.get(name, name): f"{name}_sleep" for name, _, _ in peer_bases()},
+}
+#: What a task costs the worker beside its body, for sizing a sweep drain (a no-op task takes about a millisecond).
+SWEEP_OVERHEAD_S = 0.001
+MIN_SWEEP_TASKS = 20
 
 
 def rt_cases(sleep_ms: float) -> list[Case]:
@@ -446,6 +460,7 @@ def measure_pool(bench: Bench, pool: str, args: argparse.Namespace) -> tuple[lis
                         lua_us.append(lua)
             print(f"{pool}: throughput repeat {repeat + 1}/{args.repeats} done", file=sys.stderr)
         bench.clear()
+        sweep = body_sweep(bench, pool, args)
     first = rates[args.results[0]]
     plain, dedup = first[PLAIN.name], first[DEDUP.name]
     throughput = {
@@ -464,8 +479,64 @@ def measure_pool(bench: Bench, pool: str, args: argparse.Namespace) -> tuple[lis
         "dedup_server_lua_us_per_task": lua_us,
         # Every case with and without a result backend: {results: {case: tasks/s per repeat}}.
         "by_results": rates,
+        # Sleeping tasks at each --body-ms, every library in the same drains (None: no sweep asked for).
+        "body_sweep": sweep,
     }
     return trips, throughput
+
+
+def sweep_tasks(body_ms: float, drain_s: float, concurrency: int) -> int:
+    """Tasks per sweep drain: about ``drain_s`` of wall time on ``concurrency`` processes, fewer for longer bodies."""
+    return max(MIN_SWEEP_TASKS, round(drain_s * concurrency / (body_ms / 1000 + SWEEP_OVERHEAD_S)))
+
+
+def sweep_case(library: str, body_ms: float) -> Case:
+    return Case(
+        f"{library}, {body_ms:g} ms body", SWEEP_TASKS[library], keyed=library == "celery-dedup", sleep_s=body_ms / 1000
+    )
+
+
+def body_sweep(bench: Bench, pool: str, args: argparse.Namespace) -> dict[str, Any] | None:
+    """Throughput of every library's sleeping task at each ``--body-ms``, without a result backend.
+
+    Per repeat and body time, each library drains its tasks once, the first
+    rotating every repeat (as in the no-op drains); tasks per drain from
+    :func:`sweep_tasks`.
+    """
+    if not args.body_ms:
+        return None
+    started = time.monotonic()
+    concurrency = 1 if pool == "solo" else args.concurrency
+    libraries = [name for name in SWEEP_TASKS if args.peers or name in ("plain", "celery-dedup")]
+    for library in libraries:  # the peers' sleeping tasks have not run yet in this worker
+        warm(bench, sweep_case(library, 0.0), args.warmup)
+    rows: list[dict[str, Any]] = [
+        {
+            "body_ms": body_ms,
+            "tasks": sweep_tasks(body_ms, args.body_drain_s, concurrency),
+            "tasks_per_s": {library: [] for library in libraries},
+        }
+        for body_ms in args.body_ms
+    ]
+    for repeat in range(args.body_repeats):
+        shift = repeat % len(libraries)
+        for row in rows:
+            for library in libraries[shift:] + libraries[:shift]:
+                rate, _ = drain(bench, sweep_case(library, row["body_ms"]), row["tasks"])
+                row["tasks_per_s"][library].append(rate)
+        print(
+            f"{pool}: body-time sweep repeat {repeat + 1}/{args.body_repeats} done "
+            f"({time.monotonic() - started:.0f} s in)",
+            file=sys.stderr,
+        )
+    bench.clear()
+    return {
+        "results": "off",
+        "repeats": args.body_repeats,
+        "drain_s": args.body_drain_s,
+        "elapsed_s": round(time.monotonic() - started, 1),
+        "rows": rows,
+    }
 
 
 # --- output --------------------------------------------------------------------------------------
@@ -558,6 +629,37 @@ def library_table(rows: Sequence[dict[str, Any]]) -> str:
     return "\n".join(lines)
 
 
+def sweep_table(rows: Sequence[dict[str, Any]]) -> str:
+    """Per pool and body time: each library's tasks/s, its ratio to plain Celery's, and celery-dedup's added µs."""
+    sweeps = [(row, row["body_sweep"]) for row in rows if row.get("body_sweep")]
+    if not sweeps:
+        return ""
+    libraries = list(sweeps[0][1]["rows"][0]["tasks_per_s"])
+    others = [name for name in libraries if name != "plain"]
+    lines = [
+        "| pool | body | tasks per drain | plain tasks/s | "
+        + " | ".join(f"{name} tasks/s, vs plain (per-repeat min\N{EN DASH}max)" for name in others)
+        + " | celery-dedup added µs/task |",
+        "|---|---:|---:|---:|" + "---:|" * len(others) + "---:|",
+    ]
+    for row, sweep in sweeps:
+        pool = row["pool"] if row["pool"] == "solo" else f"prefork ({row['concurrency']})"
+        for body in sweep["rows"]:
+            rates = body["tasks_per_s"]
+            plain = statistics.median(rates["plain"])
+            cells = []
+            for name in others:
+                ratios = [r / p for r, p in zip(rates[name], rates["plain"], strict=True)]
+                median = statistics.median(rates[name])
+                cells.append(f"{median:.0f}, {median / plain:.2f}x ({min(ratios):.2f}\N{EN DASH}{max(ratios):.2f})")
+            added = 1e6 / statistics.median(rates["celery-dedup"]) - 1e6 / plain
+            lines.append(
+                f"| {pool} | {body['body_ms']:g} ms | {body['tasks']} | {plain:.0f} | {' | '.join(cells)} | "
+                f"{added:.0f} |"
+            )
+    return "\n".join(lines)
+
+
 def throughput_table(rows: Sequence[dict[str, Any]]) -> str:
     lines = [
         "| pool | case | tasks/s median | min\N{EN DASH}max | ratio dedup/plain (medians) "
@@ -627,6 +729,11 @@ def parse_args(script: harness.Script, argv: Sequence[str] | None) -> argparse.N
     script.option("--concurrency", 2, "prefork children")
     script.option("--pools", "solo,prefork", "comma-separated: solo, prefork", minimum=None)
     script.option("--results", "off,on", "throughput without (off) and/or with (on) a result backend", minimum=None)
+    script.option(
+        "--body-ms", "0,1,5,20", "body times of the throughput sweep, ms, comma-separated (empty: none)", minimum=None
+    )
+    script.option("--body-drain-s", 0.5, "wall time each sweep drain is sized for, s", minimum=0.01)
+    script.option("--body-repeats", 3, "sweep drains per library, body time and pool")
     script.flag("--no-peers", "leave celery-once and celery-singleton out", dest="peers", action="store_false")
     script.flag("--no-round-trips", "skip the MONITOR round-trip counts", dest="round_trips", action="store_false")
     script.option("--budget", 1000, "plain and keyed deliveries each for the per-delivery budget (0: none)", minimum=0)
@@ -635,6 +742,12 @@ def parse_args(script: harness.Script, argv: Sequence[str] | None) -> argparse.N
     args.results = [m.strip() for m in args.results.split(",") if m.strip()]
     if not args.results or any(m not in ("off", "on") for m in args.results):
         script.parser.error("--results takes off and/or on")
+    try:
+        args.body_ms = [float(ms) for ms in args.body_ms.split(",") if ms.strip()]
+    except ValueError:
+        script.parser.error("--body-ms takes comma-separated numbers of milliseconds")
+    if any(ms < 0 for ms in args.body_ms):
+        script.parser.error("--body-ms takes no negative body time")
     args.pools = [p.strip() for p in args.pools.split(",") if p.strip()]
     if not args.pools or any(p not in ("solo", "prefork") for p in args.pools):
         script.parser.error("--pools takes solo and/or prefork")
@@ -753,6 +866,17 @@ def print_workers(args: argparse.Namespace, run: Run) -> None:
     )
     print()
     print(library_table(run.throughput))
+    sweep = sweep_table(run.throughput)
+    if sweep:
+        print()
+        print(
+            f"Throughput against body time: each library's task sleeping for its body, {args.body_repeats} drains "
+            "per library, body time and pool, the first rotating each repeat (ignore_result, task_acks_late; "
+            f"each drain sized for about {args.body_drain_s:g} s). Medians; the ratio is of the medians, the range "
+            "that of the per-repeat ratios. Added µs: 1/median(celery-dedup tasks/s) - 1/median(plain tasks/s)."
+        )
+        print()
+        print(sweep)
     print()
     print(
         "The worker, the server and this benchmark share the machine's cores (the solo worker shares this "

@@ -7,7 +7,9 @@ with :func:`build_app`. Two pairs of tasks with the same signatures, so plain
 and keyed messages are the same size: ``bench.plain``/``bench.keyed`` do
 nothing, ``bench.plain_sleep``/``bench.keyed_sleep`` sleep for ``seconds``;
 ``bench.once`` and ``bench.singleton`` do nothing, keyed by celery-once and
-celery-singleton (when installed) for the throughput comparison.
+celery-singleton (when installed) for the throughput comparison, and
+``bench.once_sleep``/``bench.singleton_sleep`` sleep for ``seconds`` like
+``bench.keyed_sleep``, for the body-time sweep.
 No task touches Redis itself: every command the worker sends is Celery's,
 kombu's or celery-dedup's.
 """
@@ -30,7 +32,7 @@ PREFIX = "bench-dedup"
 
 
 def build_app(url: str, name: str = "bench_worker") -> Celery:
-    """An installed app on ``url`` (broker and result backend) with the four benchmark tasks."""
+    """An installed app on ``url`` (broker and result backend) with the benchmark tasks."""
     app = Celery(name, broker=url, backend=url, set_as_current=False)
     app.conf.update(
         task_default_queue=QUEUE,
@@ -72,11 +74,18 @@ def build_app(url: str, name: str = "bench_worker") -> Celery:
         def peer(order_id: int) -> None:
             return None
 
+        @app.task(name=f"{task_name}_sleep", base=base, shared=False, **options)
+        def peer_sleep(order_id: int, seconds: float = 0.0) -> None:
+            time.sleep(seconds)
+
     return app
 
 
 def peer_bases() -> list[tuple[str, type[Any], dict[str, Any]]]:
-    """``(task name, base, options)`` of the no-op task keyed on ``order_id`` by each peer library installed."""
+    """``(task name, base, options)`` of the no-op task keyed on ``order_id`` by each peer library installed.
+
+    Each also has a sleeping variant, named ``<task name>_sleep``.
+    """
     peers: list[tuple[str, type[Any], dict[str, Any]]] = []
     try:
         from celery_once import QueueOnce  # noqa: PLC0415 - optional: the bench extra

