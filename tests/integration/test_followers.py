@@ -262,3 +262,57 @@ def test_a_call_with_a_callback_joins_a_burst_and_later_calls_still_join(make_ap
         wait_for(lambda: tasks.listed("receipts"), 20, "the joined call's callback")
     assert [raw.decode() for raw in client.lrange(f"{name}:ran", 0, -1)] == ["c"]
     assert tasks.listed("receipts") == ["c"]
+
+
+def test_followers_of_a_run_still_executing_after_its_key_passed_on_wait_for_its_ending(
+    make_app: AppFactory, r: redis.Redis
+) -> None:
+    """A throttle run starts after its window ran out; a new call takes the key while it executes.
+
+    The reaper releases the followers of a run whose record passed to another
+    run: its worker died before settling them. Not while that run still
+    executes (its lock held by a delivery the record does not name): its
+    ending settles them, with its value. Found by a chaos run: a chain parked
+    on such a run failed as lost while the run was succeeding.
+    """
+    app = make_app(dedup_reap_grace=0.2)
+    tasks = Tasks(app)
+
+    @app.task(base=DedupTask, dedup_key="t:{n}", dedup_mode="throttle", dedup_window=0.3, shared=False)
+    def throttled(n: int) -> str:
+        return f"throttled {n}"
+
+    run = throttled.delay(1)
+    assert throttled.apply_async((1,), link=tasks.receipt.s()).deduplicated, "the call with a callback follows"
+    time.sleep(0.5)  # the window runs out before any worker fetched the run
+    runtime.reap(app)
+    store = runtime.store_for(app)
+    member = member_for(throttled.name, "t:1")
+    token = new_token()
+    started = store.start(
+        member,
+        run.id,
+        token,
+        lock_ms=60_000,
+        gated=True,
+        key_mode="window",
+        hostname="worker-1",
+        pid=4242,
+        retries=0,
+        record_ms=60_000,
+    )
+    assert started.run, started
+    later = throttled.delay(1)
+    assert not later.deduplicated, "premise: after its window, a new call is a new run"
+    time.sleep(0.3)  # the follower was parked longer than the grace
+
+    runtime.reap(app)
+
+    queued = sorted(m["headers"]["id"] for m in queued_messages(r))
+    assert queued == sorted([run.id, later.id]), "the follower was released while its run still executed"
+    finished = store.finish(member, run.id, "succeeded", drop=False, record_ms=60_000, token=token, role="run")
+    assert finished.wants_result
+    assert store.settle(member, run.id, result=result_payload(app, "throttled 1"), record_ms=60_000) == 1
+    with in_process_worker(app, pool="threads", concurrency=2):
+        wait_for(lambda: tasks.listed("receipts"), 20, "the follower's callback")
+    assert tasks.listed("receipts") == ["throttled 1"]

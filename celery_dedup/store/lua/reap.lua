@@ -322,7 +322,9 @@ end
 -- were parked), or after their run's record passed to another run (its worker
 -- died between recording the ending and settling them, or the run's hold ran
 -- out): released with the outcome recorded for their run, or as lost when none
--- was.
+-- was. Not while the key's lock is held by a delivery the record does not
+-- name and their run is not known to have ended: that may be their run, still
+-- executing after its record passed on, whose ending settles them.
 local following = KEY.following(prefix)
 local look = redis.call('SSCAN', following, redis.call('GET', KEY.reaper_following_cursor(prefix)) or '0', 'COUNT', budget)
 redis.call('SET', KEY.reaper_following_cursor(prefix), look[1])
@@ -332,7 +334,13 @@ for _, member in ipairs(look[2]) do
   if #entries == 0 then
     redis.call('SREM', following, member)
   end
-  local r = redis.call('HMGET', KEY.record(prefix, member), 'task_id', 'state', 'finished_at')
+  local r = redis.call('HMGET', KEY.record(prefix, member), 'task_id', 'state', 'finished_at', 'ended', 'lock')
+  -- The key's lock, held by a delivery its record does not name: a run whose record passed on while it
+  -- executes (a window that ran out before it started), unless that is a run known to have ended.
+  local running = redis.call('GET', KEY.lock(prefix, member))
+  if running and running == r[5] then
+    running = false
+  end
   local outcomes = KEY.outcomes(prefix, member)
   -- A run that replaced itself: its replacement, not the run, settles them (lib's settle_followers);
   -- a run lost while replacing itself, only until its outcome's relay_until.
@@ -344,7 +352,8 @@ for _, member in ipairs(look[2]) do
   for i = 1, #entries, 2 do
     local ok, follower = pcall(cjson.decode, entries[i + 1])
     local run = ok and follower.run
-    local waiting = run and (r[1] == run and not ENDED[r[2]] and r[2] ~= 'lost' or follower.message and replaced(run))
+    local waiting = run and (r[1] == run and not ENDED[r[2]] and r[2] ~= 'lost' or follower.message and replaced(run)
+      or r[1] ~= run and running and not has_ended(prefix, member, r[4] or '', run))
     -- A grace after the run's ending too: a success hands its value over in the round trip after recording it.
     local since = math.max(tonumber(follower.at or 0), r[1] == run and tonumber(r[3] or 0) or 0)
     if run and follower.message and not waiting and not settled[run] and since <= now - grace_ms then
