@@ -136,7 +136,7 @@ def awaits_nothing(task: Any, store: DedupStore) -> bool:
     the ending to anyone else: no result is stored (ignored, or no backend),
     nothing is published (callbacks, a chain, a group or chord), not eager;
     and the store can send without waiting (a single server, no replicas to
-    wait for). The reply is read when the trace ends (:func:`read_endings`),
+    wait for). The reply is read when the trace ends (:func:`settle_unwritten`),
     before Celery acknowledges the message, or before this thread's next
     store call, whichever comes first.
     """
@@ -147,11 +147,6 @@ def awaits_nothing(task: Any, store: DedupStore) -> bool:
         return False
     ignore = getattr(request, "ignore_result", None)
     return bool(task.ignore_result if ignore is None else ignore) or isinstance(task.backend, DisabledBackend)
-
-
-def read_endings(**_: Any) -> None:
-    """``task_postrun``: read the replies of the endings this thread sent (:meth:`DedupStore.send_finish`)."""
-    read_sent()
 
 
 def defer(task: Any, store: DedupStore, ending: Ending) -> bool:
@@ -167,13 +162,14 @@ def defer(task: Any, store: DedupStore, ending: Ending) -> bool:
 
 
 def settle_unwritten(task_id: str | None = None, **_: Any) -> None:
-    """``task_postrun``: record a deferred ending no result write picked up."""
+    """``task_postrun``: record a deferred ending no result write picked up, and read the replies of the
+    endings this thread sent (:meth:`DedupStore.send_finish`). One receiver: it runs for every task."""
     ending = _deferred.endings.pop(task_id, None) if task_id is not None else None
     if ending is not None:
         ending(None, deferred=True)
+    read_sent()
 
 
 def connect() -> None:
-    """Connect the receivers once (idempotent)."""
+    """Connect the receiver once (idempotent)."""
     signals.task_postrun.connect(settle_unwritten, weak=False, dispatch_uid="celery_dedup.results.settle_unwritten")
-    signals.task_postrun.connect(read_endings, weak=False, dispatch_uid="celery_dedup.results.read_endings")
