@@ -7,8 +7,9 @@ module is what a task body, a script or a view imports.
 
 from __future__ import annotations
 
+from .holding import Holding, acquire
 from .policy import LimitPolicy, Rate, parse_rate
 from .store.limits import Grant, GroupState, groups
 from .worker.limits import current
 
-__all__ = ["Grant", "GroupState", "LimitPolicy", "Rate", "current", "groups", "parse_rate"]
+__all__ = ["Grant", "GroupState", "Holding", "LimitPolicy", "Rate", "acquire", "current", "groups", "parse_rate"]

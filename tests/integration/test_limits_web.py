@@ -1,0 +1,207 @@
+"""One named group's quota drawn from outside tasks (``limits.acquire``) and backed off from a body (``dedup_backoff``).
+
+Callers in threads and processes of their own hold places in the same group
+key the tasks' deliveries do, through the same script and waiting line; what
+they held is checked from the server's clock (never more than the group
+allows at once), and what they leave behind from the group's keys.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import threading
+import time
+from collections.abc import Iterator
+from typing import Any
+
+import pytest
+import redis
+from celery import Celery
+
+from celery_dedup import DedupLimitTimeout, limits
+from celery_dedup.exceptions import DedupArgumentError
+from celery_dedup.holding import _group
+from celery_dedup.keys import KeySchema
+from celery_dedup.runtime import store_for
+
+from .. import limits_web_app
+from ..conftest import ROOT, AppFactory, Server, wait_for
+from .test_limits import most_at_once
+
+SCHEMA = KeySchema("dedup")
+
+
+@pytest.fixture
+def app(make_app: AppFactory) -> Celery:
+    web = make_app("web")
+    web.conf.dedup_limit_groups = limits_web_app.GROUPS
+    return web
+
+
+def group_id(app: Celery, name: str, key: str | None = "acme") -> str:
+    return _group(app, name, key)[0]
+
+
+def holds(r: redis.Redis) -> list[dict[str, Any]]:
+    return [json.loads(raw) for raw in r.lrange(limits_web_app.HOLDS, 0, -1)]
+
+
+def limited(app: Celery) -> int:
+    """Refusals counted, every namespace."""
+    return sum(counts.get("limited", 0) for counts in store_for(app).stats().values())
+
+
+def caller(server: Server, *args: str) -> subprocess.Popen[str]:
+    """A process of its own drawing on the quota (``python -m tests.limits_web_app ...``)."""
+    env = dict(os.environ, CELERY_DEDUP_TEST_BROKER=server.url, PYTHONPATH=str(ROOT))
+    return subprocess.Popen(
+        [sys.executable, "-m", "tests.limits_web_app", *args],
+        cwd=ROOT,
+        env=env,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+    )
+
+
+@pytest.fixture
+def callers() -> Iterator[list[subprocess.Popen[str]]]:
+    started: list[subprocess.Popen[str]] = []
+    yield started
+    for process in started:
+        if process.poll() is None:
+            process.kill()
+        process.wait()
+        if process.stdout is not None:
+            process.stdout.close()
+
+
+# --- acquire ---------------------------------------------------------------------------------
+
+
+def test_callers_in_threads_and_processes_never_hold_more_than_the_group_allows(
+    server: Server, r: redis.Redis, app: Celery, callers: list[subprocess.Popen[str]]
+) -> None:
+    """Two processes of four threads and four threads here race for group key ``acme`` (3 slots)."""
+    callers += [caller(server, "race", "4", "3", "0.1") for _ in range(2)]
+
+    def loop(n: int) -> None:
+        for _ in range(3):
+            limits_web_app.hold(app, r, f"here:{n}", 0.1)
+
+    threads = [threading.Thread(target=loop, args=(n,)) for n in range(4)]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join()
+    for process in callers:
+        output = process.communicate(timeout=60)[0]
+        assert process.returncode == 0, output
+    done = holds(r)
+    assert len(done) == 36
+    assert most_at_once(done) <= 3, sorted((e["start"], e["end"]) for e in done)
+    assert most_at_once(done) == 3, "the group is not stricter than declared"
+    group = group_id(app, "partner")
+    assert r.zcard(SCHEMA.limit_slots(group)) == 0
+    assert r.zcard(SCHEMA.limit_waiting(group)) == 0
+
+
+def test_a_caller_that_waits_past_its_timeout_raises_and_leaves_the_line(r: redis.Redis, app: Celery) -> None:
+    group = group_id(app, "single")
+    with limits.acquire(app, "single", key="acme") as holding:
+        assert (holding.group, holding.key) == ("single", "acme")
+        assert r.zscore(SCHEMA.limit_slots(group), holding.token) is not None
+        started = time.monotonic()
+        with pytest.raises(DedupLimitTimeout) as info, limits.acquire(app, "single", key="acme", timeout=0.4):
+            pytest.fail("a second place in a group of one")
+        took = time.monotonic() - started
+        assert 0.4 <= took < 1.5, took
+        assert (info.value.group, info.value.key, info.value.timeout) == ("single", "acme", 0.4)
+        assert r.zcard(SCHEMA.limit_waiting(group)) == 0, "it left the line"
+        assert r.zcard(SCHEMA.limit_deadlines(group)) == 0
+        assert limited(app) <= 4, "it slept the script's waits, it did not spin"
+        with pytest.raises(DedupLimitTimeout), limits.acquire(app, "single", key="acme", timeout=0):
+            pytest.fail("timeout 0 is one try")
+        assert r.zcard(SCHEMA.limit_slots(group)) == 1
+    assert r.zcard(SCHEMA.limit_slots(group)) == 0
+
+
+def test_waiting_callers_are_served_in_arrival_order(r: redis.Redis, app: Celery) -> None:
+    group = group_id(app, "single")
+    order: list[str] = []
+
+    def wait_turn(name: str) -> None:
+        with limits.acquire(app, "single", key="acme", timeout=20):
+            order.append(name)
+            time.sleep(0.05)
+
+    with limits.acquire(app, "single", key="acme"):
+        first = threading.Thread(target=wait_turn, args=("first",))
+        first.start()
+        wait_for(lambda: r.zcard(SCHEMA.limit_waiting(group)) == 1, 5, "the first in line")
+        second = threading.Thread(target=wait_turn, args=("second",))
+        second.start()
+        wait_for(lambda: r.zcard(SCHEMA.limit_waiting(group)) == 2, 5, "the second in line")
+        time.sleep(0.3)
+    first.join(20)
+    second.join(20)
+    assert order == ["first", "second"]
+
+
+def test_an_exception_inside_the_block_gives_the_slot_back(r: redis.Redis, app: Celery) -> None:
+    with pytest.raises(RuntimeError, match="boom"), limits.acquire(app, "single", key="acme"):
+        raise RuntimeError("boom")
+    assert r.zcard(SCHEMA.limit_slots(group_id(app, "single"))) == 0
+    with limits.acquire(app, "single", key="acme", timeout=0):
+        pass
+
+
+def test_a_block_longer_than_its_lease_keeps_its_slot(r: redis.Redis, app: Celery) -> None:
+    with limits.acquire(app, "single", key="acme", lease=1) as holding:
+        time.sleep(2.5)
+        with pytest.raises(DedupLimitTimeout), limits.acquire(app, "single", key="acme", timeout=0):
+            pytest.fail("the slot was renewed")
+        assert not holding.lost
+    assert r.zcard(SCHEMA.limit_slots(group_id(app, "single"))) == 0
+
+
+@pytest.mark.parametrize(
+    ("parameter", "value"), [("timeout", -1), ("timeout", "5"), ("lease", 0.5), ("lease", float("nan"))]
+)
+def test_bad_timeouts_and_leases_are_refused(app: Celery, parameter: str, value: Any) -> None:
+    with pytest.raises(DedupArgumentError) as info, limits.acquire(app, "single", **{parameter: value}):
+        pytest.fail("held with a bad value")
+    assert info.value.parameter == parameter
+
+
+def test_a_process_killed_inside_the_block_frees_its_slot_at_once_for_a_caller_of_its_host(
+    server: Server, r: redis.Redis, app: Celery, callers: list[subprocess.Popen[str]]
+) -> None:
+    """Its lease is 60 s; a refused caller on the same host finds its process gone and evicts its slot."""
+    callers.append(caller(server, "hang", "single", "60"))
+    wait_for(lambda: r.hlen(limits_web_app.HELD) == 1, 30, "the process holds its place")
+    callers[0].kill()
+    callers[0].wait()
+    started = time.monotonic()
+    with limits.acquire(app, "single", key="acme", timeout=5):
+        assert time.monotonic() - started < 2
+    assert sum(counts.get("limit_evicted", 0) for counts in store_for(app).stats().values()) == 1
+
+
+def test_a_process_stopped_inside_the_block_loses_its_slot_within_one_lease(
+    server: Server, r: redis.Redis, app: Celery, callers: list[subprocess.Popen[str]]
+) -> None:
+    """A process that lives but stops renewing (SIGSTOP) cannot be proven dead: its 1 s lease frees the slot."""
+    callers.append(caller(server, "hang", "single", "1"))
+    wait_for(lambda: r.hlen(limits_web_app.HELD) == 1, 30, "the process holds its place")
+    os.kill(callers[0].pid, signal.SIGSTOP)
+    try:
+        started = time.monotonic()
+        with limits.acquire(app, "single", key="acme", timeout=5):
+            assert time.monotonic() - started < 2.5
+    finally:
+        os.kill(callers[0].pid, signal.SIGCONT)
