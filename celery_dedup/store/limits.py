@@ -130,6 +130,23 @@ def leave_line(store: DedupStore, group: str, run_id: str) -> None:
         pipe.execute()
 
 
+def _conf(at: KeySchema, namespace: str) -> str:
+    """The conf HASH of a group namespace in shard ``at`` (until the key schema names it)."""
+    return f"{at.prefix}:lim:conf:{namespace}"
+
+
+def back_off(store: DedupStore, group: str, run_id: str, *, after_ms: int, lease_ms: int) -> int:
+    """Pause ``group`` for ``after_ms`` and put run ``run_id`` first in its line (``limit_backoff.lua``).
+
+    Returns when the pause ends (ms, server clock; -1: paused until resumed).
+    """
+    at = store.schema.shard_of(group)
+    namespace, key = split_member(group)
+    keys = [_conf(at, namespace), at.limit_waiting(group), at.limit_deadlines(group)]
+    command = commands.LimitBackoff(key=key, run=run_id, after=after_ms, lease=lease_ms)
+    return int(store.scripts.run(keys, command, client=store.client))
+
+
 class Lease(Protocol):
     """A delivery's place in a group (``SlotLease``), as renewing it needs it."""
 

@@ -26,7 +26,9 @@ from celery_dedup import DedupLimitTimeout, limits
 from celery_dedup.exceptions import DedupArgumentError
 from celery_dedup.holding import _group
 from celery_dedup.keys import KeySchema
+from celery_dedup.policy import LimitPolicy
 from celery_dedup.runtime import store_for
+from celery_dedup.store import limits as store_limits
 
 from .. import limits_web_app
 from ..conftest import ROOT, AppFactory, Server, wait_for
@@ -205,3 +207,31 @@ def test_a_process_stopped_inside_the_block_loses_its_slot_within_one_lease(
             assert time.monotonic() - started < 2.5
     finally:
         os.kill(callers[0].pid, signal.SIGCONT)
+
+
+# --- back-off in the store -------------------------------------------------------------------
+
+
+def test_a_back_off_pauses_the_key_and_puts_the_run_first_in_line(r: redis.Redis, app: Celery) -> None:
+    store = store_for(app)
+    group = group_id(app, "single")
+    one = LimitPolicy(None, concurrency=1)
+    assert isinstance(
+        store_limits.acquire(store, group, "h:1:a", "run-1", one, lease_ms=60_000, task_name="t"), store_limits.Grant
+    )
+    for run in ("run-2", "run-3"):
+        store_limits.acquire(store, group, f"h:1:{run}", run, one, lease_ms=60_000, task_name="t")
+    now = limits_web_app.server_ms(r)
+    until = store_limits.back_off(store, group, "run-1", after_ms=5000, lease_ms=60_000)
+    assert now + 5000 <= until <= now + 5100
+    conf = f"dedup:lim:conf:{group.partition(':')[0]}"
+    assert int(r.hget(conf, "k:acme:paused_until") or 0) == until
+    assert r.ttl(conf) == -1, "the conf hash keeps no TTL"
+    assert [m.decode() for m in r.zrange(SCHEMA.limit_waiting(group), 0, -1)] == ["run-1", "run-2", "run-3"]
+    assert until + 60_000 - 10 <= (r.zscore(SCHEMA.limit_deadlines(group), "run-1") or 0) <= until + 60_000
+    # A shorter back-off never shortens the pause; a pause until resumed stays one.
+    assert store_limits.back_off(store, group, "run-1", after_ms=100, lease_ms=60_000) == until
+    assert [m.decode() for m in r.zrange(SCHEMA.limit_waiting(group), 0, -1)] == ["run-1", "run-2", "run-3"]
+    r.hset(conf, "k:acme:paused_until", -1)
+    assert store_limits.back_off(store, group, "run-3", after_ms=100, lease_ms=60_000) == -1
+    assert [m.decode() for m in r.zrange(SCHEMA.limit_waiting(group), 0, -1)] == ["run-3", "run-1", "run-2"]
