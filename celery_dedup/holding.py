@@ -61,8 +61,6 @@ DEFAULT_LEASE = 10.0
 MIN_LEASE = 1.0
 #: The clock waits are measured on; tests may replace it.
 clock: Callable[[], float] = time.monotonic
-#: How a caller waits (``gevent`` patches it into a greenlet's sleep).
-sleep: Callable[[float], None] = time.sleep
 
 
 @dataclass
@@ -190,7 +188,7 @@ def _turn(
             if left <= 0:
                 raise DedupLimitTimeout(group, key, float(wait_for or 0.0))
             pause = min(pause, left)
-        sleep(pause)
+        time.sleep(pause)  # looked up at each call: a gevent-patched process sleeps its greenlet only
 
 
 def _give_back(store: DedupStore, held: SlotLease, policy: LimitPolicy) -> None:

@@ -15,15 +15,17 @@ import subprocess
 import sys
 import threading
 import time
+from collections import Counter
 from collections.abc import Iterator
+from contextlib import contextmanager
 from typing import Any
 
 import pytest
 import redis
 from celery import Celery
 
-from celery_dedup import DedupLimitTimeout, limits
-from celery_dedup.exceptions import DedupArgumentError
+from celery_dedup import DedupLimitTimeout, DedupTask, limits
+from celery_dedup.exceptions import DedupArgumentError, DedupConfigError
 from celery_dedup.holding import _group
 from celery_dedup.keys import KeySchema
 from celery_dedup.policy import LimitPolicy
@@ -31,7 +33,7 @@ from celery_dedup.runtime import store_for
 from celery_dedup.store import limits as store_limits
 
 from .. import limits_web_app
-from ..conftest import ROOT, AppFactory, Server, wait_for
+from ..conftest import ROOT, AppFactory, Server, WorkerProcess, wait_for
 from .test_limits import most_at_once
 
 SCHEMA = KeySchema("dedup")
@@ -57,11 +59,19 @@ def limited(app: Celery) -> int:
     return sum(counts.get("limited", 0) for counts in store_for(app).stats().values())
 
 
-def caller(server: Server, *args: str) -> subprocess.Popen[str]:
+#: Runs ``tests.limits_web_app`` as ``python -m`` does, in a process gevent patched first (threads are greenlets).
+GEVENT = (
+    "from gevent import monkey; monkey.patch_all(); import runpy, sys; sys.argv[0] = 'limits_web_app'; "
+    "runpy.run_module('tests.limits_web_app', run_name='__main__')"
+)
+
+
+def caller(server: Server, *args: str, gevent: bool = False) -> subprocess.Popen[str]:
     """A process of its own drawing on the quota (``python -m tests.limits_web_app ...``)."""
     env = dict(os.environ, CELERY_DEDUP_TEST_BROKER=server.url, PYTHONPATH=str(ROOT))
+    start = ["-c", GEVENT] if gevent else ["-m", "tests.limits_web_app"]
     return subprocess.Popen(
-        [sys.executable, "-m", "tests.limits_web_app", *args],
+        [sys.executable, *start, *args],
         cwd=ROOT,
         env=env,
         stdout=subprocess.PIPE,
@@ -88,8 +98,8 @@ def callers() -> Iterator[list[subprocess.Popen[str]]]:
 def test_callers_in_threads_and_processes_never_hold_more_than_the_group_allows(
     server: Server, r: redis.Redis, app: Celery, callers: list[subprocess.Popen[str]]
 ) -> None:
-    """Two processes of four threads and four threads here race for group key ``acme`` (3 slots)."""
-    callers += [caller(server, "race", "4", "3", "0.1") for _ in range(2)]
+    """Two processes of four threads (one with gevent: four greenlets) and four threads here race for 3 slots."""
+    callers += [caller(server, "race", "4", "3", "0.1", gevent=gevent) for gevent in (False, True)]
 
     def loop(n: int) -> None:
         for _ in range(3):
@@ -235,3 +245,105 @@ def test_a_back_off_pauses_the_key_and_puts_the_run_first_in_line(r: redis.Redis
     r.hset(conf, "k:acme:paused_until", -1)
     assert store_limits.back_off(store, group, "run-3", after_ms=100, lease_ms=60_000) == -1
     assert [m.decode() for m in r.zrange(SCHEMA.limit_waiting(group), 0, -1)] == ["run-3", "run-1", "run-2"]
+
+
+# --- with real workers -------------------------------------------------------------------------
+
+
+@contextmanager
+def worker(server: Server, pool: str, concurrency: int) -> Iterator[WorkerProcess]:
+    process = WorkerProcess(server.url, app="tests.limits_web_app", pool=pool, concurrency=concurrency)
+    try:
+        yield process.wait_ready()
+    except BaseException:
+        print("".join(process.output))
+        raise
+    finally:
+        process.stop()
+
+
+@pytest.fixture
+def tasks(app: Celery) -> limits_web_app.Tasks:
+    return limits_web_app.register(app)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("pool", ["prefork", "threads"])
+def test_callers_and_task_bodies_of_one_group_key_never_exceed_its_concurrency(
+    server: Server,
+    r: redis.Redis,
+    app: Celery,
+    tasks: limits_web_app.Tasks,
+    callers: list[subprocess.Popen[str]],
+    pool: str,
+) -> None:
+    """Bodies of group ``partner`` key ``acme`` on a worker, a caller process and threads here: 3 at once at most."""
+    with worker(server, pool, concurrency=6) as process:
+        for n in range(18):
+            tasks.partner.delay(n, "acme")
+        callers.append(caller(server, "race", "3", "3", str(limits_web_app.BODY_SECONDS)))
+
+        def loop(n: int) -> None:
+            for _ in range(3):
+                limits_web_app.hold(app, r, f"here:{n}", limits_web_app.BODY_SECONDS)
+
+        threads = [threading.Thread(target=loop, args=(n,)) for n in range(3)]
+        for thread in threads:
+            thread.start()
+        for thread in threads:
+            thread.join()
+        assert callers[0].wait(60) == 0
+        wait_for(lambda: r.llen(limits_web_app.HOLDS) >= 36, 60, lambda: f"{r.llen(limits_web_app.HOLDS)} of 36")
+        output = "".join(process.output)
+    done = holds(r)
+    assert Counter(e["who"] for e in done if e["who"].startswith("task:")) == {f"task:{n}": 1 for n in range(18)}
+    assert most_at_once(done) <= 3, (sorted((e["start"], e["end"], e["who"]) for e in done), output)
+    group = group_id(app, "partner")
+    assert r.zcard(SCHEMA.limit_slots(group)) == 0
+
+
+def test_a_task_without_a_limit_group_cannot_back_off(app: Celery, tasks: limits_web_app.Tasks) -> None:
+    def plain(n: int) -> int:
+        return n
+
+    unlimited = app.task(name="tests.limits_web_app.plain", base=DedupTask, shared=False)(plain)
+    for task in (tasks.inline, unlimited):
+        with pytest.raises(DedupConfigError) as info:
+            task.dedup_backoff(5)
+        assert info.value.task == task.name and task.name in str(info.value)
+    bad: Any
+    for bad in (0, -1, float("inf"), "5", True):
+        with pytest.raises(DedupArgumentError) as bad_info:
+            tasks.single.dedup_backoff(bad)
+        assert bad_info.value.parameter == "retry_after"
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize(("pool", "mode"), [("prefork", "keyed"), ("threads", "off")])
+def test_a_back_off_pauses_its_key_only_and_its_run_comes_back_first_costing_no_retry(
+    server: Server, r: redis.Redis, tasks: limits_web_app.Tasks, pool: str, mode: str
+) -> None:
+    """Run A0 backs off for 2 s: A's other runs wait for the pause, B's do not; A0 runs once more, first, retries 0."""
+    task = tasks.single if mode == "keyed" else tasks.single_off
+    r.sadd(limits_web_app.BACKOFF, "A0")
+    with worker(server, pool, concurrency=4) as process:
+        first = task.delay(0, "A")
+        wait_for(lambda: r.llen(limits_web_app.BACKED_OFF) == 1, 30, "A0 backed off")
+        (backed,) = [json.loads(raw) for raw in r.lrange(limits_web_app.BACKED_OFF, 0, -1)]
+        for n in (1, 2):
+            task.delay(n, "A")
+        for n in (0, 1):
+            task.delay(n, "B")
+        wait_for(lambda: r.llen(limits_web_app.HOLDS) >= 5, 30, lambda: f"{r.llen(limits_web_app.HOLDS)} of 5")
+        output = "".join(process.output)
+    done = {e["who"]: e for e in holds(r)}
+    assert sorted(done) == ["A0", "A1", "A2", "B0", "B1"], output
+    pause_ends = backed["start"] + 2000
+    assert all(done[who]["start"] >= pause_ends for who in ("A0", "A1", "A2")), (backed, done)
+    assert all(done[who]["end"] < pause_ends for who in ("B0", "B1")), ("B waited for A's pause", backed, done)
+    assert done["A0"]["start"] < min(done["A1"]["start"], done["A2"]["start"]), "A0 first after the pause"
+    assert backed["retries"] == 0 and done["A0"]["retries"] == 0, "no Celery retry spent"
+    assert first.get(timeout=10) == "A0"
+    if mode == "keyed":
+        status = task.dedup_status(0, "A")
+        assert status is not None and status.state == "succeeded"
