@@ -69,7 +69,9 @@ violation is printed with an excerpt of the history around it.
     worker was ready throughout, no fault in between can have delayed it, and
     the run still owned its record (``until_executing`` and ``debounce`` pass
     the record to the next call of the key while the body runs; recovery
-    finds runs by their records).
+    finds runs by their records; where the key's kept history no longer
+    reaches back to the body, a call accepted as another run of such a key
+    after the body started shows the passing).
 ``step-once``
     A step (``dedup_once``) recorded done is never executed again by a later
     delivery of its run (a retry, a redelivery, a copy): its function is not
@@ -196,6 +198,8 @@ RECOVERY_BOUND = LOCK_TTL + REAP_INTERVAL
 #: The server history's note for a run whose record went to the next call of its key while it ran: format
 #: 2's, and format 1's (``"still running; key passed to the next run"``, of a store a previous release wrote).
 PASSED_ON = frozenset({"passed on", "key passed to the next run"})
+#: Modes whose record passes to the next call of the key while a body runs (the key is freed as it starts).
+PASSED_ON_AT_START = frozenset({"until_executing", "debounce"})
 #: Faults that can keep a dead worker's run from being put back in time (they stop, cut or slow the
 #: workers that would restore it, or change the run's record). Workers killed or stopped by a restart
 #: meanwhile only do not count as the live worker that restores it.
@@ -1143,6 +1147,8 @@ class Checker:
             return
         if any(passed_on(e.note) for e in h.entries(body.member, body.task_id) if e.t <= deadline):
             return  # its record went to the next run of its key: recovery finds runs by their records
+        if self._passed_on_by_a_call(body, deadline):
+            return
         stopping = {
             int(pid)
             for e in h.faults
@@ -1173,6 +1179,26 @@ class Checker:
             f"within {RECOVERY_BOUND:.0f}s, before its lock expired: {later}"
         )
         self.violation("recovery", body.member, message, t=killed_at, ids=(body.task_id,), until=deadline)
+
+    def _passed_on_by_a_call(self, body: Body, deadline: float) -> bool:
+        """Whether a call passed ``body``'s record on, where the key's kept history no longer reaches back to it.
+
+        A busy key's history keeps its last entries only. A call accepted as another run after the body
+        started, in a mode that frees the key as a body starts, passed the record on then.
+        """
+        h = self.h
+        kept = h.entries(body.member)
+        if kept and kept[0].t <= body.start:
+            return False  # the history covers the body: its own entries say whether the record passed on
+        return any(
+            call.member == body.member
+            and call.mode in PASSED_ON_AT_START
+            and call.outcome == "accepted"
+            and call.task_id not in ("", body.task_id)
+            and body.start <= call.t0
+            and call.t <= deadline
+            for call in h.calls
+        )
 
     def _recovery_hindrance(self, body: Body, start: float, end: float) -> Event | None:
         """A fault between ``start`` and ``end`` that can have kept ``body``'s run from being put back."""
