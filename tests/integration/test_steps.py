@@ -25,6 +25,7 @@ from celery import Celery
 
 from celery_dedup import DedupError, DedupLockLostError, DedupStepError, DedupStepInDoubt, DedupTask, runtime
 from celery_dedup.keys import KeySchema, member_for
+from celery_dedup.store.commands import StepBeginCode
 from celery_dedup.store.scripts import load_script
 from celery_dedup.store.status import StepStatus
 from chaos.proxy import FaultProxy
@@ -278,6 +279,72 @@ def test_a_paused_executor_and_its_redelivered_copy_record_a_step_once_and_the_p
     finally:
         if parent_of(paused):
             os.kill(paused, signal.SIGCONT)
+
+
+@pytest.mark.slow
+def test_a_copy_of_a_run_finds_its_done_steps_after_a_later_run_of_its_key_took_steps(
+    fleet: Fleet, tasks: steps_app.Tasks, make_app: AppFactory, r: redis.Redis
+) -> None:
+    """``until_executing``: run A charges, then its whole worker is SIGKILLed; its message stays
+    unacknowledged until the visibility timeout. A freed its key as it started, so run B of the same
+    key is accepted; once A's lock ran out a second worker runs B, which charges and finishes; then
+    A's message comes back and a copy of A runs. A was published while the store was unreachable
+    (``fail_open``: no gate header), so its copy is not refused as superseded once B owns the record.
+
+    Proves: the copy of A finds A's charge done (a later run's steps do not drop it) and does not
+    charge again: one charge per run, each with its own run's key, and A's copy returns A's receipt.
+    """
+    settings = conf(worker_prefetch_multiplier=1)
+    transport = {"visibility_timeout": 10, **RESTORE_EVERY_SECOND}
+    task = tasks.charge_until_executing
+    down = make_app("steps_store_down", dedup_redis_url="redis://127.0.0.1:9", dedup_on_redis_error="fail_open")
+    publisher = steps_app.register(down).charge_until_executing
+    r.set(steps_app.hang_key("after-charge", 16), 1)
+    run_a = publisher.apply_async((16,))
+    first_worker = fleet.start(settings=settings, transport=transport)
+    hung = started(r, "after-charge", 16)
+    first_worker.stop(signal.SIGKILL)
+    try:
+        run_b = task.apply_async((16,))
+        assert run_b.id != run_a.id, "premise: B is a run of its own"
+        time.sleep(LOCK_TTL + 0.5)  # A's execution lock runs out
+        fleet.start(settings=settings, transport=transport)
+        done_b = run_b.get(timeout=LOCK_TTL + SLACK)
+        assert int(r.get(steps_app.bodies_key(16)) or 0) == 2, "premise: B ran before A's copy"
+        done_a = task.AsyncResult(run_a.id).get(timeout=10 + SLACK)
+        assert int(r.get(steps_app.bodies_key(16)) or 0) == 3, "premise: A's copy ran its body again"
+        charges = of(steps_app.calls(r, 16), "charge")
+        keys = [charge.key for charge in charges]
+        assert len(charges) == 2 and len(set(keys)) == 2, f"A's charge was made again: {keys}"
+        assert charges[0].pid == hung and run_a.id.removeprefix("order:16") in charges[0].key
+        assert (done_a["receipt"], done_b["receipt"]) == (charges[0].receipt, charges[1].receipt)
+        assert len(of(steps_app.calls(r, 16), "mail")) == 2
+    except Exception:
+        print(record(r, member("charge_until_executing", 16)), steps_app.calls(r, 16))
+        print(fleet.logs())
+        raise
+
+
+def test_the_steps_of_a_run_stay_while_later_runs_of_its_key_take_steps(make_app: AppFactory, r: redis.Redis) -> None:
+    """At the store: run A does step s; runs B and C of the key (any mode that lets them run while A can still
+    be delivered: while_executing, until_executing, debounce) do s under their own locks; then a copy of A,
+    holding the lock again, finds its s done with its value, and B's and C's stay theirs."""
+    app = make_app("steps_runs")
+    store = runtime.store_for(app)
+    target = member_for("steps.runs", "order:17")
+    ms = {"lock_ms": 10_000, "record_ms": 60_000}
+
+    def step(run: str, token: str, value: str) -> str:
+        r.set(SCHEMA.lock(target), token)
+        begun = store.step_begin(target, run, token, "s:s", "s", on_doubt="raise", **ms)
+        if begun.code == StepBeginCode.DONE:
+            return begun.detail
+        assert begun.code == StepBeginCode.RUN, begun
+        assert store.step_end(target, run, token, "s:s", "s", result=value, **ms).recorded
+        return value
+
+    assert [step("A", "a1", "va"), step("B", "b1", "vb"), step("C:x", "c1", "vc")] == ["va", "vb", "vc"]
+    assert [step("A", "a2", "?"), step("B", "b2", "?"), step("C:x", "c2", "?")] == ["va", "vb", "vc"]
 
 
 def test_a_retry_after_a_step_skips_it(make_app: AppFactory, r: redis.Redis) -> None:
