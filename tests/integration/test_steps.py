@@ -332,19 +332,37 @@ def test_the_steps_of_a_run_stay_while_later_runs_of_its_key_take_steps(make_app
     app = make_app("steps_runs")
     store = runtime.store_for(app)
     target = member_for("steps.runs", "order:17")
-    ms = {"lock_ms": 10_000, "record_ms": 60_000}
 
     def step(run: str, token: str, value: str) -> str:
         r.set(SCHEMA.lock(target), token)
-        begun = store.step_begin(target, run, token, "s:s", "s", on_doubt="raise", **ms)
+        begun = store.step_begin(target, run, token, "s:s", "s", on_doubt="raise", lock_ms=10_000, record_ms=60_000)
         if begun.code == StepBeginCode.DONE:
             return begun.detail
         assert begun.code == StepBeginCode.RUN, begun
-        assert store.step_end(target, run, token, "s:s", "s", result=value, **ms).recorded
+        assert store.step_end(target, run, token, "s:s", "s", result=value, lock_ms=10_000, record_ms=60_000).recorded
         return value
 
     assert [step("A", "a1", "va"), step("B", "b1", "vb"), step("C:x", "c1", "vc")] == ["va", "vb", "vc"]
     assert [step("A", "a2", "?"), step("B", "b2", "?"), step("C:x", "c2", "?")] == ["va", "vb", "vc"]
+
+
+def test_steps_of_a_run_kept_by_the_earlier_layout_are_found_by_that_run(make_app: AppFactory, r: redis.Redis) -> None:
+    """A key's steps hash written before runs had their own (a ``run`` field naming the run of its ``s:`` fields):
+    that run's next step finds its done steps there and moves them into the run's hash; the key's stay."""
+    app = make_app("steps_legacy")
+    store = runtime.store_for(app)
+    target = member_for("steps.legacy", "order:18")
+    done = json.dumps({"state": "done", "attempts": 1, "started_at": 1, "finished_at": 2, "result": '"va"'})
+    r.hset(SCHEMA.steps(target), mapping={"run": "A", "s:s": done, "k:mail": done})
+    r.pexpire(SCHEMA.steps(target), 60_000)
+    assert [step.name for step in store.steps(target)] == ["s", "mail"], "read as the run's before any step"
+    r.set(SCHEMA.lock(target), "a2")
+    begun = store.step_begin(target, "A", "a2", "s:s", "s", on_doubt="raise", lock_ms=10_000, record_ms=60_000)
+    assert (begun.code, begun.detail) == (StepBeginCode.DONE, '"va"')
+    assert r.hkeys(SCHEMA.steps(target)) == [b"k:mail"]
+    assert r.hkeys(SCHEMA.run_steps(target, "A")) == [b"s:s"] and r.pttl(SCHEMA.run_steps(target, "A")) > 50_000
+    begun = store.step_begin(target, "B", "a2", "s:s", "s", on_doubt="raise", lock_ms=10_000, record_ms=60_000)
+    assert begun.code == StepBeginCode.RUN, "another run's step is its own"
 
 
 def test_a_retry_after_a_step_skips_it(make_app: AppFactory, r: redis.Redis) -> None:
