@@ -519,6 +519,24 @@ def test_a_step_whose_begin_lost_its_reply_is_begun_again_by_its_own_delivery_no
         assert took < LOCK_TTL, f"waited {took:.1f} s for its own step lock"
 
 
+def test_a_purge_deletes_the_steps_of_the_runs_it_cuts_down_and_keeps_the_keys(
+    make_app: AppFactory, r: redis.Redis
+) -> None:
+    app = make_app(task_always_eager=True, task_eager_propagates=True)
+
+    def both(self: DedupTask, n: int) -> Any:
+        return [self.dedup_once("charge", lambda key: 1), self.dedup_once("mail", lambda key: 2, scope="key")]
+
+    task = eager_task(app, both)
+    run = task.delay(19)
+    assert run.get() == [1, 2]
+    target = member_for(task.name, "order:19")
+    assert r.exists(SCHEMA.run_steps(target, run.id), SCHEMA.steps(target)) == 2
+    assert runtime.store_for(app).purge().purged == 1
+    assert not r.exists(SCHEMA.run_steps(target, run.id))
+    assert [step.name for step in steps(app, target).values()] == ["mail"]
+
+
 def test_a_run_without_steps_writes_no_steps(make_app: AppFactory, r: redis.Redis) -> None:
     app = make_app(task_always_eager=True)
 
