@@ -76,9 +76,9 @@ violation is printed with an excerpt of the history around it.
     A step (``dedup_once``) recorded done is never executed again by a later
     delivery of its run (a retry, a redelivery, a copy): its function is not
     called after the step was recorded done, and a delivery that skips it
-    gets the value a completed call of it returned. Explained: a wipe of the
-    server's data in between; for an ungated key, a later run of the key that
-    used steps in between (a run's steps are kept until then: documented).
+    gets the value a completed call of it returned, in every mode: a later
+    run of the key keeps its steps apart from the run's. Explained: a wipe of
+    the server's data in between.
 ``step-doubt``
     Every step found in doubt is reported as such: a call of a step after an
     earlier call of it that did not end (its executor was killed, paused past
@@ -181,7 +181,6 @@ EXPLAINED = {
     "crash": "worker crashes outside celery-dedup (Celery or kombu; the worker was replaced)",
     "continuation": "chains whose next step a kill lost after their run succeeded",
     "limit": "limit groups over N after a fault kept a body from renewing its slot",
-    "steps": "steps of an ungated key called again after a later run of the key used steps (a documented limit)",
 }
 #: How soon after resolving a chain's head its process must die to explain a next step never sent, seconds.
 SEND_WINDOW = 3.0
@@ -390,15 +389,11 @@ class History:
     def _index_steps(self, events: list[Event]) -> None:
         #: The step events of each step of a run, by (task id, step name), in time order.
         self.steps: dict[tuple[str, str], list[Event]] = defaultdict(list)
-        #: When each member's runs entered a step (``dedup_once`` called), with the run's id.
-        self.step_entries: dict[str, list[tuple[float, str]]] = defaultdict(list)
         #: The library's "step in doubt ... called again" warnings, by (task id, step name).
         self.doubt_reports: dict[tuple[str, str], list[Event]] = defaultdict(list)
         for event in events:
             if event["ev"] in STEP_EVENTS:
                 self.steps[(event["task_id"], event["step"])].append(event)
-                if event["ev"] == "step_enter":
-                    self.step_entries[event["member"]].append((event["t"], event["task_id"]))
             elif event["ev"] == "step_doubt_log":
                 self.doubt_reports[(str(event.get("task_id")), str(event.get("step")))].append(event)
 
@@ -718,17 +713,13 @@ class History:
         times += [e.t for e in self.entries(member, task_id) if e.state == "step" and e.note == f"{step} done"]
         return min(times, default=None)
 
-    def steps_forgotten(self, member: str, task_id: str, start: float, end: float) -> str | None:
-        """Why the store may have forgotten run ``task_id``'s steps between ``start`` and ``end``, or None."""
+    def steps_forgotten(self, start: float, end: float) -> str | None:
+        """Why the store may have forgotten a run's steps between ``start`` and ``end``, or None.
+
+        Only a wipe: each run keeps its steps apart, so a later run of the key (whatever its mode) drops none.
+        """
         if self.wiped_after_recording(start, end):
             return "the server's data was wiped"
-        spec = MODE_BY_TASK.get(member.split(":", 1)[0])
-        if spec is not None and not spec.gated:
-            later = next(
-                (t for t, run in self.step_entries.get(member, []) if run != task_id and start <= t <= end), None
-            )
-            if later is not None:
-                return f"a later run of the ungated key used steps at {self.rel(later)}"
         return None
 
     def doubt_reported(self, call: Event, since: float) -> bool:
@@ -1246,10 +1237,9 @@ class Checker:
                 f"step {step} of run {task_id} was recorded done at {h.rel(done_at)} and executed again at "
                 f"{h.rel(call['t'])} (pid {call['pid']})"
             )
-            why = h.steps_forgotten(member, task_id, done_at, call["t"])
+            why = h.steps_forgotten(done_at, call["t"])
             if why is not None:
-                kind = "wiped" if why.startswith("the server's data") else "steps"
-                self.explained.append(Explained(kind, member, f"{what}: {why}"))
+                self.explained.append(Explained("wiped", member, f"{what}: {why}"))
                 continue
             self.violation("step-once", member, what, t=done_at, ids=(task_id,), until=call["t"])
         for skip in (e for e in events if e["ev"] == "step_exit" and e["outcome"] == "done" and not e.get("called")):
@@ -1290,10 +1280,9 @@ class Checker:
                 f"step {step} of run {task_id} was called again at {h.rel(call['t'])} (pid {call['pid']}) after a call "
                 f"at {h.rel(earlier['t'])} (pid {earlier['pid']}) that did not end"
             )
-            why = h.steps_forgotten(member, task_id, earlier["t"], call["t"])
+            why = h.steps_forgotten(earlier["t"], call["t"])
             if why is not None:
-                kind = "wiped" if why.startswith("the server's data") else "steps"
-                self.explained.append(Explained(kind, member, f"{what}: {why}"))
+                self.explained.append(Explained("wiped", member, f"{what}: {why}"))
                 continue
             if call.get("on_doubt") == "raise":
                 message = f"{what}, with on_doubt='raise': it had to raise DedupStepInDoubt"
