@@ -73,7 +73,7 @@ def acquire(
     evict: Sequence[str] = (),
 ) -> Grant | Denial:
     """Ask ``group`` whether delivery ``token`` of run ``run_id`` may start now (``limit_acquire.lua``)."""
-    rate = policy.rate
+    rate = policy.rates[0] if policy.rates else None
     command = commands.LimitAcquire(
         group=group,
         token=token,

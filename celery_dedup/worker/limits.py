@@ -38,7 +38,7 @@ import redis
 from .. import decisions
 from ..exceptions import DedupError
 from ..header import GateHeader
-from ..keys import member_for, split_member
+from ..keys import limit_group_member, member_for, split_member
 from ..policy import LimitPolicy
 from ..store.limits import Denial, Grant, acquire, give_back, leave_line, note, release, renew_leases
 from ..store.store import DedupStore
@@ -125,12 +125,19 @@ def owner_gone(token: str) -> bool:
 def group_of(task: KeyedTask, args: Any, kwargs: Any, member: str | None = None) -> str | None:
     """The limit group of a call of ``task`` (``member``: its dedup member, if known), None without limits.
 
+    A task's own limits: ``<task>:<limit key>`` (default: the dedup member); a named group's
+    (``limit_group``): :func:`~celery_dedup.keys.limit_group_member` of its ``limit_key``, or of the
+    whole group without one.
+
     A group key that cannot be derived is logged, and the run is not limited.
     """
     limit = task.dedup_policy.limit
     if limit is None:
         return None
     try:
+        if limit.group is not None:  # a named group: its key, or (no limit_key) its single quota
+            key = None if limit.spec is None else limit.spec.business_key(args, kwargs)
+            return limit_group_member(limit.group, key)
         if limit.spec is not None:
             return member_for(task.name, limit.spec.business_key(args, kwargs))
         return member or member_for(task.name, task.dedup_policy.spec.business_key(args, kwargs))
@@ -217,8 +224,8 @@ def wait(task: KeyedTask, store: DedupStore, member: str | None, denial: Denial,
     """Re-publish the current run to come back when its turn should come, and note why."""
     request = task.request
     key = split_member(denial.group)[1]
-    if denial.reason == "rate" and limit.rate is not None:
-        why = f"rate {denial.in_use}/{limit.rate} used for {key}"
+    if denial.reason == "rate" and limit.rates:
+        why = f"rate {denial.in_use}/{limit.rates[0]} used for {key}"
     else:
         why = f"concurrency {denial.in_use}/{limit.concurrency} in use for {key}"
     countdown = denial.wait_ms / 1000 + random.uniform(0, 0.02)
