@@ -27,7 +27,7 @@ import redis
 
 from celery_dedup import DedupTask
 from celery_dedup.exceptions import DedupConfigError
-from celery_dedup.keys import KeySchema
+from celery_dedup.keys import KeySchema, limit_group_member, limit_group_namespace
 from celery_dedup.policy import LimitPolicy, Rate, parse_rate
 from celery_dedup.runtime import store_for
 from celery_dedup.store import limits as store_limits
@@ -260,6 +260,124 @@ def test_groups_are_listed_with_their_usage(make_app: AppFactory, r: redis.Redis
         1,
     )
     assert state.rate == Rate(10, 1000) and state.starts == 1
+
+
+# --- windows, overrides and pauses in the group script -------------------------------------
+
+NAMED = limit_group_member("partner-api", "acme")
+CONF = SCHEMA.limit_conf(limit_group_namespace("partner-api"))
+
+
+def _ask_named(store: Any, token: str, run: str, policy: LimitPolicy, **kw: Any) -> Grant | Denial:
+    return store_limits.acquire(store, NAMED, token, run, policy, lease_ms=60_000, task_name="shop.limited", **kw)
+
+
+def test_a_start_needs_room_in_every_window(make_app: AppFactory, r: redis.Redis) -> None:
+    """2/s and 3/m: the third start waits for the second's window, the fourth for the minute's."""
+    store = store_for(make_app())
+    two_windows = LimitPolicy(None, rates=(Rate(2, 1000), Rate(3, 60_000)))
+    assert isinstance(_ask(store, "h:1:a", "run-a", two_windows), Grant)
+    assert isinstance(_ask(store, "h:1:b", "run-b", two_windows), Grant)
+    third = _ask(store, "h:1:c", "run-c", two_windows)
+    assert isinstance(third, Denial) and third.reason == "rate" and third.window == Rate(2, 1000)
+    assert third.in_use == 2 and 0 < third.wait_ms <= 1000
+    assert limits.why_waiting(third) == "rate 2/2/s used for tenant:a"
+    time.sleep(third.wait_ms / 1000 + 0.02)
+    assert isinstance(_ask(store, "h:1:c", "run-c", two_windows), Grant)
+    fourth = _ask(store, "h:1:d", "run-d", two_windows)
+    assert isinstance(fourth, Denial) and fourth.window == Rate(3, 60_000) and fourth.in_use == 3
+    assert 58_000 < fourth.wait_ms <= 60_000, "it comes back when the minute's first start leaves it"
+    info = r.hgetall(SCHEMA.limit_info(GROUP))
+    assert info[b"rates"] == b"2/1000,3/60000" and info[b"paused_until"] == b"0"
+    (state,) = store_limits.groups(store)
+    assert state.rates == (Rate(2, 1000), Rate(3, 60_000)) and state.starts_per_window == (1, 3)
+    assert (state.rate, state.starts) == (Rate(2, 1000), 1)
+
+
+def test_a_daily_window_of_ten_thousand_stays_cheap(make_app: AppFactory, r: redis.Redis) -> None:
+    """A full 10000/d log: a refusal reads two entries of it by rank, never the whole log."""
+    store = store_for(make_app())
+    daily = LimitPolicy(None, rates=(Rate(10, 1000), Rate(10_000, 86_400_000)))
+    now = limits_app.server_ms(r)
+    r.zadd(SCHEMA.limit_starts(GROUP), {f"old:{n}": now - 86_000_000 + n * 8000 for n in range(10_000)})
+    r.config_resetstat()
+    rounds = 50
+    began = time.perf_counter()
+    for n in range(rounds):
+        refused = _ask(store, f"h:1:{n}", f"run-{n}", daily)
+        assert isinstance(refused, Denial) and refused.window == Rate(10_000, 86_400_000), refused
+    elapsed = (time.perf_counter() - began) / rounds
+    assert refused.position == rounds - 1
+    # The 50th in line waits for the 50th oldest start to leave the day.
+    assert abs(refused.wait_ms - (400_000 + 49 * 8000)) < 5000, refused.wait_ms
+    stats = r.info("commandstats")
+    per_call = stats["cmdstat_evalsha"]["usec_per_call"]
+    print(f"10000/d refusal: {per_call:.0f} us per script on the server, {elapsed * 1e6:.0f} us per round trip")
+    assert per_call < 1000, stats["cmdstat_evalsha"]
+    assert r.zcard(SCHEMA.limit_starts(GROUP)) == 10_000
+
+
+def test_overrides_take_effect_at_the_next_admission_key_over_group_over_declared(
+    make_app: AppFactory, r: redis.Redis
+) -> None:
+    store = store_for(make_app())
+    declared = LimitPolicy(None, concurrency=1, group="partner-api")
+    assert isinstance(_ask_named(store, "h:1:a", "run-a", declared), Grant)
+    assert isinstance(_ask_named(store, "h:1:b", "run-b", declared), Denial)
+    r.hset(CONF, "concurrency", 2)
+    granted = _ask_named(store, "h:1:b", "run-b", declared)
+    assert isinstance(granted, Grant) and granted.slot
+    r.hset(CONF, "k:acme:concurrency", 3)
+    r.hset(CONF, "concurrency", 1)
+    assert isinstance(_ask_named(store, "h:1:c", "run-c", declared), Grant), "the key's own value wins"
+    refused = _ask_named(store, "h:1:d", "run-d", declared)
+    assert isinstance(refused, Denial) and (refused.reason, refused.limit) == ("concurrency", "3")
+    assert limits.why_waiting(refused) == "concurrency 3/3 in use for partner-api:acme"
+    r.hdel(CONF, "k:acme:concurrency")
+    lowered = _ask_named(store, "h:1:d", "run-d", declared)
+    assert isinstance(lowered, Denial) and lowered.limit == "1", "back to the group's override"
+    # A rate override on a group that declared none counts starts from then on, in its own window.
+    r.hset(CONF, "k:acme:rates", "1/60000")
+    r.hset(CONF, "k:acme:concurrency", 10)
+    assert isinstance(_ask_named(store, "h:1:d", "run-d", declared), Grant)
+    rated = _ask_named(store, "h:1:e", "run-e", declared)
+    assert isinstance(rated, Denial) and rated.window == Rate(1, 60_000)
+    (state,) = store_limits.groups(store)
+    assert (state.name, state.task, state.key, state.concurrency) == ("partner-api", "", "acme", 10)
+    assert state.rates == (Rate(1, 60_000),) and state.starts_per_window == (1,)
+
+
+def test_a_pause_refuses_every_start_and_the_line_resumes_in_arrival_order(
+    make_app: AppFactory, r: redis.Redis
+) -> None:
+    store = store_for(make_app())
+    two = LimitPolicy(None, concurrency=2, group="partner-api")
+    assert isinstance(_ask_named(store, "h:1:a", "run-a", two), Grant)
+    r.hset(CONF, "paused_until", -1)
+    first = _ask_named(store, "h:1:b", "run-b", two)
+    assert isinstance(first, Denial) and (first.reason, first.limit, first.wait_ms) == ("paused", "-1", 5000)
+    assert limits.why_waiting(first) == "paused for partner-api:acme until resumed"
+    second = _ask_named(store, "h:1:c", "run-c", two)
+    assert isinstance(second, Denial) and second.position == 1
+    assert isinstance(_ask_named(store, "h:1:a", "run-a", two), Grant), "a delivery holding its slot keeps it"
+    (state,) = store_limits.groups(store)
+    assert state.paused_until == -1 and state.waiting == 2
+    # A key's pause with an end: it comes back when the pause ends, if that is sooner than the poll.
+    r.hdel(CONF, "paused_until")
+    until = limits_app.server_ms(r) + 1500
+    r.hset(CONF, "k:acme:paused_until", until)
+    timed = _ask_named(store, "h:1:c", "run-c", two)
+    assert isinstance(timed, Denial) and timed.reason == "paused" and timed.limit == str(until)
+    assert 1000 < timed.wait_ms <= 1500
+    r.hdel(CONF, "k:acme:paused_until")
+    # Resumed: run-c asks first, but run-b came first and is expected back: the free slot is held for it.
+    assert isinstance(_ask_named(store, "h:1:c", "run-c", two), Denial)
+    assert isinstance(_ask_named(store, "h:1:b", "run-b", two), Grant)
+    store_limits.release(store, NAMED, "h:1:a", ran=True)
+    assert isinstance(_ask_named(store, "h:1:c", "run-c", two), Grant)
+    # An ended pause is none.
+    r.hset(CONF, "paused_until", limits_app.server_ms(r) - 1)
+    assert isinstance(_ask_named(store, "h:1:d", "run-d", LimitPolicy(None, concurrency=5)), Grant)
 
 
 # --- real prefork workers ------------------------------------------------------------------
