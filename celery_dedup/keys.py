@@ -371,6 +371,11 @@ def limit_group_member(name: str, key: str | None) -> str:
     return f"{limit_group_namespace(name)}:{part}"
 
 
+def limit_key_of(part: str) -> str:
+    """The key :func:`limit_group_member` took for a group id's key part (the inverse, for a key given)."""
+    return WHOLE_GROUP if part == _STAR_KEY else part
+
+
 def limit_group_of(namespace: str) -> str | None:
     """The named group a namespace stands for (the inverse of :func:`limit_group_namespace`), None: a task's."""
     if not namespace.startswith(_GROUP_NAMESPACE):

@@ -12,7 +12,15 @@ from typing import Any, Protocol, TypeVar, cast
 
 from redis.crc import key_slot
 
-from ..keys import KeySchema, limit_group_of, split_member, task_namespace
+from ..keys import (
+    KeySchema,
+    limit_group_member,
+    limit_group_namespace,
+    limit_group_of,
+    limit_key_of,
+    split_member,
+    task_namespace,
+)
 from ..policy import LimitPolicy, Rate, rates_from_text, rates_text
 from . import commands
 from .commands import AcquireCode, GiveBackCode
@@ -298,3 +306,71 @@ def groups(store: DedupStore, *, limit: int = 100) -> list[GroupState]:
             )
         )
     return states
+
+
+# --- a named group's run-time values (its ``limit_conf`` copies) -------------------------------
+
+
+def server_ms(store: DedupStore) -> int:
+    """Now on the store's clock (ms): what every deadline of the limits is on."""
+    seconds, micros = store.client.time()
+    return int(seconds) * 1000 + int(micros) // 1000
+
+
+def _conf_field(name: str, key: str | None, field: str) -> str:
+    """A ``limit_conf`` field: the group's ``field``, or ``k:<key>:<field>`` (as limit_acquire.lua reads it)."""
+    if key is None:
+        return field
+    return f"k:{split_member(limit_group_member(name, key))[1]}:{field}"
+
+
+def _conf_copies(store: DedupStore, name: str, key: str | None) -> list[str]:
+    """The conf copies a value of ``name`` (``key`` None: group-wide) is written to: every shard's, or its key's."""
+    namespace = limit_group_namespace(name)
+    if key is None:
+        return [at.limit_conf(namespace) for at in store.schema.shards_all()]
+    return [store.schema.shard_of(limit_group_member(name, key)).limit_conf(namespace)]
+
+
+def set_conf(store: DedupStore, name: str, key: str | None, values: dict[str, str | int]) -> None:
+    """Write ``values`` (``LIMIT_CONF_FIELDS`` names) for named group ``name``, or one ``key`` of it."""
+    mapping = {_conf_field(name, key, field): value for field, value in values.items()}
+    with store.client.pipeline(transaction=False) as pipe:
+        for copy in _conf_copies(store, name, key):
+            pipe.hset(copy, mapping=cast(Any, mapping))
+        pipe.execute()
+
+
+def clear_conf(store: DedupStore, name: str, key: str | None, fields: Sequence[str]) -> bool:
+    """Remove ``fields`` for named group ``name`` (or one ``key``); whether any was set."""
+    names = [_conf_field(name, key, field) for field in fields]
+    with store.client.pipeline(transaction=False) as pipe:
+        for copy in _conf_copies(store, name, key):
+            pipe.hdel(copy, *names)
+        return any(int(removed) for removed in pipe.execute())
+
+
+def read_conf(store: DedupStore, name: str) -> tuple[dict[str, str], dict[str, dict[str, str]], int]:
+    """Named group ``name``'s conf: ``(group-wide fields, {key: its fields}, now on the server clock)``.
+
+    Group-wide fields are read from the first shard's copy (every copy has them); a key's
+    fields from the copy of its shard. Keys are given as :func:`override` takes them.
+    """
+    namespace = limit_group_namespace(name)
+    with store.client.pipeline(transaction=False) as pipe:
+        for at in store.schema.shards_all():
+            pipe.hgetall(at.limit_conf(namespace))
+        pipe.time()
+        *copies, (seconds, micros) = pipe.execute()
+    group: dict[str, str] = {}
+    keys: dict[str, dict[str, str]] = {}
+    for n, copy in enumerate(copies):
+        for raw_field, raw_value in copy.items():
+            field, value = _text(raw_field), _text(raw_value)
+            if not field.startswith("k:"):
+                if n == 0:
+                    group[field] = value
+                continue
+            part, _, kind = field[2:].rpartition(":")
+            keys.setdefault(limit_key_of(part), {})[kind] = value
+    return group, keys, int(seconds) * 1000 + int(micros) // 1000

@@ -10,6 +10,7 @@ in any window of one period, every run once.
 
 from __future__ import annotations
 
+import datetime
 import json
 import os
 import signal
@@ -25,8 +26,9 @@ from urllib.parse import urlparse
 import pytest
 import redis
 
+import celery_dedup.limits
 from celery_dedup import DedupTask
-from celery_dedup.exceptions import DedupConfigError
+from celery_dedup.exceptions import DedupArgumentError, DedupConfigError
 from celery_dedup.keys import KeySchema, limit_group_member, limit_group_namespace
 from celery_dedup.policy import LimitPolicy, Rate, parse_rate
 from celery_dedup.runtime import store_for
@@ -378,6 +380,130 @@ def test_a_pause_refuses_every_start_and_the_line_resumes_in_arrival_order(
     # An ended pause is none.
     r.hset(CONF, "paused_until", limits_app.server_ms(r) - 1)
     assert isinstance(_ask_named(store, "h:1:d", "run-d", LimitPolicy(None, concurrency=5)), Grant)
+
+
+# --- run-time control: override, clear_override, pause, resume, describe --------------------
+
+PARTNER = {"partner-api": {"concurrency": 1, "rate": ["10/s", "10000/d"]}, "mail": {"rate": "100/m"}}
+
+
+def test_override_and_clear_take_effect_at_the_next_admission(make_app: AppFactory, r: redis.Redis) -> None:
+    app = make_app(dedup_limit_groups=PARTNER)
+    store = store_for(app)
+    declared = LimitPolicy(None, concurrency=1, rates=(Rate(10, 1000), Rate(10_000, 86_400_000)), group="partner-api")
+    assert isinstance(_ask_named(store, "h:1:a", "run-a", declared), Grant)
+    assert isinstance(_ask_named(store, "h:1:b", "run-b", declared), Denial)
+    celery_dedup.limits.override(app, "partner-api", "acme", concurrency=2, by="ops")
+    assert isinstance(_ask_named(store, "h:1:b", "run-b", declared), Grant), "raised: the next admission gets in"
+    celery_dedup.limits.override(app, "partner-api", concurrency=5)
+    celery_dedup.limits.override(app, "partner-api", "acme", rate=["20/s", "100/d"])
+    refused = _ask_named(store, "h:1:c", "run-c", declared)
+    assert isinstance(refused, Denial) and (refused.reason, refused.limit) == ("concurrency", "2"), "key over group"
+    (info, mail) = celery_dedup.limits.describe(app)
+    assert (info.name, info.concurrency, info.rates) == ("partner-api", 1, (Rate(10, 1000), Rate(10_000, 86_400_000)))
+    assert info.override == celery_dedup.limits.Override(5, None) and info.paused_until is None
+    acme = celery_dedup.limits.Override(2, (Rate(20, 1000), Rate(100, 86_400_000)))
+    assert info.keys == {"acme": celery_dedup.limits.KeyConf(acme, None)}
+    assert (mail.name, mail.override, mail.keys) == ("mail", None, {})
+    assert celery_dedup.limits.clear_override(app, "partner-api", "acme")
+    assert not celery_dedup.limits.clear_override(app, "partner-api", "acme")
+    assert isinstance(_ask_named(store, "h:1:c", "run-c", declared), Grant), "the group's 5 applies to acme again"
+    assert celery_dedup.limits.clear_override(app, "partner-api")
+    lowered = _ask_named(store, "h:1:d", "run-d", declared)
+    assert isinstance(lowered, Denial) and lowered.limit == "1", "lowered: back to the declared 1"
+    assert celery_dedup.limits.describe(app)[0].override is None
+
+
+@pytest.mark.parametrize(
+    ("call", "parameter", "value"),
+    [
+        pytest.param({"concurrency": 0}, "concurrency", 0, id="concurrency-zero"),
+        pytest.param({"concurrency": -2}, "concurrency", -2, id="concurrency-negative"),
+        pytest.param({"concurrency": 2.5}, "concurrency", 2.5, id="concurrency-float"),
+        pytest.param({"rate": "0/s"}, "rate", "0/s", id="rate-zero"),
+        pytest.param({"rate": "10/w"}, "rate", "10/w", id="rate-unit"),
+        pytest.param({"rate": []}, "rate", [], id="rate-empty-list"),
+        pytest.param({}, "concurrency", None, id="nothing-to-set"),
+        pytest.param({"key": "", "concurrency": 1}, "key", "", id="key-empty"),
+        pytest.param({"group": "partner", "concurrency": 1}, "group", "partner", id="group-unknown"),
+    ],
+)
+def test_bad_values_at_override_raise_naming_the_group_and_the_value(
+    make_app: AppFactory, r: redis.Redis, call: dict[str, Any], parameter: str, value: Any
+) -> None:
+    app = make_app(dedup_limit_groups=PARTNER)
+    group = call.pop("group", "partner-api")
+    with pytest.raises(DedupArgumentError) as info:
+        celery_dedup.limits.override(app, group, **call)
+    assert (info.value.parameter, info.value.value) == (parameter, value)
+    assert repr(group) in str(info.value) and repr(value) in str(info.value)
+    assert r.keys("dedup:lim:conf:*") == [], "nothing written"
+
+
+def test_pause_and_resume_a_key_or_the_group(make_app: AppFactory, r: redis.Redis) -> None:
+    app = make_app(dedup_limit_groups=PARTNER)
+    store = store_for(app)
+    declared = LimitPolicy(None, concurrency=1, group="partner-api")
+    limits_api = celery_dedup.limits
+    limits_api.pause(app, "partner-api", "acme", by="ops")
+    paused = _ask_named(store, "h:1:a", "run-a", declared)
+    assert isinstance(paused, Denial) and (paused.reason, paused.limit) == ("paused", "-1")
+    assert limits_api.describe(app)[0].keys == {"acme": limits_api.KeyConf(None, -1)}
+    assert limits_api.resume(app, "partner-api", "acme") and not limits_api.resume(app, "partner-api", "acme")
+    assert isinstance(_ask_named(store, "h:1:a", "run-a", declared), Grant)
+    store_limits.release(store, NAMED, "h:1:a", ran=True)
+    now = limits_app.server_ms(r)
+    limits_api.pause(app, "partner-api", until=30)
+    (info, _) = limits_api.describe(app)
+    assert info.paused_until is not None and now + 29_000 < info.paused_until <= now + 31_000
+    assert isinstance(_ask_named(store, "h:1:b", "run-b", declared), Denial)
+    for until in (
+        datetime.timedelta(minutes=1),
+        datetime.datetime.now(datetime.timezone.utc) + datetime.timedelta(minutes=2),
+        datetime.datetime.now(datetime.timezone.utc).replace(tzinfo=None) + datetime.timedelta(minutes=3),
+    ):
+        limits_api.pause(app, "partner-api", until=until)
+        shown = limits_api.describe(app)[0].paused_until
+        assert shown is not None and now + 50_000 < shown < now + 190_000, (until, shown)
+    assert limits_api.resume(app, "partner-api")
+    assert isinstance(_ask_named(store, "h:1:b", "run-b", declared), Grant)
+    # A pause that has ended is no longer shown.
+    limits_api.pause(app, "mail", "x", until=0.05)
+    time.sleep(0.1)
+    assert limits_api.describe(app)[1].keys == {}
+    for bad in (0, -5, "soon", float("nan"), datetime.datetime(2000, 1, 1), True):
+        with pytest.raises(DedupArgumentError) as info_bad:
+            limits_api.pause(app, "partner-api", until=bad)
+        assert info_bad.value.parameter == "until" and "'partner-api'" in str(info_bad.value)
+
+
+def test_group_wide_values_go_to_every_shards_copy_a_keys_to_its_own(r: redis.Redis) -> None:
+    from celery_dedup.store.store import DedupStore  # noqa: PLC0415
+
+    store = DedupStore(r, "dedup", shards=16)
+    store_limits.set_conf(store, "partner-api", None, {"paused_until": -1})
+    store_limits.set_conf(store, "partner-api", "acme", {"concurrency": 3})
+    namespace = limit_group_namespace("partner-api")
+    copies = [at.limit_conf(namespace) for at in store.schema.shards_all()]
+    assert all(r.hget(copy, "paused_until") == b"-1" for copy in copies)
+    home = store.schema.shard_of(NAMED).limit_conf(namespace)
+    assert [copy for copy in copies if r.hexists(copy, "k:acme:concurrency")] == [home]
+    assert r.ttl(home) == -1, "no TTL"
+    refused = store_limits.acquire(
+        store, NAMED, "h:1:a", "run-a", LimitPolicy(None, concurrency=1), lease_ms=60_000, task_name="t"
+    )
+    assert isinstance(refused, Denial) and refused.reason == "paused"
+    assert store_limits.clear_conf(store, "partner-api", None, ("paused_until",))
+    granted = store_limits.acquire(
+        store, NAMED, "h:1:a", "run-a", LimitPolicy(None, concurrency=1), lease_ms=60_000, task_name="t"
+    )
+    assert isinstance(granted, Grant)
+    group, keys, _ = store_limits.read_conf(store, "partner-api")
+    assert (group, keys) == ({}, {"acme": {"concurrency": "3"}})
+    star = limit_group_member("partner-api", "*")
+    store_limits.set_conf(store, "partner-api", "*", {"concurrency": 2})
+    assert store_limits.read_conf(store, "partner-api")[1]["*"] == {"concurrency": "2"}
+    assert r.hexists(store.schema.shard_of(star).limit_conf(namespace), "k:{*}:concurrency")
 
 
 # --- real prefork workers ------------------------------------------------------------------
