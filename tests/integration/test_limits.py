@@ -546,7 +546,7 @@ def most_at_once(entries: list[dict[str, Any]]) -> int:
 
 @pytest.fixture
 def tasks(make_app: AppFactory) -> limits_app.Tasks:
-    return limits_app.register(make_app("limits_app"))
+    return limits_app.register(make_app("limits_app", dedup_limit_groups=limits_app.GROUPS))
 
 
 @pytest.mark.slow
@@ -661,7 +661,7 @@ def test_a_run_revoked_while_it_waits_leaves_the_line(make_app: AppFactory, r: r
     """An ending reported from outside the body (here a revoke) takes the run out of its group's waiting line."""
     from celery_dedup.worker.delivery import settle_elsewhere  # noqa: PLC0415
 
-    app = make_app("limits_app")
+    app = make_app("limits_app", dedup_limit_groups=limits_app.GROUPS)
     tasks = limits_app.register(app)
     store = store_for(app)
     group = "tests.limits_app.job:tenant:Z"
@@ -782,7 +782,7 @@ def test_a_rate_only_run_holds_no_slot_and_reports_none_lost(
 def test_a_limits_only_run_revoked_while_it_waits_leaves_the_line(make_app: AppFactory, r: redis.Redis) -> None:
     from celery_dedup.worker.delivery import settle_elsewhere  # noqa: PLC0415
 
-    app = make_app("limits_app")
+    app = make_app("limits_app", dedup_limit_groups=limits_app.GROUPS)
     task = limits_app.register(app).by_mode["off"]
     store = store_for(app)
     group = f"{task.name}:group:g"
@@ -921,3 +921,141 @@ def test_free_slots_are_not_held_for_runs_ahead_that_do_not_come_back(
     assert [m.decode() for m in r.zrange(SCHEMA.limit_waiting(group), 0, -1)] == ["ahead-0", "ahead-1"], (
         "the runs ahead keep their places until their lease runs out"
     )
+
+
+# --- named groups, windows, overrides and pauses on real workers ----------------------------
+
+
+def _starts_in_order(entries: list[dict[str, Any]]) -> list[str]:
+    return [e["key"] for e in sorted(entries, key=lambda e: e["start"])]
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("pool", ["prefork", "threads"])
+def test_two_tasks_sharing_a_group_never_run_more_than_its_limit_of_a_key(
+    server: Server, r: redis.Redis, tasks: limits_app.Tasks, pool: str
+) -> None:
+    """Group "shared" allows 2 bodies per tenant: tasks a and b together never run a third of one tenant."""
+    task_a, task_b = tasks.shared
+    with worker(server, concurrency=8, pool=pool) as process:
+        for n in range(8):
+            for tenant in "AB":
+                task_a.delay(n, tenant)
+                task_b.delay(n, tenant)
+        wait_for(lambda: r.llen(limits_app.RUNS) >= 32, 120, lambda: f"{r.llen(limits_app.RUNS)} of 32 ran")
+        done = runs(r)
+        output = "".join(process.output)
+    expected = Counter({(t, f"{name}:{n}", tenant): 1 for t, name in (("shared_a", "a"), ("shared_b", "b"))
+                        for n in range(8) for tenant in "AB"})  # fmt: skip
+    assert Counter((e["task"], e["key"], e["group"]) for e in done) == expected, output
+    for tenant in "AB":
+        entries = [e for e in done if e["group"] == tenant]
+        assert {e["task"] for e in entries} == {"shared_a", "shared_b"}
+        assert most_at_once(entries) == 2, (tenant, sorted((e["start"], e["end"], e["task"]) for e in entries))
+    assert most_at_once(done) > 2, "the tenants are separate quotas"
+    for tenant in "AB":
+        assert r.zcard(SCHEMA.limit_slots(limit_group_member("shared", tenant))) == 0
+
+
+@pytest.mark.slow
+def test_two_windows_on_workers_two_a_second_and_three_a_minute(
+    server: Server, r: redis.Redis, tasks: limits_app.Tasks
+) -> None:
+    """Group "windows" (2/s and 3/m, one quota): of six runs of two tasks, three start, at most two in any second."""
+    task_a, task_b = tasks.windowed
+    with worker(server, concurrency=4):
+        for n in range(3):
+            task_a.delay(n)
+            task_b.delay(n)
+        wait_for(lambda: r.llen(limits_app.RUNS) >= 3, 30, lambda: f"{r.llen(limits_app.RUNS)} of 3 ran")
+        time.sleep(2.5)  # room in the second's window again and again: the minute's holds the rest
+        done = runs(r)
+        waiting = [m.decode() for m in r.zrange(SCHEMA.limit_waiting(limit_group_member("windows", None)), 0, -1)]
+    assert len(done) == 3, done
+    granted = sorted(e["granted"] for e in done)
+    assert granted[2] - granted[0] >= 1000, f"no second holds three starts: {granted}"
+    assert len(waiting) == 3, waiting
+    records = [store_for(task_a.app).record(f"{t.name}:n:{n}") for t in (task_a, task_b) for n in range(3)]
+    notes = [rec.get("limit_wait") for rec in records if rec and rec.get("state") == "queued"]
+    assert len(notes) == 3, records
+    # Each was last refused while the minute's window filled (2 or 3 of 3): it waits for that window.
+    assert all(note and note.startswith("rate ") and note.endswith("/3/m used for windows") for note in notes), notes
+
+
+@pytest.mark.slow
+def test_an_override_takes_effect_at_the_next_admission_lower_and_raise(
+    server: Server, r: redis.Redis, tasks: limits_app.Tasks
+) -> None:
+    task_a, task_b = tasks.shared
+    with worker(server, concurrency=6):
+        celery_dedup.limits.override(task_a.app, "shared", "L", concurrency=1)
+        celery_dedup.limits.override(task_a.app, "shared", "H", concurrency=4)
+        for n in range(4):
+            for tenant in "LH":
+                task_a.delay(n, tenant)
+                task_b.delay(n, tenant)
+        wait_for(lambda: r.llen(limits_app.RUNS) >= 16, 90, lambda: f"{r.llen(limits_app.RUNS)} of 16 ran")
+        done = runs(r)
+    lowered = [e for e in done if e["group"] == "L"]
+    raised = [e for e in done if e["group"] == "H"]
+    assert len(lowered) == len(raised) == 8
+    assert most_at_once(lowered) == 1, sorted((e["start"], e["end"]) for e in lowered)
+    assert 2 < most_at_once(raised) <= 4, sorted((e["start"], e["end"]) for e in raised)
+
+
+@pytest.mark.slow
+def test_a_pause_holds_no_worker_slot_survives_a_restart_and_resume_keeps_arrival_order(
+    server: Server, r: redis.Redis, tasks: limits_app.Tasks
+) -> None:
+    """Group "pausable" paused: its runs wait as countdown messages (a free task still runs on the worker's
+    only process), a new worker (threads pool) still holds them, and after resume they run in arrival order."""
+    app = tasks.pausable.app
+    group = limit_group_member("pausable", None)
+    celery_dedup.limits.pause(app, "pausable", by="test")
+    with worker(server, concurrency=1):
+        for n in range(4):
+            tasks.pausable.delay(n)
+        wait_for(lambda: r.zcard(SCHEMA.limit_waiting(group)) == 4, 30, "all four wait")
+        tasks.free.delay(1)
+        wait_for(lambda: r.llen(limits_app.RUNS) >= 1, 10, "the free task ran beside the paused ones")
+    with worker(server, concurrency=2, pool="threads"):
+        tasks.free.delay(2)
+        wait_for(lambda: r.llen(limits_app.RUNS) >= 2, 15, "the free task ran on the new worker")
+        time.sleep(6)  # more than one look again of every paused run
+        assert [e["key"] for e in runs(r)] == ["free:1", "free:2"], "nothing of the paused group started"
+        line = [m.decode() for m in r.zrange(SCHEMA.limit_waiting(group), 0, -1)]
+        assert len(line) == 4
+        assert celery_dedup.limits.resume(app, "pausable")
+        wait_for(lambda: r.llen(limits_app.RUNS) >= 6, 30, lambda: f"{r.llen(limits_app.RUNS)} of 6 ran")
+        done = [e for e in runs(r) if e["group"] == "pausable"]
+    assert [e["id"] for e in sorted(done, key=lambda e: e["start"])] == line, "they start in arrival order"
+    assert most_at_once(done) == 1
+
+
+@pytest.mark.slow
+def test_a_killed_holder_of_a_named_groups_slot_gives_it_back(
+    server: Server, r: redis.Redis, tasks: limits_app.Tasks
+) -> None:
+    """Both of tenant K's slots in group "shared" are held by hanging bodies of two tasks when their children are
+    SIGKILLed: the slots come back (long before the 300 s lease) and every run ends once."""
+    conf: dict[str, Any] = {"task_acks_late": True, "task_reject_on_worker_lost": True, "dedup_lock_ttl": 300}
+    task_a, task_b = tasks.shared
+    r.sadd(limits_app.HANG, "a:0", "b:0")
+    slots = SCHEMA.limit_slots(limit_group_member("shared", "K"))
+    with worker(server, concurrency=4, **conf) as process:
+        task_a.delay(0, "K")
+        task_b.delay(0, "K")
+        wait_for(lambda: r.scard(limits_app.HANG) == 0, 30, "both hanging runs started")
+        for n in range(1, 3):
+            task_a.delay(n, "K")
+            task_b.delay(n, "K")
+        holders = [member.decode() for member in r.zrange(slots, 0, -1)]
+        assert len(holders) == 2, holders
+        for pid in {int(token.split(":")[1]) for token in holders}:
+            os.kill(pid, signal.SIGKILL)
+        wait_for(lambda: r.llen(limits_app.RUNS) >= 6, 60, lambda: f"{r.llen(limits_app.RUNS)} of 6 ended")
+        wait_for(lambda: r.zcard(slots) == 0, 10, "every slot given back")
+        done = runs(r)
+        output = "".join(process.output)
+    assert Counter(e["key"] for e in done) == Counter({f"{t}:{n}": 1 for t in "ab" for n in range(3)}), output
+    assert most_at_once(done) <= 2
