@@ -10,7 +10,13 @@ before it runs (``limit_acquire.lua``, on the server clock):
   and recovered from a dead holder by its expiry or, sooner, when the next
   acquire is told the holder's process is gone;
 - the **rate** is a sliding log of the group's starts: at most R in any
-  window of one period, never 2R across a boundary;
+  window of one period, never 2R across a boundary; a list of rates is
+  several windows, and a start needs room in every one;
+- a task naming a **named group** (``limit_group``, setting
+  ``dedup_limit_groups``) draws on that group's quota per ``limit_key``,
+  shared with every task naming it; the group's values may be overridden
+  and the group paused at run time (:mod:`celery_dedup.limits`), read by
+  the script at each admission (a pause refuses with reason ``paused``);
 - a delivery that may not start now keeps its place in the group's waiting
   line (by first arrival) and is re-published to come back when, by the
   best guess, its turn comes (a countdown: no worker slot is held, nothing
