@@ -34,7 +34,7 @@ import math
 import secrets
 import time
 from collections.abc import Callable, Iterator
-from contextlib import contextmanager
+from contextlib import AbstractContextManager, contextmanager
 from dataclasses import dataclass, field
 from functools import partial
 from typing import Any
@@ -43,8 +43,8 @@ import redis
 
 from . import runtime
 from .exceptions import DedupArgumentError, DedupLimitTimeout
-from .keys import member_for
-from .policy import LimitPolicy, parse_rate
+from .keys import limit_group_member
+from .policy import LimitGroup, LimitPolicy
 from .store.limits import Denial, Grant, give_back, leave_line
 from .store.limits import acquire as ask
 from .store.store import DedupStore
@@ -59,6 +59,13 @@ logger = logging.getLogger("celery_dedup")
 DEFAULT_LEASE = 10.0
 #: The shortest lease accepted (the execution lock's minimum TTL).
 MIN_LEASE = 1.0
+
+
+def stats_name(group: str) -> str:
+    """What the callers of ``group`` are counted as in the stats: ``limited``, ``waited_ms``, ``limit_evicted``."""
+    return f"limits.acquire[{group}]"
+
+
 #: The clock waits are measured on; tests may replace it.
 clock: Callable[[], float] = time.monotonic
 
@@ -80,71 +87,47 @@ class Holding:
     @property
     def lost(self) -> bool:
         """Whether its slot was taken back (its lease lapsed unrenewed, or it was evicted) while held."""
-        return self._lease is not None and self._lease.lost.is_set()
+        return self._lease is not None and self._lease.slot and self._lease.lost.is_set()
 
 
-def _group(app: Any, name: str, key: str | None) -> tuple[str, LimitPolicy]:
-    """The group id and limits of group key ``key`` of the named group ``name``."""
-    declared = (app.conf.get("dedup_limit_groups") or {}).get(name)
-    if not isinstance(declared, dict):
-        raise DedupArgumentError("group", name, "no such limit group in dedup_limit_groups")
-    rates = declared.get("rate")
-    rate = parse_rate(rates if isinstance(rates, str) else rates[0]) if rates else None
-    return member_for(f"~{name}", "*" if key is None else key), LimitPolicy(
-        None, concurrency=declared.get("concurrency"), rate=rate
-    )
-
-
-def _seconds(parameter: str, value: Any, *, least: float, none: bool) -> float | None:
-    if value is None and none:
-        return None
+def _seconds(parameter: str, value: Any, *, least: float) -> float:
     if isinstance(value, bool) or not isinstance(value, int | float) or not math.isfinite(value) or value < least:
         raise DedupArgumentError(parameter, value, f"must be a number of seconds, at least {least:g}")
     return float(value)
 
 
-@contextmanager
-def acquire(
-    app: Any, group: str, key: str | None = None, *, timeout: float | None = None, lease: float | None = None
-) -> Iterator[Holding]:
-    """Hold a place in group key ``key`` of the named limit group ``group`` for the ``with`` block.
-
-    Waits its turn (in the line the group's tasks wait in) for at most
-    ``timeout`` seconds (None: as long as it takes; 0: one try). ``lease``:
-    seconds its slot outlives this process (default :data:`DEFAULT_LEASE`).
+def hold(
+    app: Any, group: LimitGroup, key: str | None, *, timeout: float | None = None, lease: float | None = None
+) -> AbstractContextManager[Holding]:
+    """Hold a place in key ``key`` of the declared group ``group`` (see ``celery_dedup.limits.acquire``).
 
     Raises:
-        DedupLimitTimeout: no place within ``timeout``; the caller left the line.
-        DedupArgumentError: an unknown group, or a bad ``timeout`` or ``lease``.
-
-    Example:
-        >>> with celery_dedup.limits.acquire(app, "partner-api", key="acme", timeout=5):
-        ...     partner.post(order)
+        DedupArgumentError: a bad ``timeout`` or ``lease`` (at once, not on entering).
     """
-    wait_for = _seconds("timeout", timeout, least=0.0, none=True)
-    lease_s = _seconds("lease", DEFAULT_LEASE if lease is None else lease, least=MIN_LEASE, none=False)
-    assert lease_s is not None
-    group_id, policy = _group(app, group, key)
+    wait_for = None if timeout is None else _seconds("timeout", timeout, least=0.0)
+    lease_s = _seconds("lease", DEFAULT_LEASE if lease is None else lease, least=MIN_LEASE)
+    return _held(app, group, key, wait_for, int(lease_s * 1000))
+
+
+@contextmanager
+def _held(app: Any, group: LimitGroup, key: str | None, wait_for: float | None, lease_ms: int) -> Iterator[Holding]:
+    group_id = limit_group_member(group.name, key)
+    policy = LimitPolicy(None, concurrency=group.concurrency, rates=group.rates, group=group.name)
     store = runtime.store_for(app)
-    lease_ms = int(lease_s * 1000)
     token = processes.claim()
     run_id = f"acquire~{secrets.token_hex(8)}"
     try:
-        grant = _wait_turn(
-            store,
-            group_id,
-            run_id,
-            partial(_turn, store, group_id, token, run_id, policy, lease_ms, wait_for, group, key),
-        )
+        turn = partial(_turn, store, group_id, token, run_id, policy, lease_ms, wait_for, group.name, key)
+        grant = _wait_turn(store, group_id, run_id, turn)
         keeper = renewer()
-        held = SlotLease(store, group_id, token, run_id, lease_ms, grant, now=keeper.clock())
-        if policy.concurrency is not None:
+        held = SlotLease(store, group_id, token, run_id, lease_ms, grant, now=keeper.clock(), slot=grant.slot)
+        if held.slot:  # a rate-only group counts starts: nothing to renew
             keeper.add(held)
         try:
-            yield Holding(group, key, token, grant.granted_at, held if policy.concurrency is not None else None)
+            yield Holding(group.name, key, token, grant.granted_at, held)
         finally:
             keeper.remove(held)
-            _give_back(store, held, policy)
+            _give_back(store, held)
     finally:
         processes.retire(token)
 
@@ -174,12 +157,13 @@ def _turn(
 ) -> Grant:
     """Ask until granted, sleeping each refusal's wait, until ``wait_for`` seconds passed."""
     deadline = None if wait_for is None else clock() + wait_for
+    counted = stats_name(group)
     while True:
-        answer = ask(store, group_id, token, run_id, policy, lease_ms=lease_ms, task_name=group)
+        answer = ask(store, group_id, token, run_id, policy, lease_ms=lease_ms, task_name=counted)
         if isinstance(answer, Denial) and answer.holders:
             dead = [holder for holder in answer.holders if owner_gone(holder)]
             if dead:
-                answer = ask(store, group_id, token, run_id, policy, lease_ms=lease_ms, task_name=group, evict=dead)
+                answer = ask(store, group_id, token, run_id, policy, lease_ms=lease_ms, task_name=counted, evict=dead)
         if isinstance(answer, Grant):
             return answer
         pause = answer.wait_ms / 1000
@@ -191,12 +175,12 @@ def _turn(
         time.sleep(pause)  # looked up at each call: a gevent-patched process sleeps its greenlet only
 
 
-def _give_back(store: DedupStore, held: SlotLease, policy: LimitPolicy) -> None:
+def _give_back(store: DedupStore, held: SlotLease) -> None:
     """Give back the slot of ``held`` (its start stays counted); store errors are logged: its lease frees it."""
     try:
         what = give_back(store, held.member, held.token, ran=True)
     except redis.RedisError:
         logger.exception("could not give back slot %r of group %r; it expires with its lease", held.token, held.member)
         return
-    if policy.concurrency is not None and what != "held":
+    if held.slot and what != "held":
         slot_lost(held, "its lease lapsed before the block ended: it went on beyond its group's limit")

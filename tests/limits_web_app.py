@@ -36,7 +36,9 @@ HOLDS = "test:limweb:holds"
 HELD = "test:limweb:held"
 #: LIST of JSON ``{"who", "start", "retries"}`` per body that backs off.
 BACKED_OFF = "test:limweb:backed_off"
-#: SET of the dedup keys whose next body backs off.
+#: SET of the bodies that wait (at most 30 s) until the test takes them out.
+HOLD = "test:limweb:hold"
+#: SET of the bodies that back off once.
 BACKOFF = "test:limweb:backoff"
 #: How long a body backs off (seconds).
 BACKOFF_SECONDS = 2.0
@@ -78,6 +80,9 @@ def register(app: Celery) -> Tasks:
     client = redis.Redis.from_url(str(app.conf.broker_url))
 
     def body(task: DedupTask, who: str, tenant: str) -> str:
+        deadline = time.monotonic() + 30
+        while client.sismember(HOLD, who) and time.monotonic() < deadline:
+            time.sleep(0.02)
         start = server_ms(client)
         if client.srem(BACKOFF, who):
             client.rpush(BACKED_OFF, json.dumps({"who": who, "start": start, "retries": task.request.retries}))
@@ -110,7 +115,7 @@ def register(app: Celery) -> Tasks:
         base=DedupTask,
         bind=True,
         shared=False,
-        dedup_key="call:{n}",
+        dedup_key="call:{tenant}:{n}",
         limit_group="single",
         limit_key="{tenant}",
         max_retries=0,
@@ -148,9 +153,10 @@ def register(app: Celery) -> Tasks:
 def build() -> Celery:
     broker = os.environ.get("CELERY_DEDUP_TEST_BROKER", "redis://127.0.0.1:6379/0")
     web_app = Celery("limits_web_app", broker=broker, backend=broker, set_as_current=False)
-    web_app.conf.update(worker_hijack_root_logger=False, broker_connection_retry_on_startup=True)
+    web_app.conf.update(
+        worker_hijack_root_logger=False, broker_connection_retry_on_startup=True, dedup_limit_groups=GROUPS
+    )
     celery_dedup.install(web_app)
-    web_app.conf.dedup_limit_groups = GROUPS
     register(web_app)
     return web_app
 

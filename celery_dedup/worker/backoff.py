@@ -76,11 +76,12 @@ def backoff(task: KeyedTask, retry_after: Any) -> Backoff:
     """
     seconds = _seconds(retry_after)
     limit = task.dedup_policy.limit
-    if limit is None:
+    if limit is None or limit.group is None:
         raise DedupConfigError(
             "limit_group",
             None,
-            "dedup_backoff pauses the run's limit group key: the task names no group",
+            "dedup_backoff pauses the run's limit group key: the task names no limit_group"
+            + ("" if limit is None else " (a task's own limits cannot be paused)"),
             task=task.name,
         )
     exc = Backoff(

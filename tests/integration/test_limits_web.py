@@ -26,8 +26,7 @@ from celery import Celery
 
 from celery_dedup import DedupLimitTimeout, DedupTask, limits
 from celery_dedup.exceptions import DedupArgumentError, DedupConfigError
-from celery_dedup.holding import _group
-from celery_dedup.keys import KeySchema
+from celery_dedup.keys import KeySchema, limit_group_member
 from celery_dedup.policy import LimitPolicy
 from celery_dedup.runtime import store_for
 from celery_dedup.store import limits as store_limits
@@ -41,13 +40,11 @@ SCHEMA = KeySchema("dedup")
 
 @pytest.fixture
 def app(make_app: AppFactory) -> Celery:
-    web = make_app("web")
-    web.conf.dedup_limit_groups = limits_web_app.GROUPS
-    return web
+    return make_app("web", dedup_limit_groups=limits_web_app.GROUPS)
 
 
-def group_id(app: Celery, name: str, key: str | None = "acme") -> str:
-    return _group(app, name, key)[0]
+def group_id(name: str, key: str | None = "acme") -> str:
+    return limit_group_member(name, key)
 
 
 def holds(r: redis.Redis) -> list[dict[str, Any]]:
@@ -117,13 +114,13 @@ def test_callers_in_threads_and_processes_never_hold_more_than_the_group_allows(
     assert len(done) == 36
     assert most_at_once(done) <= 3, sorted((e["start"], e["end"]) for e in done)
     assert most_at_once(done) == 3, "the group is not stricter than declared"
-    group = group_id(app, "partner")
+    group = group_id("partner")
     assert r.zcard(SCHEMA.limit_slots(group)) == 0
     assert r.zcard(SCHEMA.limit_waiting(group)) == 0
 
 
 def test_a_caller_that_waits_past_its_timeout_raises_and_leaves_the_line(r: redis.Redis, app: Celery) -> None:
-    group = group_id(app, "single")
+    group = group_id("single")
     with limits.acquire(app, "single", key="acme") as holding:
         assert (holding.group, holding.key) == ("single", "acme")
         assert r.zscore(SCHEMA.limit_slots(group), holding.token) is not None
@@ -143,7 +140,7 @@ def test_a_caller_that_waits_past_its_timeout_raises_and_leaves_the_line(r: redi
 
 
 def test_waiting_callers_are_served_in_arrival_order(r: redis.Redis, app: Celery) -> None:
-    group = group_id(app, "single")
+    group = group_id("single")
     order: list[str] = []
 
     def wait_turn(name: str) -> None:
@@ -167,7 +164,7 @@ def test_waiting_callers_are_served_in_arrival_order(r: redis.Redis, app: Celery
 def test_an_exception_inside_the_block_gives_the_slot_back(r: redis.Redis, app: Celery) -> None:
     with pytest.raises(RuntimeError, match="boom"), limits.acquire(app, "single", key="acme"):
         raise RuntimeError("boom")
-    assert r.zcard(SCHEMA.limit_slots(group_id(app, "single"))) == 0
+    assert r.zcard(SCHEMA.limit_slots(group_id("single"))) == 0
     with limits.acquire(app, "single", key="acme", timeout=0):
         pass
 
@@ -178,7 +175,7 @@ def test_a_block_longer_than_its_lease_keeps_its_slot(r: redis.Redis, app: Celer
         with pytest.raises(DedupLimitTimeout), limits.acquire(app, "single", key="acme", timeout=0):
             pytest.fail("the slot was renewed")
         assert not holding.lost
-    assert r.zcard(SCHEMA.limit_slots(group_id(app, "single"))) == 0
+    assert r.zcard(SCHEMA.limit_slots(group_id("single"))) == 0
 
 
 @pytest.mark.parametrize(
@@ -224,7 +221,7 @@ def test_a_process_stopped_inside_the_block_loses_its_slot_within_one_lease(
 
 def test_a_back_off_pauses_the_key_and_puts_the_run_first_in_line(r: redis.Redis, app: Celery) -> None:
     store = store_for(app)
-    group = group_id(app, "single")
+    group = group_id("single")
     one = LimitPolicy(None, concurrency=1)
     assert isinstance(
         store_limits.acquire(store, group, "h:1:a", "run-1", one, lease_ms=60_000, task_name="t"), store_limits.Grant
@@ -234,7 +231,7 @@ def test_a_back_off_pauses_the_key_and_puts_the_run_first_in_line(r: redis.Redis
     now = limits_web_app.server_ms(r)
     until = store_limits.back_off(store, group, "run-1", after_ms=5000, lease_ms=60_000)
     assert now + 5000 <= until <= now + 5100
-    conf = f"dedup:lim:conf:{group.partition(':')[0]}"
+    conf = SCHEMA.limit_conf(group.partition(":")[0])
     assert int(r.hget(conf, "k:acme:paused_until") or 0) == until
     assert r.ttl(conf) == -1, "the conf hash keeps no TTL"
     assert [m.decode() for m in r.zrange(SCHEMA.limit_waiting(group), 0, -1)] == ["run-1", "run-2", "run-3"]
@@ -298,7 +295,7 @@ def test_callers_and_task_bodies_of_one_group_key_never_exceed_its_concurrency(
     done = holds(r)
     assert Counter(e["who"] for e in done if e["who"].startswith("task:")) == {f"task:{n}": 1 for n in range(18)}
     assert most_at_once(done) <= 3, (sorted((e["start"], e["end"], e["who"]) for e in done), output)
-    group = group_id(app, "partner")
+    group = group_id("partner")
     assert r.zcard(SCHEMA.limit_slots(group)) == 0
 
 
@@ -323,15 +320,23 @@ def test_a_task_without_a_limit_group_cannot_back_off(app: Celery, tasks: limits
 def test_a_back_off_pauses_its_key_only_and_its_run_comes_back_first_costing_no_retry(
     server: Server, r: redis.Redis, tasks: limits_web_app.Tasks, pool: str, mode: str
 ) -> None:
-    """Run A0 backs off for 2 s: A's other runs wait for the pause, B's do not; A0 runs once more, first, retries 0."""
+    """Run A0 backs off for 2 s while A1 and A2 wait for its slot (group ``single``: one at a time per key).
+
+    A's runs wait for the pause, B's do not; A0 runs once more, first of A, with no retry spent.
+    """
     task = tasks.single if mode == "keyed" else tasks.single_off
     r.sadd(limits_web_app.BACKOFF, "A0")
+    r.sadd(limits_web_app.HOLD, "A0")
+    line = SCHEMA.limit_waiting(group_id("single", "A"))
     with worker(server, pool, concurrency=4) as process:
         first = task.delay(0, "A")
-        wait_for(lambda: r.llen(limits_web_app.BACKED_OFF) == 1, 30, "A0 backed off")
-        (backed,) = [json.loads(raw) for raw in r.lrange(limits_web_app.BACKED_OFF, 0, -1)]
+        wait_for(lambda: r.zcard(SCHEMA.limit_slots(group_id("single", "A"))) == 1, 30, "A0 holds the slot")
         for n in (1, 2):
             task.delay(n, "A")
+            wait_for(lambda: r.zcard(line) == n, 30, f"A{n} waits in line")  # noqa: B023 - called at once
+        r.delete(limits_web_app.HOLD)
+        wait_for(lambda: r.llen(limits_web_app.BACKED_OFF) == 1, 30, "A0 backed off")
+        (backed,) = [json.loads(raw) for raw in r.lrange(limits_web_app.BACKED_OFF, 0, -1)]
         for n in (0, 1):
             task.delay(n, "B")
         wait_for(lambda: r.llen(limits_web_app.HOLDS) >= 5, 30, lambda: f"{r.llen(limits_web_app.HOLDS)} of 5")
@@ -347,3 +352,23 @@ def test_a_back_off_pauses_its_key_only_and_its_run_comes_back_first_costing_no_
     if mode == "keyed":
         status = task.dedup_status(0, "A")
         assert status is not None and status.state == "succeeded"
+
+
+@pytest.mark.slow
+def test_a_back_off_pauses_its_key_for_callers_too_with_places_free(
+    server: Server, r: redis.Redis, app: Celery, tasks: limits_web_app.Tasks
+) -> None:
+    """Group ``partner`` has 3 slots: after a body of key ``acme`` backs off, 2 are free, yet no caller gets one."""
+    r.sadd(limits_web_app.BACKOFF, "task:9")
+    with worker(server, "prefork", concurrency=2):
+        tasks.partner.delay(9, "acme")
+        wait_for(lambda: r.llen(limits_web_app.BACKED_OFF) == 1, 30, "the body backed off")
+        wait_for(lambda: r.zcard(SCHEMA.limit_slots(group_id("partner"))) == 0, 10, "its slot given back")
+        with pytest.raises(DedupLimitTimeout), limits.acquire(app, "partner", key="acme", timeout=0.5):
+            pytest.fail("a place in a paused key")
+        with limits.acquire(app, "partner", key="other", timeout=0):
+            pass  # another key of the group is not paused
+        wait_for(lambda: r.llen(limits_web_app.HOLDS) == 1, 10, "the run came back")
+        with limits.acquire(app, "partner", key="acme", timeout=0):
+            pass
+    assert [e["who"] for e in holds(r)] == ["task:9"]
