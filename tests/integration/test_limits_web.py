@@ -26,7 +26,7 @@ from celery import Celery
 
 from celery_dedup import DedupLimitTimeout, DedupTask, limits
 from celery_dedup.exceptions import DedupArgumentError, DedupConfigError
-from celery_dedup.keys import KeySchema, limit_group_member
+from celery_dedup.keys import KeySchema, limit_group_member, member_for
 from celery_dedup.policy import LimitPolicy
 from celery_dedup.runtime import store_for
 from celery_dedup.store import limits as store_limits
@@ -351,7 +351,9 @@ def test_a_back_off_pauses_its_key_only_and_its_run_comes_back_first_costing_no_
     assert first.get(timeout=10) == "A0"
     if mode == "keyed":
         status = task.dedup_status(0, "A")
-        assert status is not None and status.state == "succeeded"
+        assert status is not None and status.state == "succeeded" and status.retries == 0, status
+        history = store_for(task.app).history(member_for(task.name, "call:A:0"))
+        assert any("waiting: backed off for 2s: A paused" in entry for entry in history), history
 
 
 @pytest.mark.slow
