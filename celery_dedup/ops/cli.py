@@ -663,7 +663,7 @@ def stats(ctx: click.Context, as_json: bool) -> None:
 
 
 #: How a key's row names the whole group (its group-wide override or pause): never a key, which is text.
-WHOLE_GROUP = "(all keys)"
+ALL_KEYS = "(all keys)"
 
 
 def _rates(rates: Sequence[Rate] | None) -> str:
@@ -734,9 +734,9 @@ def _named_section(info: GroupInfo, used: Sequence[limit_groups.GroupState], now
     head = f"named group {info.name}: {_override(Override(info.concurrency, tuple(info.rates) or None))}"
     lines = [head]
     if info.override is not None:
-        lines.append(f"  override {WHOLE_GROUP}: {_override(info.override)}")
+        lines.append(f"  override {ALL_KEYS}: {_override(info.override)}")
     if _paused(info.paused_until, now_ms) != "-":
-        lines.append(f"  paused {WHOLE_GROUP}: {_paused(info.paused_until, now_ms)}")
+        lines.append(f"  paused {ALL_KEYS}: {_paused(info.paused_until, now_ms)}")
     by_key = {g.key: g for g in used}
     keys = [*by_key, *sorted(key for key in info.keys if key not in by_key)]
     if not keys:
@@ -817,7 +817,7 @@ def _key_option(function: Callable[..., Any]) -> Callable[..., Any]:
 
 
 def _scope(group: str, key: str | None) -> str:
-    return f"{group!r}" + (f" key {key!r}" if key is not None else f" {WHOLE_GROUP}")
+    return f"{group!r}" + (f" key {key!r}" if key is not None else f" {ALL_KEYS}")
 
 
 @limits_.command("set")

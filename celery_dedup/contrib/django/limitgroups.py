@@ -20,7 +20,7 @@ from celery_dedup import limits
 from celery_dedup.limits import GroupInfo, GroupState, Override, Rate
 
 #: What a row of a named group's own values says in its key column.
-WHOLE_GROUP = "(all keys)"
+ALL_KEYS = "(all keys)"
 
 
 def rates_text(rates: Sequence[Rate] | None) -> str:
@@ -58,7 +58,7 @@ class ConfRow:
 
     @property
     def scope(self) -> str:
-        return WHOLE_GROUP if self.key is None else self.key
+        return ALL_KEYS if self.key is None else self.key
 
 
 @dataclass(frozen=True)
