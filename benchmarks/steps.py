@@ -96,16 +96,16 @@ def caller(task: Any, case: Case, serial: Callable[[], int]) -> Callable[[], obj
 
 
 def footprint(url: str, task: Any) -> dict[str, int | None]:
-    """``MEMORY USAGE`` (bytes) of a finished run's record without steps, and with two steps and their hash."""
+    """``MEMORY USAGE`` (bytes) of a finished run's record without steps, and with two steps and its steps hash."""
     client = redis.Redis.from_url(url)
     schema = KeySchema("dedup")
     task.apply_async((-2, 0, "run"))
-    task.apply_async((-3, 2, "run"))
+    run = task.apply_async((-3, 2, "run"))
     plain, stepped = member_for(task.name, "n:-2"), member_for(task.name, "n:-3")
     found = {
         "record_without_steps": client.memory_usage(schema.record(plain)),
         "record_with_2_steps": client.memory_usage(schema.record(stepped)),
-        "steps_hash_2_steps": client.memory_usage(schema.steps(stepped)),
+        "steps_hash_2_steps": client.memory_usage(schema.run_steps(stepped, run.id)),
     }
     client.close()
     return found

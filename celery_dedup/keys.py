@@ -38,6 +38,8 @@ task name, ``:``, and the business key)::
                 first settled outcome stands; only runs a follower may still
                 ask for (see lib.lua's record_outcome)
     P:following SET of members with followers (the reaper's list to look at)
+    P:steps:M   HASH, the key's steps (dedup_once scope="key")
+    P:runsteps:M:R  HASH, the steps of run R of the member (R escaped: schema.run_part)
 """
 
 from __future__ import annotations
@@ -417,6 +419,18 @@ def new_nonce() -> str:
 CLUSTER_SHARDS = 16
 
 
+#: What a key's ``{run}`` part escapes, and how: a run id holds no ``:`` then, so ``<member>:<run>`` splits one way.
+RUN_PART_ESCAPES = (("%", "%25"), (":", "%3A"))
+
+
+def run_part(run: str) -> str:
+    """A run id as a key's ``{run}`` part: ``%`` and ``:`` escaped (:data:`RUN_PART_ESCAPES`), so no two
+    ``(member, run)`` pairs give one key name."""
+    for char, escaped in RUN_PART_ESCAPES:
+        run = run.replace(char, escaped)
+    return run
+
+
 @dataclass(frozen=True)
 class KeySchema:
     """Every Redis key name celery-dedup uses, from one prefix.
@@ -487,8 +501,12 @@ class KeySchema:
         return f"{self.prefix}:out:{member}"
 
     def steps(self, member: str) -> str:
-        """HASH of the steps of the member's run and key (``worker/steps.py``; entries: ``schema.STEP_FIELDS``)."""
+        """HASH of the steps of the member's key (``scope="key"``; entries: ``schema.STEP_FIELDS``)."""
         return f"{self.prefix}:steps:{member}"
+
+    def run_steps(self, member: str, run: str) -> str:
+        """HASH of the steps of run ``run`` of the member (``worker/steps.py``), the run id escaped (``run_part``)."""
+        return f"{self.prefix}:runsteps:{member}:{run_part(run)}"
 
     @property
     def following(self) -> str:

@@ -69,14 +69,16 @@ violation is printed with an excerpt of the history around it.
     worker was ready throughout, no fault in between can have delayed it, and
     the run still owned its record (``until_executing`` and ``debounce`` pass
     the record to the next call of the key while the body runs; recovery
-    finds runs by their records).
+    finds runs by their records; where the key's kept history no longer
+    reaches back to the body, a call accepted as another run of such a key
+    after the body started shows the passing).
 ``step-once``
     A step (``dedup_once``) recorded done is never executed again by a later
     delivery of its run (a retry, a redelivery, a copy): its function is not
     called after the step was recorded done, and a delivery that skips it
-    gets the value a completed call of it returned. Explained: a wipe of the
-    server's data in between; for an ungated key, a later run of the key that
-    used steps in between (a run's steps are kept until then: documented).
+    gets the value a completed call of it returned, in every mode: a later
+    run of the key keeps its steps apart from the run's. Explained: a wipe of
+    the server's data in between.
 ``step-doubt``
     Every step found in doubt is reported as such: a call of a step after an
     earlier call of it that did not end (its executor was killed, paused past
@@ -179,7 +181,6 @@ EXPLAINED = {
     "crash": "worker crashes outside celery-dedup (Celery or kombu; the worker was replaced)",
     "continuation": "chains whose next step a kill lost after their run succeeded",
     "limit": "limit groups over N after a fault kept a body from renewing its slot",
-    "steps": "steps of an ungated key called again after a later run of the key used steps (a documented limit)",
 }
 #: How soon after resolving a chain's head its process must die to explain a next step never sent, seconds.
 SEND_WINDOW = 3.0
@@ -196,6 +197,8 @@ RECOVERY_BOUND = LOCK_TTL + REAP_INTERVAL
 #: The server history's note for a run whose record went to the next call of its key while it ran: format
 #: 2's, and format 1's (``"still running; key passed to the next run"``, of a store a previous release wrote).
 PASSED_ON = frozenset({"passed on", "key passed to the next run"})
+#: Modes whose record passes to the next call of the key while a body runs (the key is freed as it starts).
+PASSED_ON_AT_START = frozenset({"until_executing", "debounce"})
 #: Faults that can keep a dead worker's run from being put back in time (they stop, cut or slow the
 #: workers that would restore it, or change the run's record). Workers killed or stopped by a restart
 #: meanwhile only do not count as the live worker that restores it.
@@ -386,15 +389,11 @@ class History:
     def _index_steps(self, events: list[Event]) -> None:
         #: The step events of each step of a run, by (task id, step name), in time order.
         self.steps: dict[tuple[str, str], list[Event]] = defaultdict(list)
-        #: When each member's runs entered a step (``dedup_once`` called), with the run's id.
-        self.step_entries: dict[str, list[tuple[float, str]]] = defaultdict(list)
         #: The library's "step in doubt ... called again" warnings, by (task id, step name).
         self.doubt_reports: dict[tuple[str, str], list[Event]] = defaultdict(list)
         for event in events:
             if event["ev"] in STEP_EVENTS:
                 self.steps[(event["task_id"], event["step"])].append(event)
-                if event["ev"] == "step_enter":
-                    self.step_entries[event["member"]].append((event["t"], event["task_id"]))
             elif event["ev"] == "step_doubt_log":
                 self.doubt_reports[(str(event.get("task_id")), str(event.get("step")))].append(event)
 
@@ -714,17 +713,13 @@ class History:
         times += [e.t for e in self.entries(member, task_id) if e.state == "step" and e.note == f"{step} done"]
         return min(times, default=None)
 
-    def steps_forgotten(self, member: str, task_id: str, start: float, end: float) -> str | None:
-        """Why the store may have forgotten run ``task_id``'s steps between ``start`` and ``end``, or None."""
+    def steps_forgotten(self, start: float, end: float) -> str | None:
+        """Why the store may have forgotten a run's steps between ``start`` and ``end``, or None.
+
+        Only a wipe: each run keeps its steps apart, so a later run of the key (whatever its mode) drops none.
+        """
         if self.wiped_after_recording(start, end):
             return "the server's data was wiped"
-        spec = MODE_BY_TASK.get(member.split(":", 1)[0])
-        if spec is not None and not spec.gated:
-            later = next(
-                (t for t, run in self.step_entries.get(member, []) if run != task_id and start <= t <= end), None
-            )
-            if later is not None:
-                return f"a later run of the ungated key used steps at {self.rel(later)}"
         return None
 
     def doubt_reported(self, call: Event, since: float) -> bool:
@@ -1143,6 +1138,8 @@ class Checker:
             return
         if any(passed_on(e.note) for e in h.entries(body.member, body.task_id) if e.t <= deadline):
             return  # its record went to the next run of its key: recovery finds runs by their records
+        if self._passed_on_by_a_call(body, deadline):
+            return
         stopping = {
             int(pid)
             for e in h.faults
@@ -1173,6 +1170,26 @@ class Checker:
             f"within {RECOVERY_BOUND:.0f}s, before its lock expired: {later}"
         )
         self.violation("recovery", body.member, message, t=killed_at, ids=(body.task_id,), until=deadline)
+
+    def _passed_on_by_a_call(self, body: Body, deadline: float) -> bool:
+        """Whether a call passed ``body``'s record on, where the key's kept history no longer reaches back to it.
+
+        A busy key's history keeps its last entries only. A call accepted as another run after the body
+        started, in a mode that frees the key as a body starts, passed the record on then.
+        """
+        h = self.h
+        kept = h.entries(body.member)
+        if kept and kept[0].t <= body.start:
+            return False  # the history covers the body: its own entries say whether the record passed on
+        return any(
+            call.member == body.member
+            and call.mode in PASSED_ON_AT_START
+            and call.outcome == "accepted"
+            and call.task_id not in ("", body.task_id)
+            and body.start <= call.t0
+            and call.t <= deadline
+            for call in h.calls
+        )
 
     def _recovery_hindrance(self, body: Body, start: float, end: float) -> Event | None:
         """A fault between ``start`` and ``end`` that can have kept ``body``'s run from being put back."""
@@ -1220,10 +1237,9 @@ class Checker:
                 f"step {step} of run {task_id} was recorded done at {h.rel(done_at)} and executed again at "
                 f"{h.rel(call['t'])} (pid {call['pid']})"
             )
-            why = h.steps_forgotten(member, task_id, done_at, call["t"])
+            why = h.steps_forgotten(done_at, call["t"])
             if why is not None:
-                kind = "wiped" if why.startswith("the server's data") else "steps"
-                self.explained.append(Explained(kind, member, f"{what}: {why}"))
+                self.explained.append(Explained("wiped", member, f"{what}: {why}"))
                 continue
             self.violation("step-once", member, what, t=done_at, ids=(task_id,), until=call["t"])
         for skip in (e for e in events if e["ev"] == "step_exit" and e["outcome"] == "done" and not e.get("called")):
@@ -1264,10 +1280,9 @@ class Checker:
                 f"step {step} of run {task_id} was called again at {h.rel(call['t'])} (pid {call['pid']}) after a call "
                 f"at {h.rel(earlier['t'])} (pid {earlier['pid']}) that did not end"
             )
-            why = h.steps_forgotten(member, task_id, earlier["t"], call["t"])
+            why = h.steps_forgotten(earlier["t"], call["t"])
             if why is not None:
-                kind = "wiped" if why.startswith("the server's data") else "steps"
-                self.explained.append(Explained(kind, member, f"{what}: {why}"))
+                self.explained.append(Explained("wiped", member, f"{what}: {why}"))
                 continue
             if call.get("on_doubt") == "raise":
                 message = f"{what}, with on_doubt='raise': it had to raise DedupStepInDoubt"

@@ -29,6 +29,7 @@ from typing import Any
 
 import redis
 
+from celery_dedup.keys import KeySchema
 from celery_dedup.store import schema
 from celery_dedup.store.status import history_of, is_history_field
 
@@ -248,6 +249,18 @@ def history_strings(record: dict[str, str], listed: list[str]) -> list[str]:
     return [entry.text() for entry in history_of(record, listed)]
 
 
+#: The store's key names (the chaos apps' prefix, one server).
+SCHEMA = KeySchema("dedup")
+
+
+def steps_of(client: redis.Redis, member: str, run: str | None) -> dict[str, str]:
+    """The key's steps (``k:<step>``) and those of the record's run (``s:<step>``), as stored."""
+    found = {_text(k): _text(v) for k, v in client.hgetall(SCHEMA.steps(member)).items()}
+    if run is not None:
+        found.update({_text(k): _text(v) for k, v in client.hgetall(SCHEMA.run_steps(member, run)).items()})
+    return found
+
+
 def snapshot(client: redis.Redis, store: redis.Redis | None = None) -> dict[str, Any]:
     """Everything the checker reads from the server at the end: records, histories, holds, locks (``store``),
     messages (``client``)."""
@@ -274,7 +287,7 @@ def snapshot(client: redis.Redis, store: redis.Redis | None = None) -> dict[str,
             "held": member in held,
             "lock": None if lock is None else _text(lock),
             "lock_pttl": int(client.pttl(f"dedup:lock:{member}")),
-            "steps": {_text(k): _text(v) for k, v in client.hgetall(f"dedup:steps:{member}").items()},
+            "steps": steps_of(client, member, record.get("task_id")),
         }
     queued_ids = []
     raw_messages = [raw for queue in QUEUES for raw in broker.lrange(queue, 0, -1)]

@@ -85,6 +85,8 @@ class Tasks:
     charge_or_raise: DedupTask
     #: Charges (a step), then retries once (its first delivery), then sends the receipt.
     charge_then_retry: DedupTask
+    #: As ``charge``, with ``dedup_mode="until_executing"``: the key is free again once the body starts.
+    charge_until_executing: DedupTask
 
 
 def register(app: Celery) -> Tasks:
@@ -147,7 +149,19 @@ def register(app: Celery) -> Tasks:
         mail = self.dedup_once("send-receipt", lambda key: provider("mail", n, key))
         return {"receipt": receipt, "mail": mail}
 
-    return Tasks(charge, charge_or_raise, charge_then_retry)
+    @app.task(
+        name="tests.steps_app.charge_until_executing",
+        base=DedupTask,
+        bind=True,
+        shared=False,
+        acks_late=True,
+        dedup_key="order:{n}",
+        dedup_mode="until_executing",
+    )
+    def charge_until_executing(self: DedupTask, n: int) -> dict[str, Any]:
+        return body(self, n, "retry")
+
+    return Tasks(charge, charge_or_raise, charge_then_retry, charge_until_executing)
 
 
 def build() -> Celery:

@@ -286,7 +286,7 @@ class Replacing(NamedTuple):
 # --- steps inside a body (worker/steps.py) --------------------------------------------------------
 
 
-@script("step_begin", keys=("lock", "record", "steps"))
+@script("step_begin", keys=("lock", "record", "steps", "run_steps"))
 class StepBegin(NamedTuple):
     run: str
     token: str
@@ -314,7 +314,7 @@ class StepBeginCode(IntEnum):
     BUSY = 5
 
 
-@script("step_end", keys=("lock", "record", "steps"))
+@script("step_end", keys=("lock", "record", "steps", "run_steps"))
 class StepEnd(NamedTuple):
     run: str
     token: str
@@ -328,9 +328,9 @@ class StepEnd(NamedTuple):
     history_len: Number
 
 
-@script("step_renew", keys=("lock", "record", "steps"))
+@script("step_renew", keys=("lock", "record", "steps", "run_steps"))
 class StepRenew(NamedTuple):
-    """KEYS: one ``(lock, record, steps)`` triple per lease."""
+    """KEYS: one ``(lock, record, steps, run_steps)`` quadruple per lease."""
 
     lock_ms: Number
     record_ms: Number

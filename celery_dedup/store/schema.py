@@ -14,6 +14,8 @@ import re
 from collections.abc import Iterable
 from dataclasses import dataclass
 
+from ..keys import RUN_PART_ESCAPES, run_part
+
 #: The stored format's version, kept in the store's ``format`` key. 1: every record's history in a list
 #: (``{prefix}:hist:{member}``) and the ``idx`` and ``idx:task`` indexes beside the state indexes; 2: the history
 #: inside the record (fields ``h<n>``, ``hn``), only the state and name indexes. Format 1 had no such key: a store
@@ -133,7 +135,10 @@ def allowed_transitions(table: Iterable[Transition] = TRANSITIONS) -> dict[tuple
 
 @dataclass(frozen=True)
 class KeyKind:
-    """One kind of Redis key: ``pattern`` over ``{prefix}`` and at most one more part (``{member}``, ...)."""
+    """One kind of Redis key: ``pattern`` over ``{prefix}`` and the parts that follow it (``{member}``, ...).
+
+    A ``{run}`` part is escaped (:func:`run_part`); the others are taken as they are.
+    """
 
     #: keys.KeySchema's attribute for it, and the Lua prelude's builder (``KEY.<name>``).
     name: str
@@ -142,18 +147,17 @@ class KeyKind:
     meaning: str
 
     @property
-    def part(self) -> str | None:
-        """The placeholder besides ``prefix``, if any."""
-        found = re.findall(r"\{(\w+)\}", self.pattern)
-        return found[1] if len(found) > 1 else None
+    def parts(self) -> tuple[str, ...]:
+        """The placeholders besides ``prefix``, in order."""
+        return tuple(re.findall(r"\{(\w+)\}", self.pattern)[1:])
 
-    def build(self, prefix: str, part: str | None = None) -> str:
+    def build(self, prefix: str, *parts: str) -> str:
         """The key's name."""
-        values = {"prefix": prefix}
-        if self.part:
-            if part is None:
-                raise TypeError(f"key {self.name} needs its {self.part}")
-            values[self.part] = part
+        if len(parts) != len(self.parts):
+            raise TypeError(f"key {self.name} needs {', '.join(self.parts) or 'no parts'}")
+        values = {"prefix": prefix, **dict(zip(self.parts, parts, strict=True))}
+        if "run" in values:
+            values["run"] = run_part(values["run"])
         return self.pattern.format(**values)
 
 
@@ -167,11 +171,12 @@ KEY_KINDS = (
     KeyKind("ended", "{prefix}:ended:{member}", "ZSET", "fingerprint -> when (ms): ended runs pushed out of `ended`"),
     KeyKind("followers", "{prefix}:fol:{member}", "HASH", "task id -> JSON {run, queue, message, at}: followers"),
     KeyKind("outcomes", "{prefix}:out:{member}", "HASH", "run id -> JSON {state, error, result}: for its followers"),
+    KeyKind("steps", "{prefix}:steps:{member}", "HASH", '"k:<step>" -> JSON: the key\'s steps (STEP_FIELDS)'),
     KeyKind(
-        "steps",
-        "{prefix}:steps:{member}",
+        "run_steps",
+        "{prefix}:runsteps:{member}:{run}",
         "HASH",
-        '"run" -> the run whose "s:<step>" these are; "s:<step>", "k:<step>" -> JSON: its steps (STEP_FIELDS)',
+        '"s:<step>" -> JSON: the steps of run <run> (STEP_FIELDS; the run id escaped: run_part)',
     ),
     KeyKind("following", "{prefix}:following", "SET", "members that have followers"),
     KeyKind("name_index", "{prefix}:idx:name", "ZSET", '"<business key>\\0<task>" -> 0: key-prefix search'),
@@ -475,7 +480,8 @@ STEP_STATE_HELP = {
     "failed": "Its function raised (or its value could not be kept): the next delivery calls it again.",
     "doubt": 'Found in doubt by a step with on_doubt="raise": left for an operator to settle with the provider.',
 }
-#: The fields of a step's entry (a JSON object in the ``steps`` hash, field ``s:<step>`` or ``k:<step>``).
+#: The fields of a step's entry: a JSON object, field ``s:<step>`` of its run's ``run_steps`` hash, or
+#: ``k:<step>`` of its key's ``steps`` hash.
 STEP_FIELDS = {
     "state": "One of STEP_STATES.",
     "token": "While running: the owner token of the delivery that executes it (its execution lock's).",
@@ -486,9 +492,13 @@ STEP_FIELDS = {
     "result": "Done: the function's return value, serialized with the task's serializer (payloads.py).",
     "error": "Failed: why, as `Type: message`.",
 }
-#: The steps hash's field of a step, by scope: ``s:<step>`` for the run's (the hash's ``run`` names the run),
-#: ``k:<step>`` for the key's.
+#: A step's field, by scope: ``s:<step>`` in its run's ``run_steps`` hash, ``k:<step>`` in the key's ``steps``
+#: hash. Each run keeps its own steps: a later run of the key never drops them; they expire as the record would,
+#: ``record_ms`` after their last use. A ``steps`` hash written before runs had their own (a ``run`` field naming
+#: the run whose ``s:<step>`` fields it holds) is read for that run until its first step moves them.
 STEP_FIELD_PREFIX = {"run": "s:", "key": "k:"}
+#: The field of a ``steps`` hash written before runs had their own hashes: the run its ``s:<step>`` fields are.
+LEGACY_STEPS_RUN = "run"
 
 # Reports of transitions (the test mode) ---------------------------------------------------------------------------
 
@@ -532,9 +542,18 @@ def unexpected(reports: Iterable[Reported], table: Iterable[Transition] = TRANSI
 
 def _lua_builder(kind: KeyKind) -> str:
     parts = re.split(r"(\{\w+\})", kind.pattern)
-    pieces = [p[1:-1] if p.startswith("{") else f"'{p}'" for p in parts if p]
+    pieces = [("run_part(run)" if p == "{run}" else p[1:-1]) if p.startswith("{") else f"'{p}'" for p in parts if p]
     params = ", ".join(p[1:-1] for p in parts if p.startswith("{"))
     return f"function KEY.{kind.name}({params}) return {' .. '.join(pieces)} end"
+
+
+def _lua_run_part() -> str:
+    """:func:`run_part` in Lua (``gsub`` patterns: ``%`` escapes in the pattern and in the replacement)."""
+    body = "run"
+    for char, escaped in RUN_PART_ESCAPES:
+        pattern = "%%" if char == "%" else char
+        body = f"({body}):gsub('{pattern}', '{escaped.replace('%', '%%')}')"
+    return f"local function run_part(run) return ({body}) end"
 
 
 def lua_prelude(script: str, *, check: bool) -> str:
@@ -551,6 +570,7 @@ def lua_prelude(script: str, *, check: bool) -> str:
             f"local NO_RECORD = '{NO_RECORD}'",
             f"local STATES = {{{states}}}",
             f"local ENDED = {{{ended}}}",
+            _lua_run_part(),
             "local KEY = {}",
             *(_lua_builder(kind) for kind in KEY_KINDS),
             "",

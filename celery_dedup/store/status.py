@@ -21,6 +21,7 @@ from .schema import (
     FIELD_DOCS,
     GROUPS,
     IN_DOUBT,
+    LEGACY_STEPS_RUN,
     STATE_HELP,
     STATES,
     STEP_FIELD_PREFIX,
@@ -44,6 +45,7 @@ __all__ = [
     "from_ms",
     "history_of",
     "is_history_field",
+    "step_order",
     "steps_of",
     "to_ms",
 ]
@@ -347,13 +349,21 @@ class StepStatus:
         return document
 
 
-def steps_of(member: str, fields: Mapping[str, str], now_ms: int) -> tuple[StepStatus, ...]:
-    """The steps of a ``steps`` hash's ``fields`` (the run's, then the key's, each in the order begun).
+def step_order(step: StepStatus) -> tuple[bool, datetime.datetime, str]:
+    """How steps are listed: the run's, then the key's, each in the order begun."""
+    return step.scope != "run", step.started_at or EPOCH, step.name
 
+
+def steps_of(member: str, fields: Mapping[str, str], now_ms: int, *, run: str | None = None) -> tuple[StepStatus, ...]:
+    """The steps of a steps hash's ``fields`` (the run's, then the key's, each in the order begun).
+
+    ``run``: the run whose ``run_steps`` hash ``fields`` is; None for the key's ``steps`` hash, where a
+    ``run`` field (written before runs had hashes of their own) names the run of its ``s:<step>`` fields.
     ``now_ms``: the server's clock, by which a running step whose lock ran out is ``in doubt``.
     An entry that cannot be read is shown as its raw text in ``error``.
     """
-    run = fields.get("run", "")
+    if run is None:
+        run = fields.get(LEGACY_STEPS_RUN, "")
     found = []
     for field, value in fields.items():
         scope = next((s for s, prefix in STEP_FIELD_PREFIX.items() if field.startswith(prefix)), None)
@@ -387,5 +397,5 @@ def steps_of(member: str, fields: Mapping[str, str], now_ms: int) -> tuple[StepS
                 result_size=len(str(entry.get("result") or "")),
             )
         )
-    found.sort(key=lambda step: (step.scope != "run", step.started_at or EPOCH, step.name))
+    found.sort(key=step_order)
     return tuple(found)

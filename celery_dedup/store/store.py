@@ -6,7 +6,7 @@ import base64
 import logging
 import re
 import time
-from collections.abc import Callable, Iterable, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any, NamedTuple, cast
 
@@ -20,7 +20,16 @@ from . import commands
 from . import format as store_format
 from .commands import ConfirmCode, GateCode, PeekCode, ReleaseCode, StartCode, StepBeginCode
 from .scripts import Scripts
-from .status import ENDED_STATES, STATES, Status, StepStatus, history_of, is_history_field, steps_of
+from .status import (
+    ENDED_STATES,
+    STATES,
+    Status,
+    StepStatus,
+    history_of,
+    is_history_field,
+    step_order,
+    steps_of,
+)
 
 logger = logging.getLogger("celery_dedup")
 
@@ -281,8 +290,16 @@ class StepRef:
 
     lock_key: str
     record_key: str
+    #: The key's steps (``scope="key"``).
     steps_key: str
+    #: The run's steps.
+    run_steps_key: str
     token: str
+
+    @property
+    def keys(self) -> tuple[str, str, str, str]:
+        """The step scripts' KEYS."""
+        return self.lock_key, self.record_key, self.steps_key, self.run_steps_key
 
 
 @dataclass(frozen=True)
@@ -820,9 +837,9 @@ class DedupStore:
 
     # -- steps inside a body (worker/steps.py) -------------------------------------------------
 
-    def step_ref(self, member: str, token: str) -> StepRef:
+    def step_ref(self, member: str, run_id: str, token: str) -> StepRef:
         at = self._at(member)
-        return StepRef(at.lock(member), at.record(member), at.steps(member), token)
+        return StepRef(at.lock(member), at.record(member), at.steps(member), at.run_steps(member, run_id), token)
 
     def step_begin(
         self,
@@ -841,7 +858,7 @@ class DedupStore:
 
         If so it holds the step's lock now. ``dead``: a step lock's token whose process is provably gone.
         """
-        ref = self.step_ref(member, token)
+        ref = self.step_ref(member, run_id, token)
         command = commands.StepBegin(
             run=run_id,
             token=token,
@@ -853,7 +870,7 @@ class DedupStore:
             on_doubt=on_doubt,
             dead=dead,
         )
-        reply = self.scripts.run([ref.lock_key, ref.record_key, ref.steps_key], command)
+        reply = self.scripts.run(ref.keys, command)
         code = StepBeginCode(int(reply[0]))
         if code in (StepBeginCode.RUN, StepBeginCode.RUN_AGAIN, StepBeginCode.IN_DOUBT):
             self._replicated(ref.steps_key)
@@ -877,7 +894,7 @@ class DedupStore:
 
         Only while the step's entry names ``token``: see :class:`StepEnded`.
         """
-        ref = self.step_ref(member, token)
+        ref = self.step_ref(member, run_id, token)
         command = commands.StepEnd(
             run=run_id,
             token=token,
@@ -890,7 +907,7 @@ class DedupStore:
             record_ms=record_ms,
             history_len=self.history_length,
         )
-        recorded, lock_kept = self.scripts.run([ref.lock_key, ref.record_key, ref.steps_key], command)
+        recorded, lock_kept = self.scripts.run(ref.keys, command)
         if recorded:
             self._replicated(ref.steps_key)
         return StepEnded(bool(recorded), bool(lock_kept))
@@ -911,17 +928,29 @@ class DedupStore:
     ) -> list[tuple[StepRef, str]]:
         if not leases:
             return []
-        keys = [key for ref, _ in leases for key in (ref.lock_key, ref.record_key, ref.steps_key)]
+        keys = [key for ref, _ in leases for key in ref.keys]
         flat = tuple(value for ref, field in leases for value in (ref.token, field))
         lost = self.scripts.run(keys, commands.StepRenew(lock_ms=lock_ms, record_ms=record_ms, leases=flat))
         return [leases[int(i) - 1] for i in lost]
 
     def steps(self, member: str) -> tuple[StepStatus, ...]:
-        """The steps the store keeps for ``member`` (its run's, then its key's), as of the server's clock now."""
-        raw = self.client.hgetall(self._at(member).steps(member))
-        if not raw:
+        """The steps the store keeps for ``member``: its record's run's, then its key's, as of the server's clock
+        now (a later run's steps hide no earlier run's, which stay in their own hashes)."""
+        at = self._at(member)
+        run = self.client.hget(at.record(member), "task_id")
+        return self._steps(member, None if run is None else _text(run), self.client.hgetall(at.steps(member)))
+
+    def _steps(self, member: str, run: str | None, raw_key: Mapping[Any, Any]) -> tuple[StepStatus, ...]:
+        """The steps of the key's hash ``raw_key`` and of run ``run``'s (read here), its own first."""
+        raw_run = self.client.hgetall(self._at(member).run_steps(member, run)) if run is not None else {}
+        if not raw_key and not raw_run:
             return ()
-        return steps_of(member, {_text(k): _text(v) for k, v in raw.items()}, self._server_ms(member))
+        now_ms = self._server_ms(member)
+        found = steps_of(member, {_text(k): _text(v) for k, v in raw_key.items()}, now_ms)
+        if raw_run:
+            assert run is not None
+            found += steps_of(member, {_text(k): _text(v) for k, v in raw_run.items()}, now_ms, run=run)
+        return tuple(sorted(found, key=step_order))
 
     def _server_ms(self, member: str) -> int:
         """The server's clock (ms), on the server that holds ``member``'s keys."""
@@ -1025,9 +1054,7 @@ class DedupStore:
             pipe.hgetall(schema.steps(member))
             raw, listed, held, token, pttl, raw_steps = pipe.execute()
         record = {_text(k): _text(v) for k, v in raw.items()}
-        steps: tuple[StepStatus, ...] = ()
-        if raw_steps:
-            steps = steps_of(member, {_text(k): _text(v) for k, v in raw_steps.items()}, self._server_ms(member))
+        steps = self._steps(member, record.get("task_id"), raw_steps)
         return KeyDetail(
             member=member,
             record=record or None,

@@ -61,18 +61,21 @@ BUSY_WAIT = 1.0
 
 
 class StepLease:
-    """A delivery's steps, as the renewer keeps them: the lock of the step it executes, and its key's steps."""
+    """A delivery's steps, as the renewer keeps them: the lock of the step it executes, its run's and its key's
+    steps."""
 
     gone: ClassVar[str] = "taken over or expired: another delivery may execute the run's steps"
 
-    def __init__(self, store: DedupStore, member: str, token: str, ttl_ms: int, record_ms: int, *, now: float) -> None:
+    def __init__(
+        self, store: DedupStore, member: str, run_id: str, token: str, ttl_ms: int, record_ms: int, *, now: float
+    ) -> None:
         self.store = store
         self.member = member
         self.token = token
         self.ttl_ms = ttl_ms
         self.record_ms = record_ms
-        self.ref: StepRef = store.step_ref(member, token)
-        #: The steps hash's field of the step it executes now, "" between steps.
+        self.ref: StepRef = store.step_ref(member, run_id, token)
+        #: The field of the step it executes now (``s:<step>``, ``k:<step>``), "" between steps.
         self.field = ""
         self.lost = threading.Event()
         self.valid_until = now + ttl_ms / 1000
@@ -112,6 +115,7 @@ class Steps:
             self.lease = StepLease(
                 delivery.store,
                 delivery.member,
+                delivery.run_id,
                 delivery.token,
                 delivery.lock_ms,
                 delivery.record_ms,

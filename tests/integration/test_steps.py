@@ -25,6 +25,7 @@ from celery import Celery
 
 from celery_dedup import DedupError, DedupLockLostError, DedupStepError, DedupStepInDoubt, DedupTask, runtime
 from celery_dedup.keys import KeySchema, member_for
+from celery_dedup.store.commands import StepBeginCode
 from celery_dedup.store.scripts import load_script
 from celery_dedup.store.status import StepStatus
 from chaos.proxy import FaultProxy
@@ -280,6 +281,90 @@ def test_a_paused_executor_and_its_redelivered_copy_record_a_step_once_and_the_p
             os.kill(paused, signal.SIGCONT)
 
 
+@pytest.mark.slow
+def test_a_copy_of_a_run_finds_its_done_steps_after_a_later_run_of_its_key_took_steps(
+    fleet: Fleet, tasks: steps_app.Tasks, make_app: AppFactory, r: redis.Redis
+) -> None:
+    """``until_executing``: run A charges, then its whole worker is SIGKILLed; its message stays
+    unacknowledged until the visibility timeout. A freed its key as it started, so run B of the same
+    key is accepted; once A's lock ran out a second worker runs B, which charges and finishes; then
+    A's message comes back and a copy of A runs. A was published while the store was unreachable
+    (``fail_open``: no gate header), so its copy is not refused as superseded once B owns the record.
+
+    Proves: the copy of A finds A's charge done (a later run's steps do not drop it) and does not
+    charge again: one charge per run, each with its own run's key, and A's copy returns A's receipt.
+    """
+    settings = conf(worker_prefetch_multiplier=1)
+    transport = {"visibility_timeout": 10, **RESTORE_EVERY_SECOND}
+    task = tasks.charge_until_executing
+    down = make_app("steps_store_down", dedup_redis_url="redis://127.0.0.1:9", dedup_on_redis_error="fail_open")
+    publisher = steps_app.register(down).charge_until_executing
+    r.set(steps_app.hang_key("after-charge", 16), 1)
+    run_a = publisher.apply_async((16,))
+    first_worker = fleet.start(settings=settings, transport=transport)
+    hung = started(r, "after-charge", 16)
+    first_worker.stop(signal.SIGKILL)
+    try:
+        run_b = task.apply_async((16,))
+        assert run_b.id != run_a.id, "premise: B is a run of its own"
+        time.sleep(LOCK_TTL + 0.5)  # A's execution lock runs out
+        fleet.start(settings=settings, transport=transport)
+        done_b = run_b.get(timeout=LOCK_TTL + SLACK)
+        assert int(r.get(steps_app.bodies_key(16)) or 0) == 2, "premise: B ran before A's copy"
+        done_a = task.AsyncResult(run_a.id).get(timeout=10 + SLACK)
+        assert int(r.get(steps_app.bodies_key(16)) or 0) == 3, "premise: A's copy ran its body again"
+        charges = of(steps_app.calls(r, 16), "charge")
+        keys = [charge.key for charge in charges]
+        assert len(charges) == 2 and len(set(keys)) == 2, f"A's charge was made again: {keys}"
+        assert charges[0].pid == hung and run_a.id.removeprefix("order:16") in charges[0].key
+        assert (done_a["receipt"], done_b["receipt"]) == (charges[0].receipt, charges[1].receipt)
+        assert len(of(steps_app.calls(r, 16), "mail")) == 2
+    except Exception:
+        print(record(r, member("charge_until_executing", 16)), steps_app.calls(r, 16))
+        print(fleet.logs())
+        raise
+
+
+def test_the_steps_of_a_run_stay_while_later_runs_of_its_key_take_steps(make_app: AppFactory, r: redis.Redis) -> None:
+    """At the store: run A does step s; runs B and C of the key (any mode that lets them run while A can still
+    be delivered: while_executing, until_executing, debounce) do s under their own locks; then a copy of A,
+    holding the lock again, finds its s done with its value, and B's and C's stay theirs."""
+    app = make_app("steps_runs")
+    store = runtime.store_for(app)
+    target = member_for("steps.runs", "order:17")
+
+    def step(run: str, token: str, value: str) -> str:
+        r.set(SCHEMA.lock(target), token)
+        begun = store.step_begin(target, run, token, "s:s", "s", on_doubt="raise", lock_ms=10_000, record_ms=60_000)
+        if begun.code == StepBeginCode.DONE:
+            return begun.detail
+        assert begun.code == StepBeginCode.RUN, begun
+        assert store.step_end(target, run, token, "s:s", "s", result=value, lock_ms=10_000, record_ms=60_000).recorded
+        return value
+
+    assert [step("A", "a1", "va"), step("B", "b1", "vb"), step("C:x", "c1", "vc")] == ["va", "vb", "vc"]
+    assert [step("A", "a2", "?"), step("B", "b2", "?"), step("C:x", "c2", "?")] == ["va", "vb", "vc"]
+
+
+def test_steps_of_a_run_kept_by_the_earlier_layout_are_found_by_that_run(make_app: AppFactory, r: redis.Redis) -> None:
+    """A key's steps hash written before runs had their own (a ``run`` field naming the run of its ``s:`` fields):
+    that run's next step finds its done steps there and moves them into the run's hash; the key's stay."""
+    app = make_app("steps_legacy")
+    store = runtime.store_for(app)
+    target = member_for("steps.legacy", "order:18")
+    done = json.dumps({"state": "done", "attempts": 1, "started_at": 1, "finished_at": 2, "result": '"va"'})
+    r.hset(SCHEMA.steps(target), mapping={"run": "A", "s:s": done, "k:mail": done})
+    r.pexpire(SCHEMA.steps(target), 60_000)
+    assert [step.name for step in store.steps(target)] == ["s", "mail"], "read as the run's before any step"
+    r.set(SCHEMA.lock(target), "a2")
+    begun = store.step_begin(target, "A", "a2", "s:s", "s", on_doubt="raise", lock_ms=10_000, record_ms=60_000)
+    assert (begun.code, begun.detail) == (StepBeginCode.DONE, '"va"')
+    assert r.hkeys(SCHEMA.steps(target)) == [b"k:mail"]
+    assert r.hkeys(SCHEMA.run_steps(target, "A")) == [b"s:s"] and r.pttl(SCHEMA.run_steps(target, "A")) > 50_000
+    begun = store.step_begin(target, "B", "a2", "s:s", "s", on_doubt="raise", lock_ms=10_000, record_ms=60_000)
+    assert begun.code == StepBeginCode.RUN, "another run's step is its own"
+
+
 def test_a_retry_after_a_step_skips_it(make_app: AppFactory, r: redis.Redis) -> None:
     """The body retries (Task.retry) after its charge step: the retry's delivery does not charge again."""
     app = make_app("steps_retry")
@@ -432,6 +517,24 @@ def test_a_step_whose_begin_lost_its_reply_is_begun_again_by_its_own_delivery_no
         assert (found["charge"].state, found["charge"].attempts) == ("done", 1)
         assert step_notes(app, member_for(task.name, "order:15")) == ["charge started", "charge done"]
         assert took < LOCK_TTL, f"waited {took:.1f} s for its own step lock"
+
+
+def test_a_purge_deletes_the_steps_of_the_runs_it_cuts_down_and_keeps_the_keys(
+    make_app: AppFactory, r: redis.Redis
+) -> None:
+    app = make_app(task_always_eager=True, task_eager_propagates=True)
+
+    def both(self: DedupTask, n: int) -> Any:
+        return [self.dedup_once("charge", lambda key: 1), self.dedup_once("mail", lambda key: 2, scope="key")]
+
+    task = eager_task(app, both)
+    run = task.delay(19)
+    assert run.get() == [1, 2]
+    target = member_for(task.name, "order:19")
+    assert r.exists(SCHEMA.run_steps(target, run.id), SCHEMA.steps(target)) == 2
+    assert runtime.store_for(app).purge().purged == 1
+    assert not r.exists(SCHEMA.run_steps(target, run.id))
+    assert [step.name for step in steps(app, target).values()] == ["mail"]
 
 
 def test_a_run_without_steps_writes_no_steps(make_app: AppFactory, r: redis.Redis) -> None:

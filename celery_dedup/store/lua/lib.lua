@@ -497,10 +497,12 @@ local function step_history(record, run, note, now, history_len)
   redis.call('HSET', record, unpack(entry))
 end
 
--- M's steps (`steps`) live at least as long as its record, as long as a
--- record lives after a renewal of its lock (`lock_ms` + `record_ms`), and
--- past the record's window (until_expired, throttle: finish.lua holds the key
--- to `window_until`): a key's steps outlive the run that did them.
+-- A steps hash of M (`steps`: the key's, or a run's) lives at least as long
+-- as M's record, as long as a record lives after a renewal of its lock
+-- (`lock_ms` + `record_ms`), and past the record's window (until_expired,
+-- throttle: finish.lua holds the key to `window_until`): steps outlive the
+-- run that did them, and each use keeps them `record_ms` longer. A hash
+-- that does not exist stays so.
 local function keep_steps(steps, record, now, lock_ms, record_ms)
   local keep = math.max(lock_ms + record_ms, redis.call('PTTL', record), redis.call('PTTL', steps))
   local window = tonumber(redis.call('HGET', record, 'window_until') or 0)

@@ -10,7 +10,8 @@
 -- stepped over; any other leaves the indexes with its history, and is cut
 -- down to a tombstone that lives as long as the record would have (lib's
 -- tombstone): a late copy of its run is still skipped, a retried publish
--- still recognised. An index entry whose record expired is removed, and an
+-- still recognised. Its run's steps go with it (that copy is skipped before
+-- any step); earlier runs' steps expire on their own, the key's steps stay. An index entry whose record expired is removed, and an
 -- entry whose record is in another, unended state is only removed from this
 -- index.
 --
@@ -44,6 +45,10 @@ for _, wanted in ipairs(states) do
         else
           local state = redis.call('HGET', record, 'state')
           if not state or ENDED[state] then
+            local run = redis.call('HGET', record, 'task_id')
+            if run then
+              redis.call('DEL', KEY.run_steps(prefix, member, run))
+            end
             tombstone(prefix, record, member)
             purged = purged + 1
           end

@@ -3,7 +3,8 @@
 --
 -- KEYS[1]  lock: the member's execution lock
 -- KEYS[2]  record: the member's status record (its history gets the step's entries)
--- KEYS[3]  steps: the member's steps (HASH, see store/schema.py's STEP_FIELDS)
+-- KEYS[3]  steps: the key's steps (HASH, "k:<step>", see store/schema.py's STEP_FIELDS)
+-- KEYS[4]  run_steps: the run's steps (HASH, "s:<step>")
 -- ARGV[1]  run: the run's task id
 -- ARGV[2]  token: the delivery's lock token, which owns the step's lock too
 -- ARGV[3]  field: "s:<step>" (the run's step) or "k:<step>" (the key's)
@@ -17,10 +18,12 @@
 --          lock is taken although its deadline has not passed), "" for none
 --
 -- Only the delivery that holds the execution lock begins a step: a delivery
--- that lost it (paused past its TTL, taken over) begins none. The steps hash
--- holds one run's steps (`run`): the first step of another run drops them
--- (that run is over: no delivery of it holds the lock any more), the key's
--- steps stay. A step lock is the entry's `token` and `until` (ms, server
+-- that lost it (paused past its TTL, taken over) begins none. Each run keeps
+-- its steps in a hash of its own: a later run of the key drops none of them,
+-- so a copy of the run delivered after a later run took steps still finds
+-- its steps done. A key's steps hash written before runs had their own holds
+-- one run's steps (its `run` field names it): that run's first step here
+-- moves them into the run's hash. A step lock is the entry's `token` and `until` (ms, server
 -- clock), renewed by step_renew.lua while its executor lives; a `running`
 -- entry past `until`, or whose owner is dead, is in doubt: its executor died
 -- (or lost its lock) inside the step.
@@ -38,7 +41,8 @@
 --   {5, pttl, holder}     busy: another delivery's live step lock (holder's)
 --   {0}                   this token does not hold the execution lock
 
-local lock, record, steps = KEYS[1], KEYS[2], KEYS[3]
+local lock, record = KEYS[1], KEYS[2]
+local steps = KEYS[3]
 
 if redis.call('GET', lock) ~= token then
   return {0}
@@ -46,16 +50,29 @@ end
 local now = now_ms()
 
 if string.sub(field, 1, 2) == 's:' then
-  local owner = redis.call('HGET', steps, 'run')
-  if owner ~= run then
-    if owner then
-      for _, other in ipairs(redis.call('HKEYS', steps)) do
-        if string.sub(other, 1, 2) == 's:' then
-          redis.call('HDEL', steps, other)
-        end
+  local legacy = steps
+  steps = KEYS[4]
+  if redis.call('EXISTS', steps) == 0 and redis.call('HGET', legacy, 'run') == run then
+    local moved = {}
+    for _, other in ipairs(redis.call('HKEYS', legacy)) do
+      if string.sub(other, 1, 2) == 's:' then
+        moved[#moved + 1] = other
       end
     end
-    redis.call('HSET', steps, 'run', run)
+    if #moved > 0 then
+      local values = redis.call('HMGET', legacy, unpack(moved))
+      local fields = {}
+      for i, other in ipairs(moved) do
+        fields[#fields + 1], fields[#fields + 2] = other, values[i]
+      end
+      redis.call('HSET', steps, unpack(fields))
+      local ttl = redis.call('PTTL', legacy)
+      if ttl > 0 then
+        redis.call('PEXPIRE', steps, ttl)
+      end
+      redis.call('HDEL', legacy, unpack(moved))
+    end
+    redis.call('HDEL', legacy, 'run')
   end
 end
 

@@ -3,7 +3,8 @@
 --
 -- KEYS[1]  lock: the member's execution lock
 -- KEYS[2]  record: the member's status record (its history gets the step's entry)
--- KEYS[3]  steps: the member's steps (HASH, see store/schema.py's STEP_FIELDS)
+-- KEYS[3]  steps: the key's steps (HASH, "k:<step>", see store/schema.py's STEP_FIELDS)
+-- KEYS[4]  run_steps: the run's steps (HASH, "s:<step>")
 -- ARGV[1]  run: the run's task id
 -- ARGV[2]  token: the delivery's lock token (the step lock's owner)
 -- ARGV[3]  field: "s:<step>" or "k:<step>"
@@ -26,7 +27,8 @@
 -- Returns {recorded, lock_kept}: recorded 1 when the ending was recorded;
 -- lock_kept 1 when this token still holds the execution lock.
 
-local lock, record, steps = KEYS[1], KEYS[2], KEYS[3]
+local lock, record = KEYS[1], KEYS[2]
+local steps = string.sub(field, 1, 2) == 's:' and KEYS[4] or KEYS[3]
 
 local lock_kept = redis.call('GET', lock) == token and 1 or 0
 local stored = redis.call('HGET', steps, field)
@@ -35,9 +37,6 @@ if not stored then
 end
 local entry = cjson.decode(stored)
 if entry.state ~= 'running' or entry.token ~= token then
-  return {0, lock_kept}
-end
-if string.sub(field, 1, 2) == 's:' and redis.call('HGET', steps, 'run') ~= run then
   return {0, lock_kept}
 end
 
