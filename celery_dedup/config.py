@@ -43,6 +43,9 @@ setting                      default               effect
                                                    a decision's writes before it is answered (WAIT)
 ``dedup_step_result_limit``  ``65536``             bytes a step's return value may take, serialized
                                                    (``dedup_once``); a larger one fails the step
+``dedup_limit_groups``       ``{}``                named limit groups tasks share (``limit_group``):
+                                                   name -> ``{"concurrency": N, "rate": "R/u" or
+                                                   a list of them}``, u one of s, m, h, d
 ===========================  ====================  ===============================================
 
 Every time is in seconds, an int or a float, from 0.001 (Redis keeps times in
@@ -59,6 +62,7 @@ from typing import Any
 from .exceptions import DedupConfigError
 from .keys import STEP_NAME
 from .modes import DEBOUNCE, MODES, ON_DOUBT, ON_DUPLICATE, ON_LOCKED, ON_MISMATCH, ON_REDIS_ERROR, STEP_SCOPES
+from .policy import LimitGroup, check_group
 
 _MISSING = object()
 
@@ -174,6 +178,13 @@ def check_step_name(setting: str, value: Any, *, task: str | None = None) -> str
     return value
 
 
+def _limit_groups(setting: str, value: Any, *, task: str | None = None) -> dict[str, LimitGroup]:
+    """Named limit groups: a dict of name -> ``{"concurrency": N, "rate": ...}`` (see ``policy.check_group``)."""
+    if not isinstance(value, Mapping):
+        raise DedupConfigError(setting, value, 'must be a dict of group name -> {"concurrency": N, "rate": "R/u"}')
+    return {name: check_group(setting, name, group) for name, group in value.items()}
+
+
 def _interval(setting: str, value: Any, *, task: str | None = None) -> float:
     if value == 0 and not isinstance(value, bool):
         return 0.0
@@ -224,6 +235,7 @@ SETTINGS: dict[str, tuple[Any, Callable[..., Any]]] = {
     "dedup_publish_lease": (30, _seconds),
     "dedup_cluster_wait_replicas": (1, _replicas),
     "dedup_step_result_limit": (65536, _result_limit),
+    "dedup_limit_groups": ({}, _limit_groups),
 }
 
 
@@ -252,6 +264,8 @@ class DedupConfig:
     publish_lease: float
     cluster_wait_replicas: int
     step_result_limit: int
+    #: Named limit groups, by name (``dedup_limit_groups``).
+    limit_groups: dict[str, LimitGroup]
 
     @property
     def record_ms(self) -> int:

@@ -40,6 +40,10 @@ task name, ``:``, and the business key)::
     P:following SET of members with followers (the reaper's list to look at)
     P:steps:M   HASH, the key's steps (dedup_once scope="key")
     P:runsteps:M:R  HASH, the steps of run R of the member (R escaped: schema.run_part)
+    P:lim:*     limit groups (see store/schema.py's KEY_KINDS): a group's slots, starts,
+                waiting line and info under its group id (a member-like
+                ``<namespace>:<group key>``), and ``P:lim:conf:<namespace>``,
+                the run-time overrides and pauses of a named group
 """
 
 from __future__ import annotations
@@ -344,6 +348,43 @@ def member_for(task_name: str, business_key: str) -> str:
     return f"{task_namespace(task_name)}:{business_key}"
 
 
+#: What every named limit group's namespace starts with. Task names have ``=`` escaped
+#: (:func:`task_namespace`), so no task's namespace holds it: a group's keys are never a task's.
+_GROUP_NAMESPACE = "group="
+#: The group key of a named group's single quota (a task naming the group without ``limit_key``).
+WHOLE_GROUP = "*"
+#: What a ``limit_key`` rendering ``*`` (a key of no parts) stands as in a named group: rendered keys
+#: never hold a brace outside a ``{tag}`` of letters, so it differs from every other rendering too.
+_STAR_KEY = "{*}"
+
+
+def limit_group_namespace(name: str) -> str:
+    """The namespace of named limit group ``name`` (``group=<escaped name>``): never a task's namespace."""
+    return _GROUP_NAMESPACE + _escape(name, _UNSAFE_IN_NAMES)
+
+
+def limit_group_member(name: str, key: str | None) -> str:
+    """The group id of key ``key`` of named group ``name`` (None: the whole group's single quota, ``*``).
+
+    ``key`` is a rendered ``limit_key`` (the key as the group's tasks render it).
+    A key rendering ``*`` is kept apart from the whole group's ``*``.
+    """
+    part = WHOLE_GROUP if key is None else _STAR_KEY if key == WHOLE_GROUP else key
+    return f"{limit_group_namespace(name)}:{part}"
+
+
+def limit_key_of(part: str) -> str:
+    """The key :func:`limit_group_member` took for a group id's key part (the inverse, for a key given)."""
+    return WHOLE_GROUP if part == _STAR_KEY else part
+
+
+def limit_group_of(namespace: str) -> str | None:
+    """The named group a namespace stands for (the inverse of :func:`limit_group_namespace`), None: a task's."""
+    if not namespace.startswith(_GROUP_NAMESPACE):
+        return None
+    return task_from_namespace(namespace.removeprefix(_GROUP_NAMESPACE))
+
+
 def split_member(member: str) -> tuple[str, str]:
     """``(escaped task name, business key)`` of a member: the name holds no ``:``."""
     namespace, _, business_key = member.partition(":")
@@ -545,6 +586,10 @@ class KeySchema:
     def limit_groups(self) -> str:
         """ZSET of the shard's limit groups: group -> last acquire (ms)."""
         return f"{self.prefix}:lim:groups"
+
+    def limit_conf(self, namespace: str) -> str:
+        """HASH of a named group's run-time overrides and pauses, one copy per shard (``schema.LIMIT_CONF_FIELDS``)."""
+        return f"{self.prefix}:lim:conf:{namespace}"
 
 
 class KeySpec:

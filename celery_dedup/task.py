@@ -11,7 +11,15 @@ from typing import TYPE_CHECKING, Any, ClassVar, TypeVar, cast
 from celery import Task
 
 from . import runtime
-from .config import check_debounce, check_mode, check_on_duplicate, check_on_locked, check_on_mismatch, check_ttl
+from .config import (
+    DedupConfig,
+    check_debounce,
+    check_mode,
+    check_on_duplicate,
+    check_on_locked,
+    check_on_mismatch,
+    check_ttl,
+)
 from .exceptions import (
     DedupConfigError,
 )
@@ -112,8 +120,10 @@ class DedupTask(_TaskBase):
     - ``dedup_lock_ttl``: seconds the execution lock lives unrenewed (default ``dedup_lock_ttl``).
     - ``dedup_on_locked``: ``skip`` (default; ``reschedule`` for debounce) or
       ``reschedule`` a run that finds another run of its key executing.
-    - ``limit_concurrency``, ``limit_rate`` (``"30/m"``), ``limit_key``: at most
+    - ``limit_concurrency``, ``limit_rate`` (``"30/m"`` or a list of windows), ``limit_key``: at most
       N bodies at once, R starts per period, per group (see :mod:`celery_dedup.worker.limits`).
+    - ``limit_group``: a named group of ``dedup_limit_groups`` the task draws on with other
+      tasks (``limit_key``: the key inside the group; without it, one quota for the group).
 
     Example:
         >>> @app.task(base=DedupTask, dedup_key="order:{order_id}")
@@ -136,7 +146,8 @@ class DedupTask(_TaskBase):
     dedup_debounce: ClassVar[str | None] = None
     limit_key: ClassVar[KeyOption] = None
     limit_concurrency: ClassVar[int | None] = None
-    limit_rate: ClassVar[str | None] = None
+    limit_rate: ClassVar[str | list[str] | None] = None
+    limit_group: ClassVar[str | None] = None
 
     _dedup_policy: ClassVar[TaskPolicy | None] = None
     #: What takes part in every delivery of the task on a worker besides its guard: its limits, and its
@@ -183,17 +194,26 @@ class DedupTask(_TaskBase):
             on_mismatch=check_on_mismatch("dedup_on_mismatch", on_mismatch, task=name),
             lock_ttl=check_ttl("dedup_lock_ttl", lock_ttl, task=name),
             on_locked=check_on_locked("dedup_on_locked", on_locked, task=name),
-            limit=cls._resolve_limits(signature, config.max_key_length),
+            limit=cls._resolve_limits(signature, config),
             **cls._resolve_window(mode),
         )
 
     @classmethod
-    def _resolve_limits(cls, signature: inspect.Signature, max_key_length: int) -> LimitPolicy | None:
-        """``limit_key``, ``limit_concurrency`` and ``limit_rate``, validated (see :mod:`celery_dedup.policy`)."""
+    def _resolve_limits(cls, signature: inspect.Signature, config: DedupConfig) -> LimitPolicy | None:
+        """``limit_key``, ``limit_concurrency``, ``limit_rate`` and ``limit_group``, validated (see :mod:`.policy`)."""
         key = cls.__dict__.get("limit_key", cls.limit_key)
         if isinstance(key, staticmethod):
             key = key.__func__
-        return resolve_limits(cls.name, key, cls.limit_concurrency, cls.limit_rate, signature, max_key_length)
+        return resolve_limits(
+            cls.name,
+            key,
+            cls.limit_concurrency,
+            cls.limit_rate,
+            signature,
+            config.max_key_length,
+            cls.limit_group,
+            config.limit_groups,
+        )
 
     @classmethod
     def _refuse_unknown_options(cls) -> None:

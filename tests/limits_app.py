@@ -35,6 +35,12 @@ JOB_SECONDS = 0.5
 LONG_SECONDS = 3.5
 #: How long a hanging body sleeps: far longer than any test waits for it to be killed.
 HANG_SECONDS = 60.0
+#: The named limit groups of the app (setting ``dedup_limit_groups``): every app registering the tasks needs them.
+GROUPS: dict[str, Any] = {
+    "shared": {"concurrency": 2},
+    "windows": {"rate": ["2/s", "3/m"]},
+    "pausable": {"concurrency": 1},
+}
 #: Every dedup mode the mode test combines with a concurrency limit.
 MODES = ("until_executed", "until_executing", "until_expired", "while_executing", "debounce", "throttle", "off")
 
@@ -51,6 +57,13 @@ class Tasks:
     hanging: DedupTask
     by_mode: dict[str, DedupTask]
     long: DedupTask
+    #: Two tasks drawing on group "shared" (2 at a time per tenant).
+    shared: tuple[DedupTask, DedupTask]
+    #: Two tasks drawing on group "windows" (2/s and 3/m, one quota for the group).
+    windowed: tuple[DedupTask, DedupTask]
+    #: A task drawing on group "pausable" (1 at a time), and one without limits.
+    pausable: DedupTask
+    free: DedupTask
 
 
 def register(app: Celery) -> Tasks:
@@ -128,6 +141,57 @@ def register(app: Celery) -> Tasks:
         record(self, f"long:{n}", "long", server_ms(client), seconds=LONG_SECONDS)
         return n
 
+    shared: list[DedupTask] = []
+    windowed: list[DedupTask] = []
+    for name in ("a", "b"):
+
+        def shared_body(self: DedupTask, n: int, tenant: str) -> int:
+            record(self, f"{self.name[-1]}:{n}", tenant, server_ms(client), seconds=JOB_SECONDS)
+            return n
+
+        def windowed_body(self: DedupTask, n: int) -> int:
+            record(self, f"w{self.name[-1]}:{n}", "windows", server_ms(client), seconds=0)
+            return n
+
+        shared.append(
+            app.task(
+                name=f"tests.limits_app.shared_{name}",
+                base=DedupTask,
+                bind=True,
+                shared=False,
+                dedup_key="{tenant}:{n}",
+                limit_group="shared",
+                limit_key="{tenant}",
+            )(shared_body)
+        )
+        windowed.append(
+            app.task(
+                name=f"tests.limits_app.windowed_{name}",
+                base=DedupTask,
+                bind=True,
+                shared=False,
+                dedup_key="n:{n}",
+                limit_group="windows",
+            )(windowed_body)
+        )
+
+    @app.task(
+        name="tests.limits_app.pausable",
+        base=DedupTask,
+        bind=True,
+        shared=False,
+        dedup_key="p:{n}",
+        limit_group="pausable",
+    )
+    def pausable(self: DedupTask, n: int) -> int:
+        record(self, f"p:{n}", "pausable", server_ms(client), seconds=0.1)
+        return n
+
+    @app.task(name="tests.limits_app.free", base=DedupTask, bind=True, shared=False, dedup_key="free:{n}")
+    def free(self: DedupTask, n: int) -> int:
+        record(self, f"free:{n}", "free", server_ms(client), seconds=0)
+        return n
+
     by_mode: dict[str, DedupTask] = {}
     for mode in MODES:
         options: dict[str, Any] = {"dedup_mode": mode}
@@ -150,14 +214,16 @@ def register(app: Celery) -> Tasks:
             limit_concurrency=1,
             **options,
         )(body)
-    return Tasks(job, rated, hanging, by_mode, long)
+    return Tasks(job, rated, hanging, by_mode, long, (shared[0], shared[1]), (windowed[0], windowed[1]), pausable, free)
 
 
 def build() -> Celery:
     """The app a worker process runs, from the environment (see the module docstring)."""
     broker = os.environ.get("CELERY_DEDUP_TEST_BROKER", "redis://127.0.0.1:6379/0")
     limits_app = Celery("limits_app", broker=broker, backend=broker, set_as_current=False)
-    limits_app.conf.update(worker_hijack_root_logger=False, broker_connection_retry_on_startup=True)
+    limits_app.conf.update(
+        worker_hijack_root_logger=False, broker_connection_retry_on_startup=True, dedup_limit_groups=GROUPS
+    )
     limits_app.conf.update(json.loads(os.environ.get("CELERY_DEDUP_LIMITS_CONF", "{}")))
     celery_dedup.install(limits_app)
     register(limits_app)

@@ -379,14 +379,14 @@ class Purge(NamedTuple):
 # --- limits --------------------------------------------------------------------------------------
 
 
-@script("limit_acquire", keys=("slots", "starts", "waiting", "deadlines", "info", "index", "stats"))
+@script("limit_acquire", keys=("slots", "starts", "waiting", "deadlines", "info", "index", "stats", "conf"))
 class LimitAcquire(NamedTuple):
     group: str
     token: str
     run: str
     limit: Number
-    rate: Number
-    period: Number
+    #: The declared windows, ``"count/period_ms,..."`` (``policy.rates_text``; "" for none).
+    rates: str
     lease: Number
     ns: str
     evict: Rest

@@ -195,7 +195,19 @@ KEY_KINDS = (
     KeyKind("limit_deadlines", "{prefix}:lim:due:{group}", "ZSET", "run id -> when it must be back (ms)"),
     KeyKind("limit_info", "{prefix}:lim:info:{group}", "HASH", "slot start times, mean body time, last limits"),
     KeyKind("limit_groups", "{prefix}:lim:groups", "ZSET", "group -> last acquire (ms): the shard's limit groups"),
+    KeyKind(
+        "limit_conf",
+        "{prefix}:lim:conf:{namespace}",
+        "HASH",
+        "a named group's overrides and pauses (LIMIT_CONF_FIELDS), no TTL; group-wide fields in every shard's "
+        "copy, a key's in its group id's shard",
+    ),
 )
+
+#: The fields of a ``limit_conf`` hash. Group-wide: these names; for one key of the group: ``k:<key>:<name>``.
+#: ``concurrency``: slots; ``rates``: ``"count/period_ms,count/period_ms"``; ``paused_until``: ms on the server
+#: clock, -1 until resumed. A key's value wins over the group's, the group's over the declared; either pause holds.
+LIMIT_CONF_FIELDS = ("concurrency", "rates", "paused_until")
 KEY_KIND = {kind.name: kind for kind in KEY_KINDS}
 
 # Record fields ----------------------------------------------------------------------------------------------------

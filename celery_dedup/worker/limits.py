@@ -10,7 +10,13 @@ before it runs (``limit_acquire.lua``, on the server clock):
   and recovered from a dead holder by its expiry or, sooner, when the next
   acquire is told the holder's process is gone;
 - the **rate** is a sliding log of the group's starts: at most R in any
-  window of one period, never 2R across a boundary;
+  window of one period, never 2R across a boundary; a list of rates is
+  several windows, and a start needs room in every one;
+- a task naming a **named group** (``limit_group``, setting
+  ``dedup_limit_groups``) draws on that group's quota per ``limit_key``,
+  shared with every task naming it; the group's values may be overridden
+  and the group paused at run time (:mod:`celery_dedup.limits`), read by
+  the script at each admission (a pause refuses with reason ``paused``);
 - a delivery that may not start now keeps its place in the group's waiting
   line (by first arrival) and is re-published to come back when, by the
   best guess, its turn comes (a countdown: no worker slot is held, nothing
@@ -30,6 +36,7 @@ from __future__ import annotations
 import logging
 import random
 import threading
+import time
 from collections.abc import Hashable
 from typing import TYPE_CHECKING, Any, ClassVar
 
@@ -38,7 +45,7 @@ import redis
 from .. import decisions
 from ..exceptions import DedupError
 from ..header import GateHeader
-from ..keys import member_for, split_member
+from ..keys import WHOLE_GROUP, limit_group_member, limit_group_of, member_for, split_member
 from ..policy import LimitPolicy
 from ..store.limits import Denial, Grant, acquire, give_back, leave_line, note, release, renew_leases
 from ..store.store import DedupStore
@@ -125,12 +132,19 @@ def owner_gone(token: str) -> bool:
 def group_of(task: KeyedTask, args: Any, kwargs: Any, member: str | None = None) -> str | None:
     """The limit group of a call of ``task`` (``member``: its dedup member, if known), None without limits.
 
+    A task's own limits: ``<task>:<limit key>`` (default: the dedup member); a named group's
+    (``limit_group``): :func:`~celery_dedup.keys.limit_group_member` of its ``limit_key``, or of the
+    whole group without one.
+
     A group key that cannot be derived is logged, and the run is not limited.
     """
     limit = task.dedup_policy.limit
     if limit is None:
         return None
     try:
+        if limit.group is not None:  # a named group: its key, or (no limit_key) its single quota
+            key = None if limit.spec is None else limit.spec.business_key(args, kwargs)
+            return limit_group_member(limit.group, key)
         if limit.spec is not None:
             return member_for(task.name, limit.spec.business_key(args, kwargs))
         return member or member_for(task.name, task.dedup_policy.spec.business_key(args, kwargs))
@@ -173,9 +187,7 @@ def admit(task: KeyedTask, store: DedupStore, member: str | None, token: str) ->
         except redis.RedisError:
             logger.exception("%s[%s]: could not record its wait", task.name, run_id)
     keeper = renewer()
-    lease = SlotLease(
-        store, group, token, run_id, lease_ms, grant, now=keeper.clock(), slot=limit.concurrency is not None
-    )
+    lease = SlotLease(store, group, token, run_id, lease_ms, grant, now=keeper.clock(), slot=grant.slot)
     if lease.slot:  # a rate limit counts starts: it holds no place to renew
         keeper.add(lease)
     return lease
@@ -216,11 +228,7 @@ def slot_lost(lease: SlotLease, why: str) -> None:
 def wait(task: KeyedTask, store: DedupStore, member: str | None, denial: Denial, limit: LimitPolicy) -> None:
     """Re-publish the current run to come back when its turn should come, and note why."""
     request = task.request
-    key = split_member(denial.group)[1]
-    if denial.reason == "rate" and limit.rate is not None:
-        why = f"rate {denial.in_use}/{limit.rate} used for {key}"
-    else:
-        why = f"concurrency {denial.in_use}/{limit.concurrency} in use for {key}"
+    why = why_waiting(denial)
     countdown = denial.wait_ms / 1000 + random.uniform(0, 0.02)
     detail = f"{why}, {denial.position} ahead; again in {countdown:.2f}s"
     if member is not None:
@@ -228,8 +236,34 @@ def wait(task: KeyedTask, store: DedupStore, member: str | None, denial: Denial,
             note(store, member, str(request.id), "wait", why)
         except redis.RedisError:
             logger.exception("%s[%s]: could not record that it waits", task.name, request.id)
-    decisions.log("limited", task.name, key, request.id, detail)
+    decisions.log("limited", task.name, split_member(denial.group)[1], request.id, detail)
     task.signature_from_request(request, countdown=countdown).apply_async()
+
+
+def group_label(group: str) -> str:
+    """A group id as people read it: a task's group key, or ``<name>`` / ``<name>:<key>`` for a named group."""
+    namespace, key = split_member(group)
+    name = limit_group_of(namespace)
+    if name is None:
+        return key
+    return name if key == WHOLE_GROUP else f"{name}:{key}"
+
+
+def why_waiting(denial: Denial) -> str:
+    """Why a run was refused, in a line (its record's ``limit_wait``, its history, the decision log).
+
+    ``concurrency 2/2 in use for tenant:acme``, ``rate 10000/10000/d used for partner-api:acme``
+    (the window it waits for longest), ``paused for partner-api:acme until resumed``.
+    """
+    label = group_label(denial.group)
+    if denial.reason == "paused":
+        until = int(denial.limit or -1)
+        if until == -1:
+            return f"paused for {label} until resumed"
+        return f"paused for {label} until {time.strftime('%H:%M:%S', time.gmtime(until / 1000))} UTC"
+    if denial.reason == "rate":
+        return f"rate {denial.in_use}/{denial.window or denial.limit} used for {label}"
+    return f"concurrency {denial.in_use}/{denial.limit} in use for {label}"
 
 
 def reported_ending(

@@ -778,7 +778,7 @@ def test_limits_lists_each_groups_usage(apps: ModuleType, dedup: Invoke) -> None
 
     assert dedup("limits").stdout == "no limit groups used in the last day\n"
     store = runtime.store_for(apps.app)
-    policy = LimitPolicy(None, concurrency=2, rate=Rate(30, 60_000))
+    policy = LimitPolicy(None, concurrency=2, rates=(Rate(30, 60_000),))
     for n in range(3):
         limits.acquire(store, "cli.report:tenant:acme", f"h:1:{n}", f"r{n}", policy, lease_ms=60_000, task_name="x")
     (group,) = as_json(dedup("limits", "--json"))

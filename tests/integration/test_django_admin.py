@@ -842,7 +842,7 @@ def test_limit_groups_page_shows_each_groups_usage(app: Celery, users: dict[str,
     from celery_dedup.store import limits  # noqa: PLC0415
 
     store = runtime.store_for(app)
-    policy = LimitPolicy(None, concurrency=2, rate=Rate(30, 60_000))
+    policy = LimitPolicy(None, concurrency=2, rates=(Rate(30, 60_000),))
     for n in range(3):
         limits.acquire(
             store, "shop.report:tenant:acme", f"h:1:{n}", f"run-{n}", policy, lease_ms=60_000, task_name="shop.report"

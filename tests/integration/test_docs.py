@@ -199,7 +199,9 @@ def limits_recipes() -> list[str]:
     """The Python blocks of docs/limits.md's recipes, as written."""
     text = LIMITS_PAGE.read_text(encoding="utf-8")
     assert "\n## Recipes" in text, "docs/limits.md has no recipes"
-    return re.findall(r"```python\n(.*?)```", text[text.index("\n## Recipes") :], re.DOTALL)
+    section = text[text.index("\n## Recipes") + 1 :]
+    section = section[: section.find("\n## ")] if "\n## " in section else section
+    return re.findall(r"```python\n(.*?)```", section, re.DOTALL)
 
 
 def test_limits_recipes_bind_and_run_as_written(server: Server, r: redis.Redis) -> None:

@@ -10,6 +10,7 @@ in any window of one period, every run once.
 
 from __future__ import annotations
 
+import datetime
 import json
 import os
 import signal
@@ -25,9 +26,10 @@ from urllib.parse import urlparse
 import pytest
 import redis
 
+import celery_dedup.limits
 from celery_dedup import DedupTask
-from celery_dedup.exceptions import DedupConfigError
-from celery_dedup.keys import KeySchema
+from celery_dedup.exceptions import DedupArgumentError, DedupConfigError
+from celery_dedup.keys import KeySchema, limit_group_member, limit_group_namespace
 from celery_dedup.policy import LimitPolicy, Rate, parse_rate
 from celery_dedup.runtime import store_for
 from celery_dedup.store import limits as store_limits
@@ -54,7 +56,7 @@ def test_rates_parse(text: str, rate: Rate | None) -> None:
     assert str(parsed) == text.replace(" ", "")
 
 
-@pytest.mark.parametrize("bad", ["0/s", "5/d", "5", "five/s", "5/s/s", "-1/s", "100001/s", 5, None, b"5/s", ""])
+@pytest.mark.parametrize("bad", ["0/s", "5/w", "5", "five/s", "5/s/s", "-1/s", "100001/s", 5, None, b"5/s", ""])
 def test_bad_rates_are_refused(bad: Any) -> None:
     with pytest.raises(DedupConfigError) as info:
         parse_rate(bad, task="shop.t")
@@ -102,7 +104,7 @@ def test_limit_options_resolve(make_app: AppFactory) -> None:
     task = _define(app, limit_key="tenant:{tenant}", limit_concurrency=2, limit_rate="30/m")
     limit = task.dedup_policy.limit
     assert isinstance(limit, LimitPolicy)
-    assert (limit.concurrency, limit.rate) == (2, Rate(30, 60_000))
+    assert (limit.concurrency, limit.rates) == (2, (Rate(30, 60_000),))
     assert limit.spec is not None and limit.spec.business_key((1,), {"tenant": "acme"}) == "tenant:acme"
 
     def plain(n: int) -> int:
@@ -159,7 +161,7 @@ def test_rate_counts_starts_in_a_sliding_window_and_takes_back_unused_ones(
     make_app: AppFactory, r: redis.Redis
 ) -> None:
     store = store_for(make_app())
-    three = LimitPolicy(None, rate=Rate(3, 60_000))
+    three = LimitPolicy(None, rates=(Rate(3, 60_000),))
     for n in range(3):
         assert isinstance(_ask(store, f"h:1:{n}", f"run-{n}", three), Grant)
     refused = _ask(store, "h:1:x", "run-x", three)
@@ -219,7 +221,7 @@ def test_a_waiter_that_does_not_come_back_loses_its_place(make_app: AppFactory, 
 
 
 @pytest.mark.parametrize(
-    "one", [LimitPolicy(None, concurrency=1), LimitPolicy(None, rate=Rate(1, 60_000))], ids=["slot", "start"]
+    "one", [LimitPolicy(None, concurrency=1), LimitPolicy(None, rates=(Rate(1, 60_000),))], ids=["slot", "start"]
 )
 def test_a_free_slot_waits_for_the_runs_ahead_only_until_they_are_due(
     make_app: AppFactory, r: redis.Redis, one: LimitPolicy
@@ -248,7 +250,7 @@ def test_a_free_slot_waits_for_the_runs_ahead_only_until_they_are_due(
 
 def test_groups_are_listed_with_their_usage(make_app: AppFactory, r: redis.Redis) -> None:
     store = store_for(make_app())
-    both = LimitPolicy(None, concurrency=1, rate=Rate(10, 1000))
+    both = LimitPolicy(None, concurrency=1, rates=(Rate(10, 1000),))
     _ask(store, "h:1:a", "run-1", both)
     _ask(store, "h:1:b", "run-2", both)
     (state,) = store_limits.groups(store)
@@ -260,6 +262,248 @@ def test_groups_are_listed_with_their_usage(make_app: AppFactory, r: redis.Redis
         1,
     )
     assert state.rate == Rate(10, 1000) and state.starts == 1
+
+
+# --- windows, overrides and pauses in the group script -------------------------------------
+
+NAMED = limit_group_member("partner-api", "acme")
+CONF = SCHEMA.limit_conf(limit_group_namespace("partner-api"))
+
+
+def _ask_named(store: Any, token: str, run: str, policy: LimitPolicy, **kw: Any) -> Grant | Denial:
+    return store_limits.acquire(store, NAMED, token, run, policy, lease_ms=60_000, task_name="shop.limited", **kw)
+
+
+def test_a_start_needs_room_in_every_window(make_app: AppFactory, r: redis.Redis) -> None:
+    """2/s and 3/m: the third start waits for the second's window, the fourth for the minute's."""
+    store = store_for(make_app())
+    two_windows = LimitPolicy(None, rates=(Rate(2, 1000), Rate(3, 60_000)))
+    assert isinstance(_ask(store, "h:1:a", "run-a", two_windows), Grant)
+    assert isinstance(_ask(store, "h:1:b", "run-b", two_windows), Grant)
+    third = _ask(store, "h:1:c", "run-c", two_windows)
+    assert isinstance(third, Denial) and third.reason == "rate" and third.window == Rate(2, 1000)
+    assert third.in_use == 2 and 0 < third.wait_ms <= 1000
+    assert limits.why_waiting(third) == "rate 2/2/s used for tenant:a"
+    time.sleep(third.wait_ms / 1000 + 0.02)
+    assert isinstance(_ask(store, "h:1:c", "run-c", two_windows), Grant)
+    fourth = _ask(store, "h:1:d", "run-d", two_windows)
+    assert isinstance(fourth, Denial) and fourth.window == Rate(3, 60_000) and fourth.in_use == 3
+    assert 58_000 < fourth.wait_ms <= 60_000, "it comes back when the minute's first start leaves it"
+    info = r.hgetall(SCHEMA.limit_info(GROUP))
+    assert info[b"rates"] == b"2/1000,3/60000" and info[b"paused_until"] == b"0"
+    (state,) = store_limits.groups(store)
+    assert state.rates == (Rate(2, 1000), Rate(3, 60_000)) and state.starts_per_window == (1, 3)
+    assert (state.rate, state.starts) == (Rate(2, 1000), 1)
+
+
+def test_a_daily_window_of_ten_thousand_stays_cheap(make_app: AppFactory, r: redis.Redis) -> None:
+    """A full 10000/d log: a refusal reads two entries of it by rank, never the whole log."""
+    store = store_for(make_app())
+    daily = LimitPolicy(None, rates=(Rate(10, 1000), Rate(10_000, 86_400_000)))
+    now = limits_app.server_ms(r)
+    r.zadd(SCHEMA.limit_starts(GROUP), {f"old:{n}": now - 86_000_000 + n * 8000 for n in range(10_000)})
+    r.config_resetstat()
+    rounds = 50
+    began = time.perf_counter()
+    for n in range(rounds):
+        refused = _ask(store, f"h:1:{n}", f"run-{n}", daily)
+        assert isinstance(refused, Denial) and refused.window == Rate(10_000, 86_400_000), refused
+    elapsed = (time.perf_counter() - began) / rounds
+    assert refused.position == rounds - 1
+    # The 50th in line waits for the 50th oldest start to leave the day.
+    assert abs(refused.wait_ms - (400_000 + 49 * 8000)) < 5000, refused.wait_ms
+    stats = r.info("commandstats")
+    per_call = stats["cmdstat_evalsha"]["usec_per_call"]
+    print(f"10000/d refusal: {per_call:.0f} us per script on the server, {elapsed * 1e6:.0f} us per round trip")
+    assert per_call < 1000, stats["cmdstat_evalsha"]
+    assert r.zcard(SCHEMA.limit_starts(GROUP)) == 10_000
+
+
+def test_overrides_take_effect_at_the_next_admission_key_over_group_over_declared(
+    make_app: AppFactory, r: redis.Redis
+) -> None:
+    store = store_for(make_app())
+    declared = LimitPolicy(None, concurrency=1, group="partner-api")
+    assert isinstance(_ask_named(store, "h:1:a", "run-a", declared), Grant)
+    assert isinstance(_ask_named(store, "h:1:b", "run-b", declared), Denial)
+    r.hset(CONF, "concurrency", 2)
+    granted = _ask_named(store, "h:1:b", "run-b", declared)
+    assert isinstance(granted, Grant) and granted.slot
+    r.hset(CONF, "k:acme:concurrency", 3)
+    r.hset(CONF, "concurrency", 1)
+    assert isinstance(_ask_named(store, "h:1:c", "run-c", declared), Grant), "the key's own value wins"
+    refused = _ask_named(store, "h:1:d", "run-d", declared)
+    assert isinstance(refused, Denial) and (refused.reason, refused.limit) == ("concurrency", "3")
+    assert limits.why_waiting(refused) == "concurrency 3/3 in use for partner-api:acme"
+    r.hdel(CONF, "k:acme:concurrency")
+    lowered = _ask_named(store, "h:1:d", "run-d", declared)
+    assert isinstance(lowered, Denial) and lowered.limit == "1", "back to the group's override"
+    # A rate override on a group that declared none counts starts from then on, in its own window.
+    r.hset(CONF, "k:acme:rates", "1/60000")
+    r.hset(CONF, "k:acme:concurrency", 10)
+    assert isinstance(_ask_named(store, "h:1:d", "run-d", declared), Grant)
+    rated = _ask_named(store, "h:1:e", "run-e", declared)
+    assert isinstance(rated, Denial) and rated.window == Rate(1, 60_000)
+    (state,) = store_limits.groups(store)
+    assert (state.name, state.task, state.key, state.concurrency) == ("partner-api", "", "acme", 10)
+    assert state.rates == (Rate(1, 60_000),) and state.starts_per_window == (1,)
+
+
+def test_a_pause_refuses_every_start_and_the_line_resumes_in_arrival_order(
+    make_app: AppFactory, r: redis.Redis
+) -> None:
+    store = store_for(make_app())
+    two = LimitPolicy(None, concurrency=2, group="partner-api")
+    assert isinstance(_ask_named(store, "h:1:a", "run-a", two), Grant)
+    r.hset(CONF, "paused_until", -1)
+    first = _ask_named(store, "h:1:b", "run-b", two)
+    assert isinstance(first, Denial) and (first.reason, first.limit, first.wait_ms) == ("paused", "-1", 5000)
+    assert limits.why_waiting(first) == "paused for partner-api:acme until resumed"
+    second = _ask_named(store, "h:1:c", "run-c", two)
+    assert isinstance(second, Denial) and second.position == 1
+    assert isinstance(_ask_named(store, "h:1:a", "run-a", two), Grant), "a delivery holding its slot keeps it"
+    (state,) = store_limits.groups(store)
+    assert state.paused_until == -1 and state.waiting == 2
+    # A key's pause with an end: it comes back when the pause ends, if that is sooner than the poll.
+    r.hdel(CONF, "paused_until")
+    until = limits_app.server_ms(r) + 1500
+    r.hset(CONF, "k:acme:paused_until", until)
+    timed = _ask_named(store, "h:1:c", "run-c", two)
+    assert isinstance(timed, Denial) and timed.reason == "paused" and timed.limit == str(until)
+    assert 1000 < timed.wait_ms <= 1500
+    r.hdel(CONF, "k:acme:paused_until")
+    # Resumed: run-c asks first, but run-b came first and is expected back: the free slot is held for it.
+    assert isinstance(_ask_named(store, "h:1:c", "run-c", two), Denial)
+    assert isinstance(_ask_named(store, "h:1:b", "run-b", two), Grant)
+    store_limits.release(store, NAMED, "h:1:a", ran=True)
+    assert isinstance(_ask_named(store, "h:1:c", "run-c", two), Grant)
+    # An ended pause is none.
+    r.hset(CONF, "paused_until", limits_app.server_ms(r) - 1)
+    assert isinstance(_ask_named(store, "h:1:d", "run-d", LimitPolicy(None, concurrency=5)), Grant)
+
+
+# --- run-time control: override, clear_override, pause, resume, describe --------------------
+
+PARTNER = {"partner-api": {"concurrency": 1, "rate": ["10/s", "10000/d"]}, "mail": {"rate": "100/m"}}
+
+
+def test_override_and_clear_take_effect_at_the_next_admission(make_app: AppFactory, r: redis.Redis) -> None:
+    app = make_app(dedup_limit_groups=PARTNER)
+    store = store_for(app)
+    declared = LimitPolicy(None, concurrency=1, rates=(Rate(10, 1000), Rate(10_000, 86_400_000)), group="partner-api")
+    assert isinstance(_ask_named(store, "h:1:a", "run-a", declared), Grant)
+    assert isinstance(_ask_named(store, "h:1:b", "run-b", declared), Denial)
+    celery_dedup.limits.override(app, "partner-api", "acme", concurrency=2, by="ops")
+    assert isinstance(_ask_named(store, "h:1:b", "run-b", declared), Grant), "raised: the next admission gets in"
+    celery_dedup.limits.override(app, "partner-api", concurrency=5)
+    celery_dedup.limits.override(app, "partner-api", "acme", rate=["20/s", "100/d"])
+    refused = _ask_named(store, "h:1:c", "run-c", declared)
+    assert isinstance(refused, Denial) and (refused.reason, refused.limit) == ("concurrency", "2"), "key over group"
+    (info, mail) = celery_dedup.limits.describe(app)
+    assert (info.name, info.concurrency, info.rates) == ("partner-api", 1, (Rate(10, 1000), Rate(10_000, 86_400_000)))
+    assert info.override == celery_dedup.limits.Override(5, None) and info.paused_until is None
+    acme = celery_dedup.limits.Override(2, (Rate(20, 1000), Rate(100, 86_400_000)))
+    assert info.keys == {"acme": celery_dedup.limits.KeyConf(acme, None)}
+    assert (mail.name, mail.override, mail.keys) == ("mail", None, {})
+    assert celery_dedup.limits.clear_override(app, "partner-api", "acme")
+    assert not celery_dedup.limits.clear_override(app, "partner-api", "acme")
+    assert isinstance(_ask_named(store, "h:1:c", "run-c", declared), Grant), "the group's 5 applies to acme again"
+    assert celery_dedup.limits.clear_override(app, "partner-api")
+    lowered = _ask_named(store, "h:1:d", "run-d", declared)
+    assert isinstance(lowered, Denial) and lowered.limit == "1", "lowered: back to the declared 1"
+    assert celery_dedup.limits.describe(app)[0].override is None
+
+
+@pytest.mark.parametrize(
+    ("call", "parameter", "value"),
+    [
+        pytest.param({"concurrency": 0}, "concurrency", 0, id="concurrency-zero"),
+        pytest.param({"concurrency": -2}, "concurrency", -2, id="concurrency-negative"),
+        pytest.param({"concurrency": 2.5}, "concurrency", 2.5, id="concurrency-float"),
+        pytest.param({"rate": "0/s"}, "rate", "0/s", id="rate-zero"),
+        pytest.param({"rate": "10/w"}, "rate", "10/w", id="rate-unit"),
+        pytest.param({"rate": []}, "rate", [], id="rate-empty-list"),
+        pytest.param({}, "concurrency", None, id="nothing-to-set"),
+        pytest.param({"key": "", "concurrency": 1}, "key", "", id="key-empty"),
+        pytest.param({"group": "partner", "concurrency": 1}, "group", "partner", id="group-unknown"),
+    ],
+)
+def test_bad_values_at_override_raise_naming_the_group_and_the_value(
+    make_app: AppFactory, r: redis.Redis, call: dict[str, Any], parameter: str, value: Any
+) -> None:
+    app = make_app(dedup_limit_groups=PARTNER)
+    group = call.pop("group", "partner-api")
+    with pytest.raises(DedupArgumentError) as info:
+        celery_dedup.limits.override(app, group, **call)
+    assert (info.value.parameter, info.value.value) == (parameter, value)
+    assert repr(group) in str(info.value) and repr(value) in str(info.value)
+    assert r.keys("dedup:lim:conf:*") == [], "nothing written"
+
+
+def test_pause_and_resume_a_key_or_the_group(make_app: AppFactory, r: redis.Redis) -> None:
+    app = make_app(dedup_limit_groups=PARTNER)
+    store = store_for(app)
+    declared = LimitPolicy(None, concurrency=1, group="partner-api")
+    limits_api = celery_dedup.limits
+    limits_api.pause(app, "partner-api", "acme", by="ops")
+    paused = _ask_named(store, "h:1:a", "run-a", declared)
+    assert isinstance(paused, Denial) and (paused.reason, paused.limit) == ("paused", "-1")
+    assert limits_api.describe(app)[0].keys == {"acme": limits_api.KeyConf(None, -1)}
+    assert limits_api.resume(app, "partner-api", "acme") and not limits_api.resume(app, "partner-api", "acme")
+    assert isinstance(_ask_named(store, "h:1:a", "run-a", declared), Grant)
+    store_limits.release(store, NAMED, "h:1:a", ran=True)
+    now = limits_app.server_ms(r)
+    limits_api.pause(app, "partner-api", until=30)
+    (info, _) = limits_api.describe(app)
+    assert info.paused_until is not None and now + 29_000 < info.paused_until <= now + 31_000
+    assert isinstance(_ask_named(store, "h:1:b", "run-b", declared), Denial)
+    for until in (
+        datetime.timedelta(minutes=1),
+        datetime.datetime.now(datetime.timezone.utc) + datetime.timedelta(minutes=2),
+        datetime.datetime.now(datetime.timezone.utc).replace(tzinfo=None) + datetime.timedelta(minutes=3),
+    ):
+        limits_api.pause(app, "partner-api", until=until)
+        shown = limits_api.describe(app)[0].paused_until
+        assert shown is not None and now + 50_000 < shown < now + 190_000, (until, shown)
+    assert limits_api.resume(app, "partner-api")
+    assert isinstance(_ask_named(store, "h:1:b", "run-b", declared), Grant)
+    # A pause that has ended is no longer shown.
+    limits_api.pause(app, "mail", "x", until=0.05)
+    time.sleep(0.1)
+    assert limits_api.describe(app)[1].keys == {}
+    for bad in (0, -5, "soon", float("nan"), datetime.datetime(2000, 1, 1), True):
+        with pytest.raises(DedupArgumentError) as info_bad:
+            limits_api.pause(app, "partner-api", until=bad)
+        assert info_bad.value.parameter == "until" and "'partner-api'" in str(info_bad.value)
+
+
+def test_group_wide_values_go_to_every_shards_copy_a_keys_to_its_own(r: redis.Redis) -> None:
+    from celery_dedup.store.store import DedupStore  # noqa: PLC0415
+
+    store = DedupStore(r, "dedup", shards=16)
+    store_limits.set_conf(store, "partner-api", None, {"paused_until": -1})
+    store_limits.set_conf(store, "partner-api", "acme", {"concurrency": 3})
+    namespace = limit_group_namespace("partner-api")
+    copies = [at.limit_conf(namespace) for at in store.schema.shards_all()]
+    assert all(r.hget(copy, "paused_until") == b"-1" for copy in copies)
+    home = store.schema.shard_of(NAMED).limit_conf(namespace)
+    assert [copy for copy in copies if r.hexists(copy, "k:acme:concurrency")] == [home]
+    assert r.ttl(home) == -1, "no TTL"
+    refused = store_limits.acquire(
+        store, NAMED, "h:1:a", "run-a", LimitPolicy(None, concurrency=1), lease_ms=60_000, task_name="t"
+    )
+    assert isinstance(refused, Denial) and refused.reason == "paused"
+    assert store_limits.clear_conf(store, "partner-api", None, ("paused_until",))
+    granted = store_limits.acquire(
+        store, NAMED, "h:1:a", "run-a", LimitPolicy(None, concurrency=1), lease_ms=60_000, task_name="t"
+    )
+    assert isinstance(granted, Grant)
+    group, keys, _ = store_limits.read_conf(store, "partner-api")
+    assert (group, keys) == ({}, {"acme": {"concurrency": "3"}})
+    star = limit_group_member("partner-api", "*")
+    store_limits.set_conf(store, "partner-api", "*", {"concurrency": 2})
+    assert store_limits.read_conf(store, "partner-api")[1]["*"] == {"concurrency": "2"}
+    assert r.hexists(store.schema.shard_of(star).limit_conf(namespace), "k:{*}:concurrency")
 
 
 # --- real prefork workers ------------------------------------------------------------------
@@ -302,7 +546,7 @@ def most_at_once(entries: list[dict[str, Any]]) -> int:
 
 @pytest.fixture
 def tasks(make_app: AppFactory) -> limits_app.Tasks:
-    return limits_app.register(make_app("limits_app"))
+    return limits_app.register(make_app("limits_app", dedup_limit_groups=limits_app.GROUPS))
 
 
 @pytest.mark.slow
@@ -417,7 +661,7 @@ def test_a_run_revoked_while_it_waits_leaves_the_line(make_app: AppFactory, r: r
     """An ending reported from outside the body (here a revoke) takes the run out of its group's waiting line."""
     from celery_dedup.worker.delivery import settle_elsewhere  # noqa: PLC0415
 
-    app = make_app("limits_app")
+    app = make_app("limits_app", dedup_limit_groups=limits_app.GROUPS)
     tasks = limits_app.register(app)
     store = store_for(app)
     group = "tests.limits_app.job:tenant:Z"
@@ -538,7 +782,7 @@ def test_a_rate_only_run_holds_no_slot_and_reports_none_lost(
 def test_a_limits_only_run_revoked_while_it_waits_leaves_the_line(make_app: AppFactory, r: redis.Redis) -> None:
     from celery_dedup.worker.delivery import settle_elsewhere  # noqa: PLC0415
 
-    app = make_app("limits_app")
+    app = make_app("limits_app", dedup_limit_groups=limits_app.GROUPS)
     task = limits_app.register(app).by_mode["off"]
     store = store_for(app)
     group = f"{task.name}:group:g"
@@ -677,3 +921,141 @@ def test_free_slots_are_not_held_for_runs_ahead_that_do_not_come_back(
     assert [m.decode() for m in r.zrange(SCHEMA.limit_waiting(group), 0, -1)] == ["ahead-0", "ahead-1"], (
         "the runs ahead keep their places until their lease runs out"
     )
+
+
+# --- named groups, windows, overrides and pauses on real workers ----------------------------
+
+
+def _starts_in_order(entries: list[dict[str, Any]]) -> list[str]:
+    return [e["key"] for e in sorted(entries, key=lambda e: e["start"])]
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("pool", ["prefork", "threads"])
+def test_two_tasks_sharing_a_group_never_run_more_than_its_limit_of_a_key(
+    server: Server, r: redis.Redis, tasks: limits_app.Tasks, pool: str
+) -> None:
+    """Group "shared" allows 2 bodies per tenant: tasks a and b together never run a third of one tenant."""
+    task_a, task_b = tasks.shared
+    with worker(server, concurrency=8, pool=pool) as process:
+        for n in range(8):
+            for tenant in "AB":
+                task_a.delay(n, tenant)
+                task_b.delay(n, tenant)
+        wait_for(lambda: r.llen(limits_app.RUNS) >= 32, 120, lambda: f"{r.llen(limits_app.RUNS)} of 32 ran")
+        done = runs(r)
+        output = "".join(process.output)
+    expected = Counter({(t, f"{name}:{n}", tenant): 1 for t, name in (("shared_a", "a"), ("shared_b", "b"))
+                        for n in range(8) for tenant in "AB"})  # fmt: skip
+    assert Counter((e["task"], e["key"], e["group"]) for e in done) == expected, output
+    for tenant in "AB":
+        entries = [e for e in done if e["group"] == tenant]
+        assert {e["task"] for e in entries} == {"shared_a", "shared_b"}
+        assert most_at_once(entries) == 2, (tenant, sorted((e["start"], e["end"], e["task"]) for e in entries))
+    assert most_at_once(done) > 2, "the tenants are separate quotas"
+    for tenant in "AB":
+        assert r.zcard(SCHEMA.limit_slots(limit_group_member("shared", tenant))) == 0
+
+
+@pytest.mark.slow
+def test_two_windows_on_workers_two_a_second_and_three_a_minute(
+    server: Server, r: redis.Redis, tasks: limits_app.Tasks
+) -> None:
+    """Group "windows" (2/s and 3/m, one quota): of six runs of two tasks, three start, at most two in any second."""
+    task_a, task_b = tasks.windowed
+    with worker(server, concurrency=4):
+        for n in range(3):
+            task_a.delay(n)
+            task_b.delay(n)
+        wait_for(lambda: r.llen(limits_app.RUNS) >= 3, 30, lambda: f"{r.llen(limits_app.RUNS)} of 3 ran")
+        time.sleep(2.5)  # room in the second's window again and again: the minute's holds the rest
+        done = runs(r)
+        waiting = [m.decode() for m in r.zrange(SCHEMA.limit_waiting(limit_group_member("windows", None)), 0, -1)]
+    assert len(done) == 3, done
+    granted = sorted(e["granted"] for e in done)
+    assert granted[2] - granted[0] >= 1000, f"no second holds three starts: {granted}"
+    assert len(waiting) == 3, waiting
+    records = [store_for(task_a.app).record(f"{t.name}:n:{n}") for t in (task_a, task_b) for n in range(3)]
+    notes = [rec.get("limit_wait") for rec in records if rec and rec.get("state") == "queued"]
+    assert len(notes) == 3, records
+    # Each was last refused while the minute's window filled (2 or 3 of 3): it waits for that window.
+    assert all(note and note.startswith("rate ") and note.endswith("/3/m used for windows") for note in notes), notes
+
+
+@pytest.mark.slow
+def test_an_override_takes_effect_at_the_next_admission_lower_and_raise(
+    server: Server, r: redis.Redis, tasks: limits_app.Tasks
+) -> None:
+    task_a, task_b = tasks.shared
+    with worker(server, concurrency=6):
+        celery_dedup.limits.override(task_a.app, "shared", "L", concurrency=1)
+        celery_dedup.limits.override(task_a.app, "shared", "H", concurrency=4)
+        for n in range(4):
+            for tenant in "LH":
+                task_a.delay(n, tenant)
+                task_b.delay(n, tenant)
+        wait_for(lambda: r.llen(limits_app.RUNS) >= 16, 90, lambda: f"{r.llen(limits_app.RUNS)} of 16 ran")
+        done = runs(r)
+    lowered = [e for e in done if e["group"] == "L"]
+    raised = [e for e in done if e["group"] == "H"]
+    assert len(lowered) == len(raised) == 8
+    assert most_at_once(lowered) == 1, sorted((e["start"], e["end"]) for e in lowered)
+    assert 2 < most_at_once(raised) <= 4, sorted((e["start"], e["end"]) for e in raised)
+
+
+@pytest.mark.slow
+def test_a_pause_holds_no_worker_slot_survives_a_restart_and_resume_keeps_arrival_order(
+    server: Server, r: redis.Redis, tasks: limits_app.Tasks
+) -> None:
+    """Group "pausable" paused: its runs wait as countdown messages (a free task still runs on the worker's
+    only process), a new worker (threads pool) still holds them, and after resume they run in arrival order."""
+    app = tasks.pausable.app
+    group = limit_group_member("pausable", None)
+    celery_dedup.limits.pause(app, "pausable", by="test")
+    with worker(server, concurrency=1):
+        for n in range(4):
+            tasks.pausable.delay(n)
+        wait_for(lambda: r.zcard(SCHEMA.limit_waiting(group)) == 4, 30, "all four wait")
+        tasks.free.delay(1)
+        wait_for(lambda: r.llen(limits_app.RUNS) >= 1, 10, "the free task ran beside the paused ones")
+    with worker(server, concurrency=2, pool="threads"):
+        tasks.free.delay(2)
+        wait_for(lambda: r.llen(limits_app.RUNS) >= 2, 15, "the free task ran on the new worker")
+        time.sleep(6)  # more than one look again of every paused run
+        assert [e["key"] for e in runs(r)] == ["free:1", "free:2"], "nothing of the paused group started"
+        line = [m.decode() for m in r.zrange(SCHEMA.limit_waiting(group), 0, -1)]
+        assert len(line) == 4
+        assert celery_dedup.limits.resume(app, "pausable")
+        wait_for(lambda: r.llen(limits_app.RUNS) >= 6, 30, lambda: f"{r.llen(limits_app.RUNS)} of 6 ran")
+        done = [e for e in runs(r) if e["group"] == "pausable"]
+    assert [e["id"] for e in sorted(done, key=lambda e: e["start"])] == line, "they start in arrival order"
+    assert most_at_once(done) == 1
+
+
+@pytest.mark.slow
+def test_a_killed_holder_of_a_named_groups_slot_gives_it_back(
+    server: Server, r: redis.Redis, tasks: limits_app.Tasks
+) -> None:
+    """Both of tenant K's slots in group "shared" are held by hanging bodies of two tasks when their children are
+    SIGKILLed: the slots come back (long before the 300 s lease) and every run ends once."""
+    conf: dict[str, Any] = {"task_acks_late": True, "task_reject_on_worker_lost": True, "dedup_lock_ttl": 300}
+    task_a, task_b = tasks.shared
+    r.sadd(limits_app.HANG, "a:0", "b:0")
+    slots = SCHEMA.limit_slots(limit_group_member("shared", "K"))
+    with worker(server, concurrency=4, **conf) as process:
+        task_a.delay(0, "K")
+        task_b.delay(0, "K")
+        wait_for(lambda: r.scard(limits_app.HANG) == 0, 30, "both hanging runs started")
+        for n in range(1, 3):
+            task_a.delay(n, "K")
+            task_b.delay(n, "K")
+        holders = [member.decode() for member in r.zrange(slots, 0, -1)]
+        assert len(holders) == 2, holders
+        for pid in {int(token.split(":")[1]) for token in holders}:
+            os.kill(pid, signal.SIGKILL)
+        wait_for(lambda: r.llen(limits_app.RUNS) >= 6, 60, lambda: f"{r.llen(limits_app.RUNS)} of 6 ended")
+        wait_for(lambda: r.zcard(slots) == 0, 10, "every slot given back")
+        done = runs(r)
+        output = "".join(process.output)
+    assert Counter(e["key"] for e in done) == Counter({f"{t}:{n}": 1 for t in "ab" for n in range(3)}), output
+    assert most_at_once(done) <= 2

@@ -77,6 +77,7 @@ def test_defaults(bare_app: BareApp) -> None:
         publish_lease=30,
         cluster_wait_replicas=1,
         step_result_limit=65536,
+        limit_groups={},
     )
     assert {f"dedup_{field}" for field in vars(config)} == set(SETTINGS)
 
