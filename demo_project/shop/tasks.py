@@ -127,7 +127,7 @@ def send_confirmation(order: Order, *, sent_by: str) -> EmailLog:
     """
     subject = f"Your order {order.number} is paid"
     send_mail(subject, f"Thank you! We charged {order.total}.", None, [order.email])
-    sent = EmailLog.objects.create(order=order, recipient=order.email, subject=subject, task_id=sent_by)
+    sent: EmailLog = EmailLog.objects.create(order=order, recipient=order.email, subject=subject, task_id=sent_by)
     Order.objects.filter(pk=order.pk).update(emailed=True)
     return sent
 

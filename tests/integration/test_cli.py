@@ -339,7 +339,7 @@ def test_limits_fits_long_group_keys_to_the_terminal(apps: ModuleType, dedup: In
     groups = sorted(line.split()[1] for line in lines[1:])
     assert groups[0] == "tenant:acme"
     assert groups[1].startswith("tenant:yyy") and groups[1].endswith("…")
-    whole = {group["key"] for group in as_json(dedup("limits", "--json", columns=90))}
+    whole = {group["key"] for group in as_json(dedup("limits", "--json", columns=90))["groups"]}
     assert whole == {"tenant:acme", "tenant:" + "y" * 300}
 
 
@@ -781,7 +781,7 @@ def test_limits_lists_each_groups_usage(apps: ModuleType, dedup: Invoke) -> None
     policy = LimitPolicy(None, concurrency=2, rates=(Rate(30, 60_000),))
     for n in range(3):
         limits.acquire(store, "cli.report:tenant:acme", f"h:1:{n}", f"r{n}", policy, lease_ms=60_000, task_name="x")
-    (group,) = as_json(dedup("limits", "--json"))
+    (group,) = as_json(dedup("limits", "--json"))["groups"]
     assert (group["task"], group["key"], group["in_use"], group["waiting"], group["rate"], group["starts"]) == (
         "cli.report",
         "tenant:acme",
