@@ -40,7 +40,12 @@ GROUPS: dict[str, Any] = {
     "shared": {"concurrency": 2},
     "windows": {"rate": ["2/s", "3/m"]},
     "pausable": {"concurrency": 1},
+    "endings": {"concurrency": 1},
 }
+#: LIST of ``<n>:<how>:<retries>`` per body of the ending task, pushed as it starts.
+ENDING_STARTS = "test:limits:ending"
+#: How a body of the ending task ends (see ``Tasks.ending``).
+ENDINGS = ("succeed", "fail", "retry", "time_limit", "revoke")
 #: Every dedup mode the mode test combines with a concurrency limit.
 MODES = ("until_executed", "until_executing", "until_expired", "while_executing", "debounce", "throttle", "off")
 
@@ -64,6 +69,9 @@ class Tasks:
     #: A task drawing on group "pausable" (1 at a time), and one without limits.
     pausable: DedupTask
     free: DedupTask
+    #: A task of group "endings" (1 at a time) whose body ends as told: one of ENDINGS
+    #: (``time_limit`` and ``revoke`` hang until the worker kills them).
+    ending: DedupTask
 
 
 def register(app: Celery) -> Tasks:
@@ -192,6 +200,24 @@ def register(app: Celery) -> Tasks:
         record(self, f"free:{n}", "free", server_ms(client), seconds=0)
         return n
 
+    @app.task(
+        name="tests.limits_app.ending",
+        base=DedupTask,
+        bind=True,
+        shared=False,
+        dedup_key="e:{n}",
+        limit_group="endings",
+    )
+    def ending(self: DedupTask, n: int, how: str) -> int:
+        client.rpush(ENDING_STARTS, f"{n}:{how}:{self.request.retries}")
+        if how == "fail":
+            raise ValueError(f"ending {n} fails")
+        if how == "retry" and not self.request.retries:
+            raise self.retry(countdown=0.2, max_retries=1)
+        if how in ("time_limit", "revoke"):
+            time.sleep(HANG_SECONDS)
+        return n
+
     by_mode: dict[str, DedupTask] = {}
     for mode in MODES:
         options: dict[str, Any] = {"dedup_mode": mode}
@@ -214,7 +240,8 @@ def register(app: Celery) -> Tasks:
             limit_concurrency=1,
             **options,
         )(body)
-    return Tasks(job, rated, hanging, by_mode, long, (shared[0], shared[1]), (windowed[0], windowed[1]), pausable, free)
+    pairs = (shared[0], shared[1]), (windowed[0], windowed[1])
+    return Tasks(job, rated, hanging, by_mode, long, *pairs, pausable, free, ending)
 
 
 def build() -> Celery:

@@ -1059,3 +1059,39 @@ def test_a_killed_holder_of_a_named_groups_slot_gives_it_back(
         output = "".join(process.output)
     assert Counter(e["key"] for e in done) == Counter({f"{t}:{n}": 1 for t in "ab" for n in range(3)}), output
     assert most_at_once(done) <= 2
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize(
+    ("pool", "how"),
+    [("prefork", how) for how in limits_app.ENDINGS] + [("threads", how) for how in ("succeed", "fail", "retry")],
+)
+def test_a_named_groups_slot_comes_back_on_every_ending(
+    server: Server, r: redis.Redis, tasks: limits_app.Tasks, pool: str, how: str
+) -> None:
+    """Success, failure, retry, a hard time limit and a revoke that terminates: the slot comes back at the ending.
+
+    The lease (the lock TTL) is 300 s, so its expiry cannot be what frees it; the next run of the group starts.
+    """
+    slots = SCHEMA.limit_slots(limit_group_member("endings", None))
+    with worker(server, concurrency=2, pool=pool, dedup_lock_ttl=300) as process:
+        first = tasks.ending.apply_async((1, how), time_limit=1 if how == "time_limit" else None)
+        wait_for(lambda: r.llen(limits_app.ENDING_STARTS) >= 1, 30, "the first body started")
+        if how in ("time_limit", "revoke"):
+            assert r.zcard(slots) == 1, "the hanging body holds the slot"
+        if how == "revoke":
+            tasks.ending.app.control.revoke(first.id, terminate=True, signal="SIGKILL")
+        tasks.ending.delay(2, "succeed")
+        wanted = 3 if how == "retry" else 2
+        wait_for(
+            lambda: r.llen(limits_app.ENDING_STARTS) >= wanted,
+            30,
+            lambda: f"the next run of the group starts: {r.lrange(limits_app.ENDING_STARTS, 0, -1)}",
+        )
+        wait_for(lambda: r.zcard(slots) == 0, 10, "every slot given back")
+        output = "".join(process.output)
+    starts = [raw.decode() for raw in r.lrange(limits_app.ENDING_STARTS, 0, -1)]
+    assert starts[0] == f"1:{how}:0", output
+    assert "2:succeed:0" in starts, output
+    if how == "retry":
+        assert "1:retry:1" in starts, output
