@@ -48,7 +48,8 @@ WAYS = {"delay": 40, "countdown": 12, "eta": 8, "many": 10, "send_task": 12, "ch
 STEPS = (0, 1, 2)
 STEP_WEIGHTS = (50, 30, 20)
 RAISE_ON_DOUBT = 0.2
-#: Modes' weights (by task: ``limit1`` and ``limit2`` are limited tasks): the gated modes dominate.
+#: Modes' weights (by task: ``limit1`` and ``limit2`` are limited tasks, ``quota_a`` and ``quota_b`` share a named
+#: group): the gated modes dominate.
 MODE_WEIGHTS = {
     "until_executed": 30,
     "until_executing": 12,
@@ -58,6 +59,8 @@ MODE_WEIGHTS = {
     "throttle": 14,
     "limit1": 10,
     "limit2": 10,
+    "quota_a": 12,
+    "quota_b": 12,
 }
 
 
