@@ -324,6 +324,20 @@ class DedupRoutingError(DedupError):
         super().__init__(f"task {task!r} key {key!r}: {reason}")
 
 
+class DedupLimitTimeout(DedupError):
+    """``celery_dedup.limits.acquire`` got no place in its group key within ``timeout`` seconds.
+
+    The caller left the group key's waiting line: it holds nothing.
+    """
+
+    def __init__(self, group: str, key: str | None, timeout: float) -> None:
+        self.group = group
+        self.key = key
+        self.timeout = timeout
+        where = f"limit group {group!r}" + (f" key {key!r}" if key is not None else "")
+        super().__init__(f"{where}: no place within {timeout:g}s")
+
+
 class DedupOperationError(DedupError):
     """An operator's action on a key (release, purge, re-enqueue) cannot be done."""
 

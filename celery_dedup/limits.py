@@ -28,11 +28,13 @@ from __future__ import annotations
 import datetime
 import logging
 import math
+from contextlib import AbstractContextManager
 from dataclasses import dataclass
 from typing import Any
 
 from .config import MAX_SECONDS
 from .exceptions import DedupArgumentError
+from .holding import Holding, hold
 from .policy import (
     LimitGroup,
     LimitPolicy,
@@ -52,10 +54,12 @@ __all__ = [
     "Grant",
     "GroupInfo",
     "GroupState",
+    "Holding",
     "KeyConf",
     "LimitPolicy",
     "Override",
     "Rate",
+    "acquire",
     "clear_override",
     "current",
     "describe",
@@ -123,6 +127,30 @@ def _key(group: str, key: Any) -> str | None:
 
 def _where(group: str, key: str | None) -> str:
     return f"limit group {group!r}" + ("" if key is None else f" key {key!r}")
+
+
+def acquire(
+    app: Any, group: str, key: str | None = None, *, timeout: float | None = None, lease: float | None = None
+) -> AbstractContextManager[Holding]:
+    """Hold a place in key ``key`` of named group ``group`` (None: the whole group) for a ``with`` block.
+
+    A slot and a start in every window, taken in the line the group's tasks
+    wait in, in arrival order, waiting at most ``timeout`` seconds (None: as
+    long as it takes; 0: one try). The slot is given back when the block
+    ends (by an exception too); it is a lease of ``lease`` seconds (default
+    10) renewed while held, so a process killed inside the block frees it
+    within one lease, or at once for a caller or worker of its host. See
+    :mod:`celery_dedup.holding`.
+
+    Raises:
+        DedupLimitTimeout: no place within ``timeout``; the caller left the line, it holds nothing.
+        DedupArgumentError: an unknown group, a bad key, ``timeout`` or ``lease``.
+
+    Example:
+        >>> with limits.acquire(app, "partner-api", key="acme", timeout=5) as holding:
+        ...     partner.post(order)
+    """
+    return hold(app, _declared(app, group), _key(group, key), timeout=timeout, lease=lease)
 
 
 def override(

@@ -33,6 +33,7 @@ from .publish.call import apply_gated
 from .publish.result import DedupResult
 from .store.status import Status
 from .worker import relay
+from .worker.backoff import Backoff, backoff
 from .worker.delivery import Participant, guarded_call, lock_lost, replacing
 from .worker.limits import LIMITS
 from .worker.steps import STEPS, once
@@ -367,6 +368,31 @@ class DedupTask(_TaskBase):
             ...     return self.dedup_once("charge-card", lambda key: provider.charge(amount, idempotency_key=key))
         """
         return once(self, name, fn, scope=scope, on_doubt=on_doubt)
+
+    def dedup_backoff(self, retry_after: float) -> Backoff:
+        """The exception to raise to back off for ``retry_after`` seconds (an HTTP 429's ``Retry-After``).
+
+        For the body of a task of a named limit group (``limit_group``): the
+        run's group key is paused for ``retry_after`` seconds (no run of it
+        starts, on any worker, nor any ``limits.acquire`` of it), this run goes
+        first in the key's waiting line and is re-published to come back then.
+        It costs no Celery retry (``request.retries`` and ``max_retries`` are
+        untouched). Its slot is given back as it ends; its start stays counted.
+        Like ``Task.retry``, the run is re-published by the time it returns:
+        call it only to raise it. See :mod:`celery_dedup.worker.backoff`.
+
+        Raises:
+            DedupArgumentError: ``retry_after`` is not a number of seconds above 0.
+            DedupConfigError: the task names no limit group.
+
+        Example:
+            >>> @app.task(base=DedupTask, bind=True, dedup_mode="off", limit_group="partner-api")
+            ... def push(self, order_id):
+            ...     response = partner.post(order_id)
+            ...     if response.status_code == 429:
+            ...         raise self.dedup_backoff(retry_after=float(response.headers["Retry-After"]))
+        """
+        return backoff(self, retry_after)
 
     @property
     def dedup_lock_lost(self) -> bool:

@@ -98,6 +98,9 @@ CELERY_BROKER_CONNECTION_RETRY_ON_STARTUP = True
 CELERY_WORKER_HIJACK_ROOT_LOGGER = False
 CELERY_TASK_SERIALIZER = "json"
 CELERY_DEDUP_REAP_INTERVAL = 30
+# The mail provider's quota, one for the whole shop: both mail tasks and the order page's "resend
+# confirmation" view draw from it (at most 2 sends at a time, 5 a second and 200 an hour).
+CELERY_DEDUP_LIMIT_GROUPS = {"mail-provider": {"concurrency": 2, "rate": ["5/s", "200/h"]}}
 # the Celery app whose status records the dedup admin shows
 CELERY_DEDUP_APP = "demo_project.celery:app"
 

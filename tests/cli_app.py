@@ -12,7 +12,9 @@ Configured from ``CELERY_DEDUP_TEST_BROKER`` like tests/proj.py, so a
 - ``amqp_broker``: an AMQP broker (never connected to), keys on the test server;
 - ``unreachable``: broker and keys on a port nothing listens on;
 - ``bad_options``: a task whose ``dedup_mode`` does not exist (found when the
-  app is finalized).
+  app is finalized);
+- ``grouped``: named limit groups (``dedup_limit_groups``): ``partner-api``
+  (a quota per tenant) and ``mailer`` (one quota), each used by a task.
 """
 
 from __future__ import annotations
@@ -46,6 +48,13 @@ restricted = _app("cli_restricted", BROKER.replace("://", f"://{RESTRICTED_USER}
 amqp_broker = _app("cli_amqp", "amqp://guest@127.0.0.1:1//", dedup_redis_url=BROKER)
 unreachable = _app("cli_unreachable", "redis://127.0.0.1:1/0")
 bad_options = _app("cli_bad_options")
+grouped = _app(
+    "cli_grouped",
+    dedup_limit_groups={
+        "partner-api": {"concurrency": 2, "rate": ["10/s", "1000/d"]},
+        "mailer": {"rate": "5/s"},
+    },
+)
 
 
 @app.task(name="cli.charge", base=DedupTask, dedup_key="order:{order_id}", shared=False)
@@ -71,4 +80,16 @@ def visible(n: int) -> int:
 
 @bad_options.task(name="cli.bad", base=DedupTask, dedup_mode="sometimes", shared=False)
 def bad(n: int) -> int:
+    return n
+
+
+@grouped.task(
+    name="cli.push", base=DedupTask, dedup_mode="off", limit_group="partner-api", limit_key="{tenant}", shared=False
+)
+def push(tenant: str) -> str:
+    return tenant
+
+
+@grouped.task(name="cli.mail", base=DedupTask, dedup_mode="off", limit_group="mailer", shared=False)
+def mail(n: int) -> int:
     return n

@@ -419,6 +419,14 @@ class LimitRenew(NamedTuple):
     tokens: Rest
 
 
+@script("limit_backoff", keys=("conf", "waiting", "deadlines"))
+class LimitBackoff(NamedTuple):
+    key: str
+    run: str
+    after: Number
+    lease: Number
+
+
 @script("limit_note", keys=("record",))
 class LimitNote(NamedTuple):
     task_id: str

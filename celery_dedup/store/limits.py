@@ -152,6 +152,18 @@ def leave_line(store: DedupStore, group: str, run_id: str) -> None:
         pipe.execute()
 
 
+def back_off(store: DedupStore, group: str, run_id: str, *, after_ms: int, lease_ms: int) -> int:
+    """Pause ``group`` for ``after_ms`` and put run ``run_id`` first in its line (``limit_backoff.lua``).
+
+    Returns when the pause ends (ms, server clock; -1: paused until resumed).
+    """
+    at = store.schema.shard_of(group)
+    namespace, key = split_member(group)
+    keys = [at.limit_conf(namespace), at.limit_waiting(group), at.limit_deadlines(group)]
+    command = commands.LimitBackoff(key=key, run=run_id, after=after_ms, lease=lease_ms)
+    return int(store.scripts.run(keys, command, client=store.client))
+
+
 class Lease(Protocol):
     """A delivery's place in a group (``SlotLease``), as renewing it needs it."""
 

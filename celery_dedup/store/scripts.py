@@ -90,6 +90,7 @@ class Scripts:
         self.limit_release: Script = client.register_script(load_script("limit_release"))
         self.limit_renew: Script = client.register_script(load_script("limit_renew"))
         self.limit_note: Script = client.register_script(load_script("limit_note"))
+        self.limit_backoff: Script = client.register_script(load_script("limit_backoff"))
         self.step_begin: Script = client.register_script(load_script("step_begin"))
         self.step_end: Script = client.register_script(load_script("step_end"))
         self.step_renew: Script = client.register_script(load_script("step_renew"))

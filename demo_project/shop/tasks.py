@@ -9,12 +9,17 @@
   so a redelivery after its worker died does not charge again.
   On success it sends the confirmation.
 - ``send_confirmation_email``: never two e-mails for an order (held a day,
-  even after it was sent), and at most 30 e-mails a minute, the mail
-  provider's quota (a rate limit: the rest wait their turn).
+  even after it was sent). It draws on the mail provider's quota, the named
+  limit group ``mail-provider`` (``CELERY_DEDUP_LIMIT_GROUPS``): at most 2
+  sends at a time, 5 a second and 200 an hour, shared with
+  ``mail_sales_report`` and the order page's "resend confirmation" view (the
+  rest wait their turn).
 - ``sync_inventory``: bursts of orders for a product make one sync, after the
   burst (debounce), at least every ten seconds while it lasts; at most one
   sync talks to the warehouse at a time (a concurrency limit).
-- ``daily_sales_report``: at most one run per day's report a minute (throttle).
+- ``daily_sales_report``: at most one run per day's report a minute (throttle);
+  each report is mailed to the shop (``mail_sales_report``, once per report,
+  through the same mail quota).
 """
 
 from __future__ import annotations
@@ -26,6 +31,7 @@ import signal
 from decimal import Decimal
 from typing import Any
 
+from django.conf import settings
 from django.core.mail import send_mail
 from django.db.models import Sum
 
@@ -36,6 +42,9 @@ from . import provider
 from .models import ChargeDelivery, EmailLog, InventorySync, Order, OrderLine, SalesReport
 
 logger = logging.getLogger(__name__)
+
+#: The named limit group (``CELERY_DEDUP_LIMIT_GROUPS``) every e-mail the shop sends goes through.
+MAIL_PROVIDER = "mail-provider"
 
 
 @app.task(base=DedupTask, bind=True, dedup_key="order:{order_id}", acks_late=True, reject_on_worker_lost=True)
@@ -103,16 +112,33 @@ def charge_payment(self: Any, order_id: int) -> str:
     dedup_key="order:{order_id}",
     dedup_mode="until_expired",
     dedup_ttl=24 * 3600,
-    limit_key="mail-provider",
-    limit_rate="30/m",
+    limit_group=MAIL_PROVIDER,
 )
 def send_confirmation_email(self: Any, order_id: int) -> None:
     """Tell the customer their order is paid (console e-mail backend; logged in ``EmailLog``)."""
-    order = Order.objects.get(pk=order_id)
+    send_confirmation(Order.objects.get(pk=order_id), sent_by=self.request.id)
+
+
+def send_confirmation(order: Order, *, sent_by: str) -> EmailLog:
+    """Mail ``order``'s confirmation and log it; ``sent_by``: the task id, or what else sent it.
+
+    The caller holds a place in the mail provider's quota: the task by its
+    ``limit_group``, the "resend" view with ``celery_dedup.limits.acquire``.
+    """
     subject = f"Your order {order.number} is paid"
     send_mail(subject, f"Thank you! We charged {order.total}.", None, [order.email])
-    EmailLog.objects.create(order=order, recipient=order.email, subject=subject, task_id=self.request.id)
-    Order.objects.filter(pk=order_id).update(emailed=True)
+    sent: EmailLog = EmailLog.objects.create(order=order, recipient=order.email, subject=subject, task_id=sent_by)
+    Order.objects.filter(pk=order.pk).update(emailed=True)
+    return sent
+
+
+@app.task(base=DedupTask, dedup_key="report:{report_id}", limit_group=MAIL_PROVIDER)
+def mail_sales_report(report_id: int) -> str:
+    """Mail a sales report to the shop (console e-mail backend), through the mail provider's quota."""
+    report = SalesReport.objects.get(pk=report_id)
+    subject = f"Sales of {report.day}: {report.orders} orders, {report.revenue}"
+    send_mail(subject, subject, None, [settings.DEFAULT_FROM_EMAIL])
+    return subject
 
 
 @app.task(
@@ -137,5 +163,6 @@ def daily_sales_report(day: str) -> str:
     date = datetime.date.fromisoformat(day)
     paid = Order.objects.filter(paid=True, created__date=date)
     revenue = sum((order.total for order in paid.prefetch_related("lines")), Decimal("0"))
-    SalesReport.objects.create(day=date, orders=paid.count(), revenue=revenue)
+    report = SalesReport.objects.create(day=date, orders=paid.count(), revenue=revenue)
+    mail_sales_report.delay(report.pk)
     return str(revenue)

@@ -1,5 +1,6 @@
 """The storefront, an order page with a deliberately double-clickable "pay" button (and one that kills the
-worker right after the charge), and a JSON view."""
+worker right after the charge), a "resend confirmation" button that draws on the mail tasks' quota, and a JSON
+view."""
 
 from __future__ import annotations
 
@@ -10,14 +11,17 @@ from django.shortcuts import get_object_or_404, redirect, render
 from django.urls import reverse
 from django.views.decorators.http import require_POST
 
-from celery_dedup import HistoryEntry, StepStatus, operations
+from celery_dedup import DedupLimitTimeout, HistoryEntry, StepStatus, limits, operations
 from celery_dedup.keys import member_for
 
 from .catalog import BY_SKU, PRODUCTS
 from .dedup_links import DedupRecord, dedup_record
 from .forms import OrderForm
 from .models import Order, OrderLine
-from .tasks import charge_payment, send_confirmation_email, sync_inventory
+from .tasks import MAIL_PROVIDER, charge_payment, send_confirmation, send_confirmation_email, sync_inventory
+
+#: How long the "resend" view waits for a place in the mail provider's quota before it says "try again".
+RESEND_WAIT_SECONDS = 5.0
 
 
 def storefront(request: HttpRequest) -> HttpResponse:
@@ -107,6 +111,32 @@ def pay(request: HttpRequest, order_id: int) -> HttpResponse:
             "Its worker process will be killed right after the charge (SIGKILL): watch the run delivered again "
             "skip the charge step.",
         )
+    return redirect("shop:order", order_id=order.pk)
+
+
+@require_POST
+def resend_confirmation(request: HttpRequest, order_id: int) -> HttpResponse:
+    """Mail a paid order's confirmation again, now, from the web process, within the mail provider's quota.
+
+    The view takes a place in the named limit group the mail tasks use
+    (``celery_dedup.limits.acquire``): a slot while it sends and a start in
+    each rate window, so tasks and presses together never go past the
+    provider's limits. When no place frees within a few seconds it sends
+    nothing and says so.
+    """
+    order = get_object_or_404(Order, pk=order_id)
+    if not order.paid:
+        messages.info(request, "Not paid yet: there is no confirmation to send.")
+        return redirect("shop:order", order_id=order.pk)
+    try:
+        with limits.acquire(charge_payment.app, MAIL_PROVIDER, timeout=RESEND_WAIT_SECONDS):
+            send_confirmation(order, sent_by="resend from the order page")
+    except DedupLimitTimeout:
+        messages.error(
+            request, "The mail provider's quota has no room now (in use, or paused): nothing sent, try again."
+        )
+        return redirect("shop:order", order_id=order.pk)
+    messages.success(request, f"Confirmation sent again to {order.email}.")
     return redirect("shop:order", order_id=order.pk)
 
 

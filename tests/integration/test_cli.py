@@ -8,6 +8,7 @@ is executing.
 
 from __future__ import annotations
 
+import datetime
 import importlib
 import json
 import os
@@ -338,7 +339,7 @@ def test_limits_fits_long_group_keys_to_the_terminal(apps: ModuleType, dedup: In
     groups = sorted(line.split()[1] for line in lines[1:])
     assert groups[0] == "tenant:acme"
     assert groups[1].startswith("tenant:yyy") and groups[1].endswith("…")
-    whole = {group["key"] for group in as_json(dedup("limits", "--json", columns=90))}
+    whole = {group["key"] for group in as_json(dedup("limits", "--json", columns=90))["groups"]}
     assert whole == {"tenant:acme", "tenant:" + "y" * 300}
 
 
@@ -780,7 +781,7 @@ def test_limits_lists_each_groups_usage(apps: ModuleType, dedup: Invoke) -> None
     policy = LimitPolicy(None, concurrency=2, rates=(Rate(30, 60_000),))
     for n in range(3):
         limits.acquire(store, "cli.report:tenant:acme", f"h:1:{n}", f"r{n}", policy, lease_ms=60_000, task_name="x")
-    (group,) = as_json(dedup("limits", "--json"))
+    (group,) = as_json(dedup("limits", "--json"))["groups"]
     assert (group["task"], group["key"], group["in_use"], group["waiting"], group["rate"], group["starts"]) == (
         "cli.report",
         "tenant:acme",
@@ -835,3 +836,153 @@ def test_show_lists_the_steps_of_a_key_with_their_idempotency_keys(
         "mail done",
         "mail started",
     ]
+
+
+# -- limits of named groups: set, clear, pause, resume ------------------------------------------
+
+
+def test_limits_set_and_clear_override_a_named_group_for_a_key_or_the_whole_group(
+    apps: ModuleType, dedup: Invoke
+) -> None:
+    from celery_dedup import limits  # noqa: PLC0415 - only these tests read named groups
+
+    done = dedup("limits", "set", "partner-api", "--key", "acme", "--concurrency", "1", "--rate", "5/s", app="grouped")
+    assert done.exit_code == 0, done.stderr
+    assert done.stdout == "override of 'partner-api' key 'acme': concurrency 1, rate 5/s\n"
+    whole = as_json(dedup("limits", "set", "partner-api", "--rate", "3/s", "--rate", "500/d", "--json", app="grouped"))
+    assert whole == {"group": "partner-api", "key": None, "concurrency": None, "rates": ["3/s", "500/d"]}
+
+    (info,) = [g for g in limits.describe(apps.grouped) if g.name == "partner-api"]
+    assert (info.override.concurrency, [str(r) for r in info.override.rates or ()]) == (None, ["3/s", "500/d"])
+    acme = info.keys["acme"].override
+    assert acme is not None and (acme.concurrency, [str(r) for r in acme.rates or ()]) == (1, ["5/s"])
+    listed = as_json(dedup("limits", "--json", app="grouped"))
+    (named,) = [g for g in listed["named"] if g["name"] == "partner-api"]
+    assert named["override"] == {"concurrency": None, "rates": ["3/s", "500/d"]}
+    assert named["keys"]["acme"]["override"] == {"concurrency": 1, "rates": ["5/s"]}
+    text = dedup("limits", app="grouped").stdout
+    assert "named group partner-api: concurrency 2, rate 10/s, 1000/d" in text
+    assert "override (all keys): rate 3/s, 500/d" in text
+    assert re.search(r"^  acme .*concurrency 1, rate 5/s", text, re.M), text
+
+    cleared = dedup("limits", "clear", "partner-api", "--key", "acme", app="grouped")
+    assert (cleared.exit_code, cleared.stdout) == (0, "cleared the override of 'partner-api' key 'acme'\n")
+    again = dedup("limits", "clear", "partner-api", "--key", "acme", app="grouped")
+    assert again.exit_code == cli.NOT_FOUND
+    assert "no override of 'partner-api' key 'acme' to clear" in again.stderr
+    assert as_json(dedup("limits", "clear", "partner-api", "--json", app="grouped"))["cleared"] is True
+    (info,) = [g for g in limits.describe(apps.grouped) if g.name == "partner-api"]
+    assert info.override is None and (info.keys.get("acme") is None or info.keys["acme"].override is None)
+
+
+def test_limits_pause_and_resume_a_named_group_for_a_time_or_until_resumed(apps: ModuleType, dedup: Invoke) -> None:
+    from celery_dedup import limits  # noqa: PLC0415
+
+    store = runtime.store_for(apps.grouped)
+    seconds, micros = store.client.time()
+    now_ms = int(seconds) * 1000 + int(micros) // 1000
+
+    paused = dedup("limits", "pause", "partner-api", "--key", "acme", "--for", "120", app="grouped")
+    assert paused.exit_code == 0, paused.stderr
+    assert paused.stdout.startswith("paused 'partner-api' key 'acme' until ")
+    whole = as_json(dedup("limits", "pause", "mailer", "--json", app="grouped"))
+    assert whole == {"group": "mailer", "key": None, "until": None}
+    until = as_json(
+        dedup(
+            "limits", "pause", "partner-api", "--key", "globex", "--until", "2999-01-01T00:00Z", "--json", app="grouped"
+        )
+    )
+    assert until["until"] == "2999-01-01T00:00:00+00:00"
+
+    named = {g.name: g for g in limits.describe(apps.grouped)}
+    acme = named["partner-api"].keys["acme"].paused_until
+    assert acme is not None and now_ms + 110_000 < acme < now_ms + 130_000
+    year_2999 = datetime.datetime(2999, 1, 1, tzinfo=datetime.timezone.utc)
+    assert named["partner-api"].keys["globex"].paused_until == int(year_2999.timestamp() * 1000)
+    assert named["partner-api"].paused_until is None
+    assert named["mailer"].paused_until == -1
+    text = dedup("limits", app="grouped").stdout
+    assert "paused (all keys): until resumed" in text
+    assert re.search(r"^  acme .* until \d{4}-\d\d-\d\d \d\d:\d\d:\d\d \(in 1m\)", text, re.M), text
+
+    resumed = dedup("limits", "resume", "mailer", app="grouped")
+    assert (resumed.exit_code, resumed.stdout) == (0, "resumed 'mailer' (all keys)\n")
+    assert as_json(dedup("limits", "resume", "partner-api", "--key", "acme", "--json", app="grouped"))["resumed"]
+    not_paused = dedup("limits", "resume", "mailer", "--json", app="grouped")
+    assert not_paused.exit_code == cli.NOT_FOUND
+    assert json.loads(not_paused.stdout) == {"error": "'mailer' (all keys) is not paused", "code": cli.NOT_FOUND}
+    named = {g.name: g for g in limits.describe(apps.grouped)}
+    assert named["mailer"].paused_until is None
+    assert named["partner-api"].keys.get("acme") is None or named["partner-api"].keys["acme"].paused_until is None
+
+
+@pytest.mark.parametrize(
+    ("args", "named"),
+    [
+        (("set", "partner-api", "--rate", "0/s"), "0/s"),
+        (("set", "partner-api", "--rate", "10/w"), "10/w"),
+        (("set", "partner-api", "--key", "acme", "--concurrency", "-1"), "-1"),
+        (("set", "no-such-group", "--concurrency", "1"), "no-such-group"),
+        (("pause", "no-such-group"), "no-such-group"),
+        (("clear", "no-such-group"), "no-such-group"),
+        (("resume", "no-such-group"), "no-such-group"),
+    ],
+)
+def test_limits_changes_with_bad_values_fail_with_the_typed_error_naming_group_and_value(
+    dedup: Invoke, args: tuple[str, ...], named: str
+) -> None:
+    result = dedup("limits", *args, app="grouped")
+
+    assert result.exit_code == cli.USAGE, (result.stdout, result.stderr)
+    assert named in result.stderr
+    if "no-such-group" not in args:
+        assert "partner-api" in result.stderr
+    failure = json.loads(dedup("limits", *args, "--json", app="grouped").stdout)
+    assert failure["code"] == cli.USAGE and named in failure["error"]
+
+
+@pytest.mark.parametrize(
+    ("args", "says"),
+    [
+        (("set", "partner-api"), "give --concurrency, --rate or both"),
+        (("pause", "partner-api", "--for", "5", "--until", "2999-01-01T00:00"), "not both"),
+        (("pause", "partner-api", "--until", "2001-01-01T00:00"), "has passed"),
+        (("pause", "partner-api", "--until", "soon"), "no ISO 8601 time"),
+        (("pause", "partner-api", "--for", "0"), "--for"),
+    ],
+)
+def test_limits_changes_refuse_usage_errors_before_changing_anything(
+    apps: ModuleType, dedup: Invoke, args: tuple[str, ...], says: str
+) -> None:
+    from celery_dedup import limits  # noqa: PLC0415
+
+    result = dedup("limits", *args, app="grouped")
+
+    assert result.exit_code == cli.USAGE
+    assert says in result.stderr
+    (info,) = [g for g in limits.describe(apps.grouped) if g.name == "partner-api"]
+    assert (info.override, info.paused_until, info.keys) == (None, None, {})
+
+
+def test_limits_lists_a_named_groups_keys_with_slots_and_starts_per_window(apps: ModuleType, dedup: Invoke) -> None:
+    from celery_dedup import limits  # noqa: PLC0415
+
+    assert dedup("limits", app="grouped").stdout.count("no key used in the last day") == 2
+    with (
+        limits.acquire(apps.grouped, "partner-api", "acme", timeout=5),
+        limits.acquire(apps.grouped, "mailer", timeout=5),
+    ):
+        listed = as_json(dedup("limits", "--json", app="grouped"))
+        text = dedup("limits", app="grouped").stdout
+    used = {(g["name"], g["key"]): g for g in listed["groups"]}
+    acme = used["partner-api", "acme"]
+    assert (acme["in_use"], acme["concurrency"], acme["rates"], acme["starts_per_window"]) == (
+        1,
+        2,
+        ["10/s", "1000/d"],
+        [1, 1],
+    )
+    assert used["mailer", "*"]["rates"] == ["5/s"]
+    assert re.search(r"^  acme +1/2 +0 +1/10/s, 1/1000/d +- +- ", text, re.M), text
+    assert re.search(r"^  \* +- +0 +1/5/s ", text, re.M), text
+    assert "TASK" not in text, "named groups' keys are not listed again as tasks' groups"

@@ -251,6 +251,43 @@ def test_dedup_links_lead_to_exactly_this_orders_records(demo: DemoProcess) -> N
     assert records_linked_from(f"/admin/shop/order/?q={order['number']}") == {(CHARGE_TASK, key)}
 
 
+LIMITS_PAGE = "/admin/celery_dedup/record/limits/"
+
+
+@pytest.mark.slow
+def test_resend_confirmation_draws_on_the_mail_tasks_quota(demo: DemoProcess) -> None:
+    """The "resend" view takes its place in the named group the mail tasks use: paused, it sends nothing."""
+    client = Client(demo.base)
+    client.login()
+    order_id = client.place_order(TEA_001=1)
+    assert client.pay(order_id)["emails"] == 1
+    _, page = client.get(f"/orders/{order_id}/")
+
+    _, done = client.post(f"/orders/{order_id}/resend/", {}, client.csrf_token(page))
+    assert "Confirmation sent again to buyer@example.com." in messages(done)
+    assert client.order(order_id)["emails"] == 2
+    _, limits_page = client.get(LIMITS_PAGE)
+    named = re.search(r"<td>mail-provider</td>\s*<td>\(all keys\)</td>\s*<td>(.*?)</td>", limits_page)
+    assert named and named.group(1) == "concurrency 2, rate 5/s, 200/h", limits_page
+    in_use = re.search(r"<td>group mail-provider</td>\s*<td>\*</td>(.*?)</tr>", limits_page, re.S)
+    assert in_use, limits_page
+    slots, _, windows = (html.unescape(cell).strip() for cell in re.findall(r"<td>(.*?)</td>", in_use.group(1))[:3])
+    assert slots.endswith(" / 2") and re.fullmatch(r"\d+ / 5/s, (\d+) / 200/h", windows), (slots, windows)
+    assert int(windows.split(", ")[1].split(" /")[0]) >= 2, "the task's start and the view's, in one window"
+
+    token = client.csrf_token(limits_page)
+    client.post(LIMITS_PAGE, {"action": "pause", "group": "mail-provider"}, token)
+    try:
+        _, refused = client.post(f"/orders/{order_id}/resend/", {}, client.csrf_token(page))
+    finally:
+        _, resumed = client.post(LIMITS_PAGE, {"action": "resume", "group": "mail-provider"}, token)
+    assert "The mail provider's quota has no room now (in use, or paused): nothing sent, try again." in messages(
+        refused
+    )
+    assert "Resumed limit group mail-provider." in messages(resumed)
+    assert client.order(order_id)["emails"] == 2
+
+
 @pytest.mark.slow
 def test_order_page_names_products_and_the_order(demo: DemoProcess) -> None:
     client = Client(demo.base)

@@ -855,3 +855,134 @@ def test_limit_groups_page_shows_each_groups_usage(app: Celery, users: dict[str,
     cells = [cell.strip() for cell in re.findall(r"<td>(.*?)</td>", row.group(1), re.S)]
     assert cells[:3] == ["2 / 2", "1", "2 / 30/m"], cells
     assert LIST + "limits/" in client_for(users, "viewer").get(LIST).content.decode()
+
+
+# --- named limit groups: what the Limit groups page shows and changes ----------------------------
+
+LIMITS = LIST + "limits/"
+PARTNER = {"partner-api": {"concurrency": 2, "rate": ["10/s", "1000/d"]}, "mailer": {"rate": "5/s"}}
+
+
+@pytest.fixture
+def grouped(make_app: AppFactory) -> Iterator[Celery]:
+    """An app with two named groups, shown by the admin."""
+    app = make_app(dedup_limit_groups=PARTNER)
+    with override_settings(CELERY_DEDUP_APP=app):
+        yield app
+
+
+def cells(text: str, table: str, first: str, second: str) -> list[str]:
+    """The cells after the first two of the row of ``table`` starting with ``first``, ``second``."""
+    body = re.search(rf'<table id="{table}">(.*?)</table>', text, re.S)
+    assert body is not None, text
+    row = re.search(rf"<td>{re.escape(first)}</td>\s*<td>{re.escape(second)}</td>(.*?)</tr>", body.group(1), re.S)
+    assert row is not None, (first, second, body.group(1))
+    return [re.sub(r"\s+", " ", cell).strip() for cell in re.findall(r"<td>(.*?)</td>", row.group(1), re.S)]
+
+
+def named(app: Celery, name: str) -> Any:
+    from celery_dedup import limits  # noqa: PLC0415
+
+    (info,) = [info for info in limits.describe(app) if info.name == name]
+    return info
+
+
+def test_limit_groups_page_shows_named_groups_and_their_keys_in_use(grouped: Celery, root: Client) -> None:
+    from celery_dedup import limits  # noqa: PLC0415
+
+    limits.override(grouped, "partner-api", "acme", concurrency=1, rate=["3/s"], by="ops")
+    limits.pause(grouped, "mailer", until=None, by="ops")
+    with limits.acquire(grouped, "partner-api", "acme", timeout=5):
+        text = root.get(LIMITS).content.decode()
+
+    assert cells(text, "named-groups", "partner-api", "(all keys)")[:3] == [
+        "concurrency 2, rate 10/s, 1000/d",
+        "-",
+        "-",
+    ]
+    assert cells(text, "named-groups", "partner-api", "acme")[:3] == ["-", "concurrency 1, rate 3/s", "-"]
+    assert cells(text, "named-groups", "mailer", "(all keys)")[:3] == ["rate 5/s", "-", "until resumed"]
+    in_use = cells(text, "limit-groups", "group partner-api", "acme")
+    assert in_use[:6] == ["1 / 1", "0", "1 / 3/s", "-", "-", "concurrency 1, rate 3/s"], in_use
+
+
+def test_limit_group_actions_change_the_group_and_are_logged(
+    grouped: Celery, root: Client, users: dict[str, User]
+) -> None:
+    LogEntry.objects.all().delete()
+
+    done = root.post(
+        LIMITS, {"action": "set", "group": "partner-api", "key": "acme", "concurrency": "1", "rate": "3/s, 100/d"}
+    )
+    assert done.status_code == 302 and done["Location"] == LIMITS
+    acme = named(grouped, "partner-api").keys["acme"].override
+    assert (acme.concurrency, [str(rate) for rate in acme.rates]) == (1, ["3/s", "100/d"])
+    root.post(LIMITS, {"action": "pause", "group": "partner-api", "seconds": "60"})
+    assert named(grouped, "partner-api").paused_until > 0
+    root.post(LIMITS, {"action": "pause", "group": "mailer", "key": "*"})
+    assert named(grouped, "mailer").keys["*"].paused_until == -1
+    page = root.post(LIMITS, {"action": "resume", "group": "mailer", "key": "*"}, follow=True).content.decode()
+    assert "Resumed limit group mailer key *." in page
+    root.post(LIMITS, {"action": "resume", "group": "partner-api"})
+    root.post(LIMITS, {"action": "clear", "group": "partner-api", "key": "acme"})
+    nothing = root.post(LIMITS, {"action": "clear", "group": "partner-api", "key": "acme"}, follow=True)
+    assert "Nothing to clear: limit group partner-api key acme has no override." in nothing.content.decode()
+
+    info = named(grouped, "partner-api")
+    assert info.paused_until is None and (info.keys.get("acme") is None or info.keys["acme"].override is None)
+    entries = [(e.user, e.action_flag, e.object_id, e.object_repr) for e in LogEntry.objects.order_by("id")]
+    root_user = users["root"]
+    assert entries == [
+        (root_user, CHANGE, None, "limit group partner-api key acme"),
+        (root_user, CHANGE, None, "limit group partner-api"),
+        (root_user, CHANGE, None, "limit group mailer key *"),
+        (root_user, CHANGE, None, "limit group mailer key *"),
+        (root_user, CHANGE, None, "limit group partner-api"),
+        (root_user, CHANGE, None, "limit group partner-api key acme"),
+    ]
+    messages_ = [e.get_change_message() for e in LogEntry.objects.order_by("id")]
+    assert messages_[0] == "Set the override of limit group partner-api key acme: concurrency 1, rate 3/s, 100/d."
+    assert messages_[1].startswith("Paused limit group partner-api until ")
+    assert messages_[2:] == [
+        "Paused limit group mailer key * until resumed.",
+        "Resumed limit group mailer key *.",
+        "Resumed limit group partner-api.",
+        "Cleared the override of limit group partner-api key acme.",
+    ]
+
+
+@pytest.mark.parametrize(
+    ("data", "says"),
+    [
+        ({"action": "set", "group": "partner-api", "rate": "0/s"}, "0/s"),
+        ({"action": "set", "group": "partner-api", "rate": "10/w"}, "10/w"),
+        ({"action": "set", "group": "partner-api", "concurrency": "-1"}, "-1"),
+        ({"action": "set", "group": "no-such-group", "concurrency": "1"}, "no-such-group"),
+        ({"action": "set", "group": "partner-api"}, "Give a concurrency, a rate or both."),
+        ({"action": "pause", "group": "partner-api", "seconds": "5", "until": "2999-01-01 00:00"}, "not both"),
+    ],
+)
+def test_limit_group_actions_refuse_bad_values_and_change_nothing(
+    grouped: Celery, root: Client, data: dict[str, str], says: str
+) -> None:
+    LogEntry.objects.all().delete()
+
+    page = root.post(LIMITS, data, follow=True).content.decode()
+
+    assert "Nothing changed:" in page and escape(says) in page, page
+    info = named(grouped, "partner-api")
+    assert (info.override, info.paused_until, info.keys) == (None, None, {})
+    assert not LogEntry.objects.exists()
+
+
+def test_limit_group_actions_need_change_permission_and_the_csrf_token(grouped: Celery, users: dict[str, User]) -> None:
+    viewer = client_for(users, "viewer")
+    page = viewer.get(LIMITS)
+    assert page.status_code == 200
+    assert 'id="limit-actions"' not in page.content.decode() and "partner-api" in page.content.decode()
+    assert viewer.post(LIMITS, {"action": "pause", "group": "partner-api"}).status_code == 403
+    assert client_for(users, "nobody").get(LIMITS).status_code == 403
+    unchecked = client_for(users, "root", enforce_csrf_checks=True)
+    assert 'id="limit-actions"' in unchecked.get(LIMITS).content.decode()
+    assert unchecked.post(LIMITS, {"action": "pause", "group": "partner-api"}).status_code == 403
+    assert named(grouped, "partner-api").paused_until is None

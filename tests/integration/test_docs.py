@@ -18,11 +18,13 @@ import subprocess
 import sys
 from collections.abc import Iterator
 from pathlib import Path
+from types import SimpleNamespace
+from typing import Any
 
 import pytest
 import redis
 
-from celery_dedup import DedupTask
+from celery_dedup import DedupTask, runtime
 from celery_dedup.config import DJANGO_ONLY, SETTINGS
 from celery_dedup.testing import free_port
 
@@ -188,3 +190,55 @@ def test_readme_example_runs_on_the_server_it_shows_and_its_key_is_freed_as_show
         assert queue.llen("celery") == 2, "after the README's release command the example's call was still a duplicate"
     finally:
         queue.close()
+
+
+LIMITS_PAGE = DOCS / "limits.md"
+
+
+def limits_recipes() -> list[str]:
+    """The Python blocks of docs/limits.md's recipes, as written."""
+    text = LIMITS_PAGE.read_text(encoding="utf-8")
+    assert "\n## Recipes" in text, "docs/limits.md has no recipes"
+    section = text[text.index("\n## Recipes") + 1 :]
+    section = section[: section.find("\n## ")] if "\n## " in section else section
+    return re.findall(r"```python\n(.*?)```", section, re.DOTALL)
+
+
+def test_limits_recipes_bind_and_run_as_written(server: Server, r: redis.Redis) -> None:
+    """Every recipe's tasks bind (their options are valid), its calls run on a real server, and its view takes a
+    place in the group its tasks use."""
+    from celery import Celery  # noqa: PLC0415
+
+    import celery_dedup  # noqa: PLC0415
+    from celery_dedup import limits  # noqa: PLC0415
+
+    app = Celery("recipes", broker=server.url, set_as_current=False)
+    asked: list[str] = []
+
+    def get(path: str) -> Any:
+        asked.append(path)
+        return SimpleNamespace(json=lambda: [path])
+
+    namespace: dict[str, Any] = {
+        "__name__": "recipes",
+        "app": app,
+        "celery_dedup": celery_dedup,
+        "DedupTask": DedupTask,
+        "partner": SimpleNamespace(get=get),
+        "HttpResponse": lambda text, status: (status, text),
+        "JsonResponse": lambda data, safe: data,
+    }
+    blocks = limits_recipes()
+    assert any("limits.acquire(" in block for block in blocks) and any("dedup_backoff(" in block for block in blocks)
+    for block in blocks:
+        exec(compile(block, str(LIMITS_PAGE), "exec"), namespace)
+    app.finalize()
+    bound = [task for task in app.tasks.values() if isinstance(task, DedupTask)]
+    assert {task.name.rsplit(".", 1)[1] for task in bound} >= {"push_order", "pull_invoices", "send_sms"}
+    assert all(type(task)._dedup_policy is not None for task in bound)
+
+    (partner,) = [info for info in limits.describe(app) if info.name == "partner-api"]
+    assert partner.keys.get("acme") is None or partner.keys["acme"].override is None, "the recipe clears its override"
+    assert namespace["refresh_invoices"](None, "acme") == ["/tenants/acme/invoices"]
+    used = {(g.name, g.key) for g in limits.groups(runtime.store_for(app))}
+    assert ("partner-api", "acme") in used

@@ -33,6 +33,7 @@ EXAMPLES: list[DedupError] = [
     exceptions.DedupRoutingError("shop.charge", "order:1", "fanout"),
     exceptions.DedupOperationError("purge", "succeeded", "nothing to do"),
     exceptions.DedupArgumentError("limit", 0, "must be at least 1"),
+    exceptions.DedupLimitTimeout("partner-api", "acme", 2.5),
     exceptions.DedupFollowerError("shop.charge", "order:1", "order:1~abc", "lost", "message lost by the transport"),
     exceptions.DedupFollowerLimitError("shop.charge", "order:1", "order:1~abc", 1000),
     exceptions.DedupStepError("shop.charge", "charge-card", "called outside a body"),

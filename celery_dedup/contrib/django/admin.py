@@ -1,7 +1,8 @@
 """The "Celery dedup" admin: status records read live from Redis, and the operator's actions.
 
 Viewing needs staff status and the ``view_record`` (or ``change_record``)
-permission; releasing, purging and re-enqueueing need ``change_record``.
+permission; releasing, purging, re-enqueueing and changing a named limit
+group (override, clear, pause, resume) need ``change_record``.
 Every action has a confirmation page (GET) and acts on a POST carrying the
 CSRF token; what it did is written to Django's admin log (``LogEntry``). The
 work itself is in :mod:`celery_dedup.operations`.
@@ -29,7 +30,7 @@ from django.views.generic import RedirectView
 from kombu.exceptions import OperationalError
 
 import celery_dedup
-from celery_dedup import DedupTask, operations, runtime
+from celery_dedup import DedupTask, limits, operations, runtime
 from celery_dedup.decisions import DECISIONS
 from celery_dedup.exceptions import (
     STORE_ERRORS,
@@ -41,14 +42,14 @@ from celery_dedup.exceptions import (
 )
 from celery_dedup.keys import split_member, task_from_namespace
 from celery_dedup.payloads import decode_payload
-from celery_dedup.store import limits as limit_groups
 from celery_dedup.store.connection import masked_url
 from celery_dedup.store.status import ENDED_STATES, STATE_HELP, STATES
 from celery_dedup.store.store import KeyDetail, ReleaseResult
 
+from . import limitgroups
 from .conf import celery_app, store_url
 from .detail import groups_of
-from .forms import PurgeForm, ReleaseForm
+from .forms import LIMIT_ACTIONS, LimitActionForm, PurgeForm, ReleaseForm
 from .listing import PAGE_SIZE, Listing, Query, task_names
 from .models import Record
 
@@ -151,8 +152,8 @@ class RecordAdmin(admin.ModelAdmin):  # type: ignore[type-arg]
             **extra,
         }
 
-    def _log(self, request: HttpRequest, member: str | None, message: str) -> None:
-        """Note in the admin log who did what to ``member`` (None: to records in general)."""
+    def _log(self, request: HttpRequest, member: str | None, message: str, *, about: str = "") -> None:
+        """Note in the admin log who did what to ``member`` (None: to records in general, or to ``about``)."""
         record = Record.standing_for(member)
         if member is not None:
             self.log_change(request, record, message)
@@ -162,7 +163,7 @@ class RecordAdmin(admin.ModelAdmin):  # type: ignore[type-arg]
             user_id=request.user.pk,
             content_type_id=ContentType.objects.get_for_model(Record, for_concrete_model=False).pk,
             object_id=None,
-            object_repr=str(record)[:200],
+            object_repr=(about or str(record))[:200],
             action_flag=CHANGE,
             change_message=message,
         )
@@ -328,10 +329,49 @@ class RecordAdmin(admin.ModelAdmin):  # type: ignore[type-arg]
         return TemplateResponse(request, f"{TEMPLATES}/stats.html", context)
 
     def limits_view(self, request: HttpRequest) -> HttpResponse:
-        """The limit groups used in the last day: slots in use, waiting runs, rate window (read-only)."""
-        self._require(request)
-        groups = limit_groups.groups(runtime.store_for(celery_app()))
-        context = self._context(request, "Limit groups", groups=groups)
+        """Named limit groups and the group keys used in the last day; a POST changes a named group.
+
+        Its actions (override, clear, pause, resume) need ``change_record``
+        and are written to the admin log.
+        """
+        self._require(request, change=request.method == "POST")
+        app = celery_app()
+        if request.method == "POST":
+            form = LimitActionForm(request.POST)
+            if not form.is_valid():
+                errors = "; ".join(str(error) for errors in form.errors.values() for error in errors)
+                self.message_user(request, f"Nothing changed: {errors}", messages.ERROR)
+                return HttpResponseRedirect(self._url("limits"))
+            group, key = form.cleaned_data["group"], form.target_key()
+            try:
+                changed, text = limitgroups.apply(
+                    app,
+                    form.cleaned_data["action"],
+                    group,
+                    key,
+                    concurrency=form.cleaned_data["concurrency"],
+                    rates=form.rates(),
+                    until=form.pause_end(),
+                    by=request.user.get_username(),
+                )
+            except DedupArgumentError as exc:
+                self.message_user(request, f"Nothing changed: {exc}", messages.ERROR)
+                return HttpResponseRedirect(self._url("limits"))
+            if changed:
+                self._log(request, None, text, about=limitgroups.scope_text(group, key))
+            self.message_user(request, text, messages.SUCCESS if changed else messages.WARNING)
+            return HttpResponseRedirect(self._url("limits"))
+        store = runtime.store_for(app)
+        named = limits.describe(app)
+        now_ms = limitgroups.server_ms(store.client)
+        context = self._context(
+            request,
+            "Limit groups",
+            named=limitgroups.conf_rows(named, now_ms),
+            groups=limitgroups.key_rows(limits.groups(store), named, now_ms),
+            group_names=[info.name for info in named],
+            actions=LIMIT_ACTIONS,
+        )
         return TemplateResponse(request, f"{TEMPLATES}/limits.html", context)
 
     def purge_view(self, request: HttpRequest) -> HttpResponse:
