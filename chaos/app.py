@@ -25,10 +25,12 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any, cast
 
+import redis
 from celery import Celery, signals
 from celery.exceptions import Ignore, Reject, Retry
 
 import celery_dedup
+import celery_dedup.runtime
 from celery_dedup import DedupTask, limits
 from celery_dedup.keys import limit_group_member, member_for
 from celery_dedup.policy import check_rates, rates_text
@@ -129,6 +131,8 @@ def limit_group(k: str, *_: Any, **__: Any) -> str:
 QUOTA = "quota"
 QUOTA_CONCURRENCY = 2
 QUOTA_RATES = ("4/s", "30/m")
+#: A body told to back off (``dedup_backoff``) does so once per run: its first delivery that gets this far.
+BACKOFF_MARK = "chaos:backoff:{}"
 #: Its group keys (tenants): the calls' keys spread over them, ``t0`` the hottest.
 QUOTA_KEYS = ("t0", "t1", "t2")
 LIMIT_GROUPS_SETTING = {QUOTA: {"concurrency": QUOTA_CONCURRENCY, "rate": list(QUOTA_RATES)}}
@@ -292,6 +296,27 @@ def limit_fields(spec: ModeSpec | None, k: str, task_id: str | None) -> dict[str
     return {"group": member_for(spec.task_name, limit_group(k)), "limit": spec.limit} if spec.limit else {}
 
 
+def first_backoff(task: DedupTask, task_id: str) -> bool:
+    """Whether run ``task_id`` has not backed off yet (marked now); False if the store cannot say."""
+    try:
+        client = celery_dedup.runtime.store_for(task.app).client
+        return bool(client.set(BACKOFF_MARK.format(task_id), 1, nx=True, px=600_000))
+    except redis.RedisError:
+        return False
+
+
+def back_off(task: DedupTask, history: History | None, k: str, seconds: float, fields: dict[str, Any]) -> None:
+    """``raise self.dedup_backoff(retry_after=seconds)``, as a body told 429 by its partner does; recorded as
+    ``backoff`` with when it was asked (``asked``; the event's ``t`` is after the pause was written)."""
+    asked = time.time()
+    exc = task.dedup_backoff(retry_after=seconds)
+    if history is not None:
+        key = quota_key(k)
+        group = limit_group_member(QUOTA, key)
+        history.emit("backoff", asked=asked, retry_after=seconds, quota=QUOTA, quota_key=key, group=group, **fields)
+    raise exc
+
+
 def make_body(history: History | None) -> Callable[..., str]:
     """The body every chaos task runs: record its start, sleep (watching the lock) with its steps in between (each
     a ``dedup_once`` whose function sleeps too), fail, retry or replace itself, record its end."""
@@ -306,9 +331,11 @@ def make_body(history: History | None) -> Callable[..., str]:
         replace: str = "",
         steps: int = 0,
         on_doubt: str = "retry",
+        backoff: float = 0.0,
     ) -> str:
         request = self.request
-        member = member_for(self.name, self.dedup_business_key(k, call, sleep, fail, retry, replace, steps, on_doubt))
+        business_key = self.dedup_business_key(k, call, sleep, fail, retry, replace, steps, on_doubt, backoff)
+        member = member_for(self.name, business_key)
         fields = {"task_id": request.id, "member": member, "call": call, "tid": threading.get_ident()}
         spec = MODE_BY_TASK.get(self.name)
         if history is not None:
@@ -323,6 +350,9 @@ def make_body(history: History | None) -> Callable[..., str]:
                 work(self, share / 2, seen)
                 run_step(self, history, fields, f"s{step}", share / 2, on_doubt)
             work(self, share, seen)
+            if backoff and first_backoff(self, str(request.id)):
+                outcome = "Backoff"
+                back_off(self, history, k, backoff, fields)
             if retry and not request.retries:
                 outcome = "retry"
             elif replace:
@@ -334,7 +364,7 @@ def make_body(history: History | None) -> Callable[..., str]:
                 outcome = "failed"
             conclude(self, outcome, member)
         except BaseException as exc:
-            expected = {"retry": Retry, "failed": ChaosFailure, "replaced": Ignore}.get(outcome)
+            expected = {"retry": Retry, "Backoff": Retry, "failed": ChaosFailure, "replaced": Ignore}.get(outcome)
             if expected is None or not isinstance(exc, expected):  # a terminate, a soft time limit, a failed retry
                 outcome = outcome_of(exc)
             raise
