@@ -25,12 +25,15 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any, cast
 
+import redis
 from celery import Celery, signals
 from celery.exceptions import Ignore, Reject, Retry
 
 import celery_dedup
-from celery_dedup import DedupTask
-from celery_dedup.keys import member_for
+import celery_dedup.runtime
+from celery_dedup import DedupTask, limits
+from celery_dedup.keys import limit_group_member, member_for
+from celery_dedup.policy import check_rates, rates_text
 
 from .history import History, record_decisions
 
@@ -76,6 +79,11 @@ class ModeSpec:
         return self.label or self.mode
 
     @property
+    def quota(self) -> bool:
+        """Whether the task draws on the named group :data:`QUOTA`."""
+        return self.options.get("limit_group") == QUOTA
+
+    @property
     def task_name(self) -> str:
         return f"chaos.{self.name}"
 
@@ -118,6 +126,23 @@ def limit_group(k: str, *_: Any, **__: Any) -> str:
     return f"g{int(k.lstrip('k') or 0) % LIMIT_GROUPS}"
 
 
+#: The named limit group two tasks share (``chaos.quota_a``, ``chaos.quota_b``): a third-party quota, one per
+#: tenant. Two windows: bursts (``many``) reach the per-second one, the hottest tenant the per-minute one.
+QUOTA = "quota"
+QUOTA_CONCURRENCY = 2
+QUOTA_RATES = ("4/s", "30/m")
+#: A body told to back off (``dedup_backoff``) does so once per run: its first delivery that gets this far.
+BACKOFF_MARK = "chaos:backoff:{}"
+#: Its group keys (tenants): the calls' keys spread over them, ``t0`` the hottest.
+QUOTA_KEYS = ("t0", "t1", "t2")
+LIMIT_GROUPS_SETTING = {QUOTA: {"concurrency": QUOTA_CONCURRENCY, "rate": list(QUOTA_RATES)}}
+
+
+def quota_key(k: str, *_: Any, **__: Any) -> str:
+    """The tenant of key ``k`` in the named group (``k4`` -> ``t1``)."""
+    return QUOTA_KEYS[int(k.lstrip("k") or 0) % len(QUOTA_KEYS)]
+
+
 MODES: tuple[ModeSpec, ...] = (
     ModeSpec("until_executed", {"dedup_ttl": TTL}),
     ModeSpec("until_executing", {"dedup_ttl": TTL}),
@@ -138,6 +163,9 @@ MODES: tuple[ModeSpec, ...] = (
         label="limit2",
         limit=2,
     ),
+    # Two tasks of one named group: a tenant's quota counts the bodies of both.
+    ModeSpec("until_executed", {"dedup_ttl": TTL, "limit_group": QUOTA, "limit_key": quota_key}, label="quota_a"),
+    ModeSpec("until_executing", {"dedup_ttl": TTL, "limit_group": QUOTA, "limit_key": quota_key}, label="quota_b"),
 )
 MODE_BY_TASK = {spec.task_name: spec for spec in MODES}
 
@@ -250,6 +278,45 @@ def lock_lost_seen(history: History | None, fields: dict[str, Any]) -> Callable[
     return report
 
 
+def limit_fields(spec: ModeSpec | None, k: str, task_id: str | None) -> dict[str, Any]:
+    """What a limited body's ``body_start`` says of its group: the group and its N; for the named group also its
+    group key, its declared windows and the grant's start on the server's clock (``granted_at``, ms; 0: none)."""
+    if spec is None:
+        return {}
+    if spec.quota:
+        grant = limits.current(task_id)
+        return {
+            "group": limit_group_member(QUOTA, quota_key(k)),
+            "limit": QUOTA_CONCURRENCY,
+            "quota": QUOTA,
+            "quota_key": quota_key(k),
+            "rates": rates_text(check_rates(list(QUOTA_RATES))),
+            "granted_at": grant.granted_at if grant is not None else 0,
+        }
+    return {"group": member_for(spec.task_name, limit_group(k)), "limit": spec.limit} if spec.limit else {}
+
+
+def first_backoff(task: DedupTask, task_id: str) -> bool:
+    """Whether run ``task_id`` has not backed off yet (marked now); False if the store cannot say."""
+    try:
+        client = celery_dedup.runtime.store_for(task.app).client
+        return bool(client.set(BACKOFF_MARK.format(task_id), 1, nx=True, px=600_000))
+    except redis.RedisError:
+        return False
+
+
+def back_off(task: DedupTask, history: History | None, k: str, seconds: float, fields: dict[str, Any]) -> None:
+    """``raise self.dedup_backoff(retry_after=seconds)``, as a body told 429 by its partner does; recorded as
+    ``backoff`` with when it was asked (``asked``; the event's ``t`` is after the pause was written)."""
+    asked = time.time()
+    exc = task.dedup_backoff(retry_after=seconds)
+    if history is not None:
+        key = quota_key(k)
+        group = limit_group_member(QUOTA, key)
+        history.emit("backoff", asked=asked, retry_after=seconds, quota=QUOTA, quota_key=key, group=group, **fields)
+    raise exc
+
+
 def make_body(history: History | None) -> Callable[..., str]:
     """The body every chaos task runs: record its start, sleep (watching the lock) with its steps in between (each
     a ``dedup_once`` whose function sleeps too), fail, retry or replace itself, record its end."""
@@ -264,13 +331,15 @@ def make_body(history: History | None) -> Callable[..., str]:
         replace: str = "",
         steps: int = 0,
         on_doubt: str = "retry",
+        backoff: float = 0.0,
     ) -> str:
         request = self.request
-        member = member_for(self.name, self.dedup_business_key(k, call, sleep, fail, retry, replace, steps, on_doubt))
+        business_key = self.dedup_business_key(k, call, sleep, fail, retry, replace, steps, on_doubt, backoff)
+        member = member_for(self.name, business_key)
         fields = {"task_id": request.id, "member": member, "call": call, "tid": threading.get_ident()}
-        limit = MODE_BY_TASK[self.name].limit if self.name in MODE_BY_TASK else 0
+        spec = MODE_BY_TASK.get(self.name)
         if history is not None:
-            group = {"group": member_for(self.name, limit_group(k)), "limit": limit} if limit else {}
+            group = limit_fields(spec, k, request.id)
             history.emit("body_start", retries=request.retries or 0, worker=request.hostname, **group, **fields)
         outcome = "succeeded"
         ended = False
@@ -281,6 +350,9 @@ def make_body(history: History | None) -> Callable[..., str]:
                 work(self, share / 2, seen)
                 run_step(self, history, fields, f"s{step}", share / 2, on_doubt)
             work(self, share, seen)
+            if backoff and first_backoff(self, str(request.id)):
+                outcome = "Backoff"
+                back_off(self, history, k, backoff, fields)
             if retry and not request.retries:
                 outcome = "retry"
             elif replace:
@@ -292,7 +364,7 @@ def make_body(history: History | None) -> Callable[..., str]:
                 outcome = "failed"
             conclude(self, outcome, member)
         except BaseException as exc:
-            expected = {"retry": Retry, "failed": ChaosFailure, "replaced": Ignore}.get(outcome)
+            expected = {"retry": Retry, "Backoff": Retry, "failed": ChaosFailure, "replaced": Ignore}.get(outcome)
             if expected is None or not isinstance(exc, expected):  # a terminate, a soft time limit, a failed retry
                 outcome = outcome_of(exc)
             raise
@@ -408,6 +480,7 @@ def build(broker: str | None = None, *, history: History | None = None, conf: di
         dedup_reap_grace=REAP_GRACE,
         dedup_history_length=1000,
         dedup_default_ttl=TTL,
+        dedup_limit_groups=LIMIT_GROUPS_SETTING,
     )
     chaos_app.conf.update(conf if conf is not None else json.loads(os.environ.get("CHAOS_CONF", "{}")))
     if conf is None and os.environ.get("CHAOS_STORE"):

@@ -32,7 +32,9 @@ violation is printed with an excerpt of the history around it.
     Every run a call was accepted into (and every run the server's history
     shows queued, e.g. from a producer killed mid-publish) executed, or has
     an ending recorded with a reason (status history, or a ``skipped`` or
-    ``reaped`` decision), by the end of the quiet period.
+    ``reaped`` decision), by the end of the quiet period. A run whose last
+    body backed off (``dedup_backoff``) must run again or have an ending
+    recorded after that body.
 ``unresolved-duplicate``
     Every id handed to a duplicate caller resolves the same way.
 ``stuck-key``
@@ -59,6 +61,24 @@ violation is printed with an excerpt of the history around it.
     ending giving back a lapsed slot), and a fault can have kept it from
     renewing the lease (a SIGSTOP, its connections cut or delayed, a server
     restart, a revoke).
+``limit-window``
+    The named group's bodies (two tasks sharing one group, a quota per group
+    key) never start more often than any of the group key's windows allows:
+    at most R starts in any period P, counted from the grants' server-clock
+    starts (``granted_at``), under the values in force at each grant (the
+    declared windows, or an override's). A grant while an override was
+    being written or undone is judged by either. Explained: a wipe of the
+    server's data within the window (the starts' log went with it).
+    ``limit`` holds these bodies to the concurrency in force as they were
+    granted, across the two tasks.
+``limit-pause``
+    No body of a paused group key starts while the pause is certainly in
+    force: from after the operator's pause was written until before its
+    resume (or its end), or within a body's back-off of the key (from after
+    ``dedup_backoff`` returned until ``retry_after`` after it was asked,
+    unless the library logged that it could not write the pause, or an
+    operator paused or resumed the key in between). Explained: a wipe of
+    the server's data since the pause was written.
 ``recovery``
     A run whose whole worker was SIGKILLed on this machine while its body ran
     (``task_acks_late``, its lock live, the store on the broker) is put back
@@ -105,6 +125,7 @@ violation is printed with an excerpt of the history around it.
 
 from __future__ import annotations
 
+import bisect
 import json
 from collections import Counter, defaultdict
 from collections.abc import Iterable
@@ -118,6 +139,7 @@ from celery_dedup.store.schema import ENDED_STATES
 
 from .app import LOCK_TTL, MODE_BY_TASK, MODES, REAP_INTERVAL, VISIBILITY_TIMEOUT, ModeSpec
 from .history import SERVER_LOG, Event, read_events
+from .quota import Config, Timeline, windows
 
 INVARIANTS = (
     "crash",
@@ -131,12 +153,16 @@ INVARIANTS = (
     "debounce-args",
     "continuation",
     "limit",
+    "limit-window",
+    "limit-pause",
     "recovery",
     "step-once",
     "step-doubt",
     "step-key",
     "transition",
 )
+#: The outcome of a body that backed off (``raise self.dedup_backoff(...)``): its run comes back.
+BACKOFF = "Backoff"
 #: States after which a run has ended (the store schema's), and those that count as its fate.
 ENDED = frozenset(ENDED_STATES)
 FATES = ENDED | {"lost"}
@@ -159,6 +185,8 @@ NOT_FINAL = frozenset(
         "unknown",
         # a step found the delivery's lock lost: it stands down and ends nothing (the run goes on elsewhere)
         "DedupLockLostError",
+        # dedup_backoff: the run was re-published to come back once its group key's pause ends
+        BACKOFF,
     }
 )
 #: How a step's function can be cut off by its process going (a terminate, a shutdown, a killed greenlet):
@@ -180,7 +208,8 @@ EXPLAINED = {
     "transit": "ungated runs whose message a fault can have lost before any record existed",
     "crash": "worker crashes outside celery-dedup (Celery or kombu; the worker was replaced)",
     "continuation": "chains whose next step a kill lost after their run succeeded",
-    "limit": "limit groups over N after a fault kept a body from renewing its slot",
+    "limit": "limit groups over N after a fault kept a body from renewing its slot, or over a window or inside a "
+    "pause a wipe of the server's data took",
 }
 #: How soon after resolving a chain's head its process must die to explain a next step never sent, seconds.
 SEND_WINDOW = 3.0
@@ -226,6 +255,11 @@ class Body:
     #: A limited task's group and its ``limit_concurrency`` (0: not limited).
     group: str = ""
     limit: int = 0
+    #: A named group's body: the group, its group key, its declared windows and when it was granted (ms).
+    quota: str = ""
+    quota_key: str = ""
+    rates: str = ""
+    granted_at: int = 0
 
 
 @dataclass
@@ -385,6 +419,8 @@ class History:
         self.slot_losses = [e for e in events if e["ev"] == "slot_lost_log"]
         self._index_chains(events)
         self._index_workers(events)
+        failed = {str(e.get("task_id")) for e in events if e["ev"] == "backoff_failed"}
+        self.quota = Timeline.of(events, self.wipes, failed)
 
     def _index_steps(self, events: list[Event]) -> None:
         #: The step events of each step of a run, by (task id, step name), in time order.
@@ -457,6 +493,9 @@ class History:
                     previous.outcome = "unknown"
                 body = Body(event["task_id"], event["member"], event["call"], pid, event["role"], event["t"])
                 body.tid, body.group, body.limit = tid, str(event.get("group") or ""), int(event.get("limit") or 0)
+                if event.get("quota"):
+                    body.quota, body.quota_key = str(event["quota"]), str(event.get("quota_key") or "")
+                    body.rates, body.granted_at = str(event.get("rates") or ""), int(event.get("granted_at") or 0)
                 open_bodies[(pid, tid)] = body
                 bodies.append(body)
             elif event["ev"] == "body_end":
@@ -769,6 +808,21 @@ def passed_on(note: str) -> bool:
     return any(part.strip() in PASSED_ON for part in note.split(";"))
 
 
+def over_window(starts: list[int], at: int, rates: str) -> tuple[int, int, int] | None:
+    """The longest of ``rates``'s windows a start at ``at`` breaks: ``(count, period ms, starts in it)``; None: none.
+
+    ``starts``: every start of the group key (ms, sorted). A window of P counts the starts in (at - P, at], as
+    the script's ``ZCOUNT`` does.
+    """
+    broken = [
+        (count, period, seen)
+        for count, period in windows(rates)
+        for seen in [bisect.bisect_right(starts, at) - bisect.bisect_right(starts, at - period)]
+        if seen > count
+    ]
+    return max(broken, key=lambda item: item[1]) if broken else None
+
+
 def _entry(raw: str) -> Entry:
     parts = raw.split(" ", 3)
     return Entry(int(parts[0]) / 1000, parts[1], parts[2] if len(parts) > 2 else "", parts[3] if len(parts) > 3 else "")
@@ -924,6 +978,33 @@ class Checker:
                 now = f"the record is {record.get('state')} for {record.get('task_id')}" if record else "no record"
                 message = f"run {task_id} ({what} at {self.h.rel(t)}) never executed and no ending was recorded ({now})"
                 self.violation(invariant, member, message, t=t, ids=(task_id,))
+        self.backed_off()
+
+    def backed_off(self) -> None:
+        """A run whose last body backed off comes back: it runs again, or an ending is recorded after it."""
+        h = self.h
+        for task_id, bodies in h.bodies_by_task.items():
+            last = max(bodies, key=lambda body: body.start)
+            if last.outcome != BACKOFF:
+                continue
+            self.checked["unresolved-run"] += 1
+            if any(e.state in FATES and e.t >= last.end - MS for e in h.entries(last.member, task_id)):
+                continue
+            if any(e["decision"] in SETTLING_DECISIONS and e["t"] >= last.end for e in h.decisions.get(task_id, [])):
+                continue
+            if task_id in h.revoked:
+                continue
+            if h.wiped_between(last.end, h.end):
+                self.explained.append(
+                    Explained(
+                        "wiped",
+                        last.member,
+                        f"run {task_id} backed off, then its message vanished with the server's data",
+                    )
+                )
+                continue
+            message = f"run {task_id} backed off at {h.rel(last.end)} and never came back, nor was an ending recorded"
+            self.violation("unresolved-run", last.member, message, t=last.end, ids=(task_id,))
 
     def stuck_keys(self) -> None:
         final = self.h.final
@@ -1066,10 +1147,10 @@ class Checker:
     # --- limit groups ------------------------------------------------------------------------
 
     def limits(self) -> None:
-        """Never more than N bodies of a limit group at once."""
+        """Never more than N bodies of a limit group at once (N: the concurrency in force as the newest started)."""
         by_group: dict[str, list[Body]] = defaultdict(list)
         for body in self.h.bodies:
-            if body.limit:
+            if body.limit or body.quota:
                 by_group[body.group].append(body)
         for group, bodies in by_group.items():
             bodies.sort(key=lambda body: body.start)
@@ -1078,10 +1159,69 @@ class Checker:
             for body in bodies:
                 running = [other for other in running if other.end > body.start]
                 running.append(body)
-                if len(running) > body.limit:
-                    self._judge_limit(group, body, running[:-1])
+                limit = self._concurrency(body)
+                if limit is not None and len(running) > limit:
+                    self._judge_limit(group, body, running[:-1], limit)
+        self.limit_windows(by_group)
+        self.limit_pauses()
 
-    def _judge_limit(self, group: str, newest: Body, others: list[Body]) -> None:
+    def _configs(self, body: Body) -> list[Config]:
+        declared = Config(body.limit or None, body.rates)
+        return self.h.quota.configs(body.quota, body.quota_key, declared, body.granted_at)
+
+    def _concurrency(self, body: Body) -> int | None:
+        """The most bodies ``body``'s group allowed as it was granted (None: no concurrency limit)."""
+        if not body.quota or not body.granted_at:
+            return body.limit or None
+        values = [config.concurrency for config in self._configs(body)]
+        return None if None in values else max(value for value in values if value is not None)
+
+    def limit_windows(self, by_group: dict[str, list[Body]]) -> None:
+        """A named group's key never starts more bodies in a window than the window allows."""
+        h = self.h
+        for group, bodies in by_group.items():
+            granted = sorted((body for body in bodies if body.quota and body.granted_at), key=lambda b: b.granted_at)
+            starts = [body.granted_at for body in granted]
+            reported_until = 0
+            for body in granted:
+                self.checked["limit-window"] += 1
+                at = body.granted_at
+                broken = [over_window(starts, at, config.rates) for config in self._configs(body)]
+                if not broken or None in broken or at <= reported_until:
+                    continue  # some values it may have been granted under allowed it (or it is reported)
+                count, period, seen = max((item for item in broken if item is not None), key=lambda item: item[0])
+                what = f"{seen} starts within {period} ms where window {count}/{period} allows {count}"
+                if h.quota.wiped_between(at - period, at):
+                    self.explained.append(Explained("limit", group, f"{what}: the server's data was wiped"))
+                    continue
+                reported_until = at + period
+                within = [b for b in granted if at - period < b.granted_at <= at]
+                ids = tuple(b.task_id for b in within[-8:])
+                message = f"{what}, the last granted at {h.rel(at / 1000)}: {', '.join(ids)}"
+                excerpt = self._group_excerpt(group, ids, within[0].start, body.start)
+                self.violations.append(Violation("limit-window", group, message, body.start, ids, excerpt))
+
+    def limit_pauses(self) -> None:
+        """No body of a named group's key is granted while the key (or the group) is certainly paused."""
+        h = self.h
+        for body in h.bodies:
+            if not body.quota or not body.granted_at:
+                continue
+            self.checked["limit-pause"] += 1
+            pause = h.quota.pause_at(body.quota, body.quota_key, body.granted_at)
+            what = f"{body.task_id} granted at {h.rel(body.granted_at / 1000)}"
+            if pause is None:
+                wiped = h.quota.pause_wiped(body.quota, body.quota_key, body.granted_at)
+                if wiped is not None:
+                    message = f"{what} in {wiped.what}: the server's data was wiped"
+                    self.explained.append(Explained("limit", body.group, message))
+                continue
+            since = h.rel(pause.set_by / 1000)
+            message = f"{what}, while {pause.what} (written by {since}) paused it"
+            excerpt = self._group_excerpt(body.group, (body.task_id, pause.task_id), pause.set_from / 1000, body.start)
+            self.violations.append(Violation("limit-pause", body.group, message, body.start, (body.task_id,), excerpt))
+
+    def _judge_limit(self, group: str, newest: Body, others: list[Body], limit: int) -> None:
         h = self.h
         what = (
             ", ".join(f"{b.task_id} (pid {b.pid}, {h.rel(b.start)}..{h.rel(b.end)}, {b.outcome})" for b in others)
@@ -1089,11 +1229,11 @@ class Checker:
         )
         causes = [(b, h.slot_loss(b, newest.start)) for b in others]
         explained = [(b, cause) for b, cause in causes if cause is not None]
-        if len(others) + 1 - len(explained) <= newest.limit:
+        if len(others) + 1 - len(explained) <= limit:
             reasons = "; ".join(f"{b.task_id}: {cause}" for b, cause in explained)
             self.explained.append(Explained("limit", group, f"{len(others) + 1} bodies at once ({what}): {reasons}"))
             return
-        message = f"{len(others) + 1} bodies of a group of limit {newest.limit} ran at once: {what}"
+        message = f"{len(others) + 1} bodies of a group of limit {limit} ran at once: {what}"
         ids = tuple(b.task_id for b in [*others, newest])
         until = min(*(b.end for b in others), h.end)
         self.violations.append(

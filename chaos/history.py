@@ -29,6 +29,9 @@ Event kinds (field ``ev``) and who writes them:
   ``step_doubt_log``: the library's log lines on ``celery_dedup`` (decisions,
   the renewer's lost locks and limit slots, endings it could not record, a
   step found in doubt and called again);
+- ``backoff`` / ``backoff_failed``: a named group's body backed off
+  (``dedup_backoff``: when it was asked, for how long, its group key), and
+  the library's log that it could not write the back-off's pause;
 - ``recovered``: the library put a dead worker's run back in its queue;
 - ``received`` / ``revoked`` / ``settled``: a worker's ``task_received``
   signal (its consumer took the message), ``task_revoked`` (a terminated
@@ -115,6 +118,9 @@ class DecisionRecorder(logging.Handler):
                 # "%s[%s] step %r in doubt (attempt %s): called again with idempotency key %r"
                 _, task_id, step, _, key = record.args[:5]
                 self.history.emit("step_doubt_log", task_id=task_id, step=step, key=key, message=record.getMessage())
+            elif record.levelno >= logging.ERROR and "could not pause group" in str(record.msg):
+                task_id = record.args[1] if isinstance(record.args, tuple) and len(record.args) > 1 else None
+                self.history.emit("backoff_failed", task_id=task_id, message=record.getMessage())
             elif record.levelno >= logging.ERROR and str(record.msg).startswith("could not record"):
                 task_id = record.args[2] if isinstance(record.args, tuple) and len(record.args) > 2 else None
                 self.history.emit("finish_failed", task_id=task_id, message=record.getMessage())

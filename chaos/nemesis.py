@@ -16,6 +16,7 @@ import json
 import random
 import signal
 import threading
+import time
 from collections.abc import Callable
 from typing import Any
 
@@ -23,11 +24,12 @@ import redis
 from celery import Celery
 
 import celery_dedup
-from celery_dedup import operations
+from celery_dedup import limits, operations
 from celery_dedup.exceptions import DedupError
 from celery_dedup.keys import KeySchema, split_member
+from celery_dedup.policy import check_rates, rates_text
 
-from .app import LOCK_TTL, MODE_BY_TASK
+from .app import LOCK_TTL, MODE_BY_TASK, QUOTA, QUOTA_KEYS
 from .cluster import Cluster, Slot, group_pids, signal_group
 from .history import History
 from .proxy import SCRIPT_COMMANDS, Point
@@ -52,6 +54,17 @@ FAULTS = (
     "operator",
     "redeliver",
     "skew",
+    "pause",
+    "override",
+)
+#: What the ``override`` fault sets a key's (or the whole group's) values to: (concurrency, rate), None: kept.
+OVERRIDES: tuple[tuple[int | None, tuple[str, ...] | None], ...] = (
+    (1, None),
+    (3, None),
+    (None, ("2/s", "20/m")),
+    (None, ("8/s", "60/m")),
+    (1, ("2/s",)),
+    (4, ("10/s", "100/m")),
 )
 
 
@@ -75,6 +88,8 @@ class Nemesis:
         self.store = cluster.store_client()
         self.skews: dict[int, float] = {}
         self._deck: list[str] = []
+        #: Overrides and pauses of the named group not undone yet: (kind, key).
+        self.changes: set[tuple[str, str | None]] = set()
 
     # --- the loop ---------------------------------------------------------------------------
 
@@ -102,7 +117,7 @@ class Nemesis:
         self.count += 1
         self.history.emit("fault", kind=kind, **fields)
 
-    def pause(self, low: float, high: float) -> None:
+    def linger(self, low: float, high: float) -> None:
         """Sleep a drawn time (cut short by :meth:`stop`: a fault that lasts ends early then)."""
         self.stopped.wait(self.rng.uniform(low, high))
 
@@ -156,7 +171,7 @@ class Nemesis:
         down = self.rng.uniform(0.5, 2.0)
         self.fault("kill-worker", slot=slot.name)
         self.cluster.kill(slot, "kill-worker")
-        self.pause(down, down)
+        self.linger(down, down)
         self.cluster.start_worker(slot)
         self.cluster.wait_ready(slot)
         self.history.emit("fault_end", kind="kill-worker", slot=slot.name)
@@ -189,7 +204,7 @@ class Nemesis:
             self.cluster.wait_ready(slot)
             if not term_first:
                 signal_group(old.pid, signal.SIGTERM)
-            self.pause(stop_timeout, stop_timeout)
+            self.linger(stop_timeout, stop_timeout)
         finally:
             self.cluster.kill_detached(slot, old, "restart-worker")
         self.history.emit("fault_end", kind="restart-worker", slot=slot.name)
@@ -216,7 +231,7 @@ class Nemesis:
         self.fault("stop-worker", slot=slot.name, seconds=round(seconds, 2), pids=slot.pids())
         signal_group(slot.pid, signal.SIGSTOP)
         try:
-            self.pause(seconds, seconds)
+            self.linger(seconds, seconds)
         finally:
             signal_group(slot.pid, signal.SIGCONT)
             self.history.emit("fault_end", kind="stop-worker", slot=slot.name)
@@ -245,7 +260,7 @@ class Nemesis:
             for proxy in (proxy for slot in slots for proxy in slot.proxies):
                 proxy.delay(seconds)
             try:
-                self.pause(lasting, lasting)
+                self.linger(lasting, lasting)
             finally:
                 for proxy in (proxy for slot in slots for proxy in slot.proxies):
                     proxy.delay(0)
@@ -260,7 +275,7 @@ class Nemesis:
                     proxy.arm(point, times=times)
                 else:
                     proxy.arm(point, times=times, commands=_ALL_COMMANDS)
-            self.pause(1.0, 3.0)
+            self.linger(1.0, 3.0)
             for proxy in (proxy for slot in slots for proxy in slot.proxies):
                 proxy.disarm()
         else:
@@ -283,7 +298,7 @@ class Nemesis:
         self.fault("slow-link", target=slot.name, seconds=seconds)
         slot.store_link.delay(seconds)
         try:
-            self.pause(lasting, lasting)
+            self.linger(lasting, lasting)
         finally:
             slot.store_link.delay(0)
             self.history.emit("fault_end", kind="slow-link", target=slot.name)
@@ -294,7 +309,7 @@ class Nemesis:
         down = self.rng.uniform(0.3, 2.0)
         self.fault("restart", wipe=wipe, seconds=round(down, 2))
         self.cluster.server.crash(wipe=wipe)
-        self.pause(down, down)
+        self.linger(down, down)
         self.cluster.server.start()
         self.history.emit("fault_end", kind="restart", wipe=wipe)
 
@@ -388,6 +403,68 @@ class Nemesis:
         self.fault("redeliver", task_id=task_id, queue=routing_key or "celery")
         self.client.lpush(routing_key or "celery", json.dumps(message))
 
+    # --- a named group's operator ------------------------------------------------------------
+
+    def _server_ms(self) -> int:
+        seconds, micros = self.store.time()
+        return int(seconds) * 1000 + int(micros) // 1000
+
+    def _quota_key(self) -> str | None:
+        """A tenant of the named group, or (one time in four) None: the whole group."""
+        return None if self.rng.random() < 0.25 else QUOTA_KEYS[self.rng.randrange(len(QUOTA_KEYS))]
+
+    def pause(self) -> None:
+        """An operator pauses a tenant of the named group (or all of it) for a few seconds, then resumes it.
+
+        Half the pauses end by themselves (``until``), half last until resumed. The ``fault`` and its
+        ``fault_end`` give the server-clock interval each write happened in (``from_ms`` .. ``at_ms``).
+        """
+        key = self._quota_key()
+        seconds = round(self.rng.uniform(1.0, 4.0), 2)
+        until = seconds if self.rng.random() < 0.5 else None
+        from_ms = self._server_ms()
+        limits.pause(self.app, QUOTA, key, until=until, by="chaos")
+        at_ms = self._server_ms()
+        self.changes.add(("pause", key))
+        self.fault("pause", group=QUOTA, key=key, until=until, from_ms=from_ms, at_ms=at_ms)
+        try:
+            self.linger(seconds, seconds + 0.5)
+        finally:
+            self._undo("pause", key)
+
+    def override(self) -> None:
+        """An operator lowers or raises a tenant's (or the whole group's) concurrency or windows for a while."""
+        key = self._quota_key()
+        concurrency, rate = OVERRIDES[self.rng.randrange(len(OVERRIDES))]
+        from_ms = self._server_ms()
+        limits.override(self.app, QUOTA, key, concurrency=concurrency, rate=None if rate is None else list(rate))
+        at_ms = self._server_ms()
+        self.changes.add(("override", key))
+        rates = None if rate is None else rates_text(check_rates(list(rate)))
+        self.fault("override", group=QUOTA, key=key, concurrency=concurrency, rates=rates, from_ms=from_ms, at_ms=at_ms)
+        try:
+            self.linger(2.0, 8.0)
+        finally:
+            self._undo("override", key)
+
+    def _undo(self, kind: str, key: str | None) -> None:
+        """Resume a pause or clear an override the nemesis made; recorded (``fault_end``) once it is done."""
+        for attempt in range(5):
+            try:
+                from_ms = self._server_ms()
+                if kind == "pause":
+                    limits.resume(self.app, QUOTA, key, by="chaos")
+                else:
+                    limits.clear_override(self.app, QUOTA, key, by="chaos")
+                at_ms = self._server_ms()
+            except (redis.RedisError, OSError) as exc:
+                self.history.emit("fault_error", kind=kind, error=f"{type(exc).__name__}: {exc}", attempt=attempt)
+                time.sleep(0.5)
+                continue
+            self.changes.discard((kind, key))
+            self.history.emit("fault_end", kind=kind, group=QUOTA, key=key, from_ms=from_ms, at_ms=at_ms)
+            return
+
     # --- the end ----------------------------------------------------------------------------
 
     def heal(self) -> None:
@@ -400,6 +477,8 @@ class Nemesis:
                 signal_group(slot.pid, signal.SIGCONT)
         if self.cluster.server.process.process is None or self.cluster.server.process.process.poll() is not None:
             self.cluster.server.start()
+        for kind, key in sorted(self.changes, key=str):
+            self._undo(kind, key)
         self.cluster.crashed()  # recorded before a new worker takes the slot
         for slot in self.cluster.worker_slots:
             if not slot.alive:

@@ -48,7 +48,11 @@ WAYS = {"delay": 40, "countdown": 12, "eta": 8, "many": 10, "send_task": 12, "ch
 STEPS = (0, 1, 2)
 STEP_WEIGHTS = (50, 30, 20)
 RAISE_ON_DOUBT = 0.2
-#: Modes' weights (by task: ``limit1`` and ``limit2`` are limited tasks): the gated modes dominate.
+#: How often a named group's call backs off once, and for how long (seconds: short, so the run comes back).
+BACKOFF = 0.12
+BACKOFF_SECONDS = (1.0, 2.0)
+#: Modes' weights (by task: ``limit1`` and ``limit2`` are limited tasks, ``quota_a`` and ``quota_b`` share a named
+#: group): the gated modes dominate.
 MODE_WEIGHTS = {
     "until_executed": 30,
     "until_executing": 12,
@@ -58,6 +62,8 @@ MODE_WEIGHTS = {
     "throttle": 14,
     "limit1": 10,
     "limit2": 10,
+    "quota_a": 12,
+    "quota_b": 12,
 }
 
 
@@ -78,10 +84,13 @@ class Call:
     #: Steps (``dedup_once``) the body takes, and what a step found in doubt does (``on_doubt``).
     steps: int = 0
     on_doubt: str = "retry"
+    #: A named group's body backs off once (``dedup_backoff``) for this many seconds; 0: it does not.
+    backoff: float = 0.0
 
     @property
-    def args(self) -> tuple[str, str, float, bool, bool, str, int, str]:
-        return (self.k, self.call_id, self.sleep, self.fail, self.retry, self.replace, self.steps, self.on_doubt)
+    def args(self) -> tuple[Any, ...]:
+        args = (self.k, self.call_id, self.sleep, self.fail, self.retry, self.replace, self.steps, self.on_doubt)
+        return (*args, self.backoff) if self.backoff else args
 
 
 @dataclass
@@ -96,11 +105,19 @@ class Schedule:
     rng: random.Random = field(init=False)
     #: Draws the steps of each call, apart from ``rng``: a seed's calls, keys and pauses stay what they were.
     step_rng: random.Random = field(init=False)
+    #: Draws the back-offs of the named group's calls, apart from the others likewise.
+    backoff_rng: random.Random = field(init=False)
     count: int = 0
 
     def __post_init__(self) -> None:
         self.rng = random.Random(self.seed)
         self.step_rng = random.Random(f"steps:{self.seed}")
+        self.backoff_rng = random.Random(f"backoff:{self.seed}")
+
+    def _backoff(self, mode: ModeSpec) -> float:
+        if not mode.quota or self.backoff_rng.random() >= BACKOFF:
+            return 0.0
+        return round(self.backoff_rng.uniform(*BACKOFF_SECONDS), 2)
 
     def _key(self) -> str:
         weights = [1 / (i + 1) for i in range(self.keys)]
@@ -130,6 +147,7 @@ class Schedule:
             replace="same" if 0.16 <= roll < 0.19 else "plain" if 0.19 <= roll < 0.2 else "",
             steps=self.step_rng.choices(STEPS, STEP_WEIGHTS)[0],
             on_doubt="raise" if self.step_rng.random() < RAISE_ON_DOUBT else "retry",
+            backoff=self._backoff(mode),
         )
 
     def __iter__(self) -> Iterator[tuple[list[Call], float]]:
@@ -233,6 +251,7 @@ class Producer:
             "replace": call.replace,
             "steps": call.steps,
             "on_doubt": call.on_doubt,
+            "backoff": call.backoff,
         }
 
     def _send(self, task: DedupTask, batch: list[Call]) -> list[tuple[str, str]]:

@@ -14,6 +14,7 @@ from typing import Any
 import pytest
 from celery.exceptions import Reject
 
+from celery_dedup.keys import limit_group_member
 from celery_dedup.store import schema
 from chaos.app import outcome_of
 from chaos.checker import Report, check
@@ -502,6 +503,219 @@ def test_a_slot_lost_without_a_fault_is_no_excuse(story: Story) -> None:
     story.add(2.5, "slot_lost_log", pid=100, group=LIMITED, message="limit slot lost")
     report = story.body(2, 3, "b", pid=100, tid=2, member="chaos.limit1:k3", **group).check()
     assert invariants(report) == ["limit"]
+
+
+# --- a named group shared by two tasks: effective concurrency, windows, pauses, back-offs -----------------
+
+QUOTA = "quota"
+#: Declared windows of the story's group: 3 a second, 5 a minute (count/period ms).
+QUOTA_RATES = "3/1000,5/60000"
+
+
+def ms(t: float) -> int:
+    """A story time as ms on the server's clock."""
+    return int((T0 + t) * 1000)
+
+
+def quota_body(
+    story: Story, start: float, end: float | None, task_id: str, *, key: str = "t0", task: str = "quota_a", **extra: Any
+) -> Story:
+    """A body of ``chaos.<task>`` in group key ``key`` of the named group (concurrency 2), granted just before it,
+    in a process of its own."""
+    fields: dict[str, Any] = {
+        "group": limit_group_member(QUOTA, key),
+        "limit": 2,
+        "quota": QUOTA,
+        "quota_key": key,
+        "rates": QUOTA_RATES,
+        "granted_at": ms(start - 0.01),
+    }
+    fields.update(extra)
+    pid = fields.pop("pid", 1000 + len(story.events))  # a process of its own: bodies of one thread end each other
+    return story.body(start, end, task_id, pid=pid, member=f"chaos.{task}:k{task_id}", **fields)
+
+
+def operator(story: Story, kind: str, at: float, undone: float | None, key: str | None = "t0", **values: Any) -> Story:
+    """An operator's ``kind`` (override, pause) of ``key`` (None: the whole group) written over [at, at+0.01] and
+    undone over [undone, undone+0.01] (None: never)."""
+    story.add(
+        at, "fault", role="nemesis", kind=kind, group=QUOTA, key=key, from_ms=ms(at), at_ms=ms(at + 0.01), **values
+    )
+    if undone is not None:
+        story.add(
+            undone,
+            "fault_end",
+            role="nemesis",
+            kind=kind,
+            group=QUOTA,
+            key=key,
+            from_ms=ms(undone),
+            at_ms=ms(undone + 0.01),
+        )
+    return story
+
+
+def test_bodies_of_two_tasks_sharing_a_group_key_count_together(story: Story) -> None:
+    """Concurrency 2 across ``chaos.quota_a`` and ``chaos.quota_b``: a third body of the key is one too many."""
+    quota_body(story, 1, 5, "a", task="quota_a")
+    quota_body(story, 2, 5, "b", task="quota_b")
+    report = quota_body(story, 3, 4, "c", task="quota_a").check()
+    assert invariants(report) == ["limit"]
+    assert "3 bodies of a group of limit 2 ran at once" in report.violations[0].message
+
+
+def test_bodies_of_other_keys_of_the_group_do_not_count(story: Story) -> None:
+    quota_body(story, 1, 5, "a", key="t0")
+    quota_body(story, 2, 5, "b", key="t0")
+    assert invariants(quota_body(story, 3, 4, "c", key="t1").check()) == []
+
+
+def test_an_override_lowering_a_keys_concurrency_holds_the_next_start(tmp_path: Path) -> None:
+    """Under an override to 1 a second body may not start beside the first; the bodies already running go on."""
+
+    def run(story: Story, *, override: bool) -> Report:
+        if override:
+            operator(story, "override", 0.5, 9, concurrency=1, rates=None)
+        quota_body(story, 1, 5, "a")
+        return quota_body(story, 2, 4, "b").check()
+
+    lowered = run(Story(tmp_path / "lowered"), override=True)
+    assert invariants(lowered) == ["limit"]
+    assert "of limit 1" in lowered.violations[0].message
+    assert invariants(run(Story(tmp_path / "declared"), override=False)) == []
+
+
+def test_an_override_of_another_key_or_one_cleared_does_not_apply(tmp_path: Path) -> None:
+    other = Story(tmp_path / "other")
+    operator(other, "override", 0.5, 9, key="t1", concurrency=1)
+    quota_body(other, 1, 5, "a")
+    assert invariants(quota_body(other, 2, 4, "b").check()) == []
+    cleared = Story(tmp_path / "cleared")
+    operator(cleared, "override", 0.1, 0.5, concurrency=1)
+    quota_body(cleared, 1, 5, "a")
+    assert invariants(quota_body(cleared, 2, 4, "b").check()) == []
+
+
+def test_a_start_granted_while_an_override_is_written_may_see_either_value(story: Story) -> None:
+    """The script may run before or after the write: a grant inside it is judged by the larger value."""
+    quota_body(story, 1, 5, "a")
+    operator(story, "override", 2.0, 9, concurrency=1)
+    assert invariants(quota_body(story, 2.1, 4, "b", granted_at=ms(2.005)).check()) == []
+
+
+def test_a_group_wide_override_applies_to_every_key_and_a_keys_own_wins(tmp_path: Path) -> None:
+    wide = Story(tmp_path / "wide")
+    operator(wide, "override", 0.5, 9, key=None, concurrency=1)
+    quota_body(wide, 1, 5, "a", key="t2")
+    assert invariants(quota_body(wide, 2, 4, "b", key="t2").check()) == ["limit"]
+    own = Story(tmp_path / "own")
+    operator(own, "override", 0.5, 9, key=None, concurrency=1)
+    operator(own, "override", 0.6, 9, key="t2", concurrency=3)
+    quota_body(own, 1, 5, "a", key="t2")
+    assert invariants(quota_body(own, 2, 4, "b", key="t2").check()) == []
+
+
+def test_more_starts_in_a_second_than_the_window_allows(tmp_path: Path) -> None:
+    """3/s: a fourth start within one second of the first breaks the window; one exactly a second later does not."""
+
+    def run(story: Story, fourth: float) -> Report:
+        for n, t in enumerate((1.0, 1.2, 1.4, fourth)):
+            quota_body(story, t, t + 0.05, f"r{n}", task="quota_b" if n % 2 else "quota_a")
+        return story.check()
+
+    report = run(Story(tmp_path / "inside"), 1.9)
+    assert invariants(report) == ["limit-window"]
+    assert "4 starts within 1000 ms" in report.violations[0].message and "3/1000" in report.violations[0].message
+    assert invariants(run(Story(tmp_path / "later"), 2.0)) == []
+
+
+def test_more_starts_in_a_minute_than_the_long_window_allows(story: Story) -> None:
+    for n in range(6):  # one every 2 s: the 3/s window holds, the 5/min one does not
+        quota_body(story, 1 + 2 * n, 1.1 + 2 * n, f"r{n}")
+    report = story.check()
+    assert invariants(report) == ["limit-window"]
+    assert "5/60000" in report.violations[0].message
+    assert report.checked["limit-window"] == 6
+
+
+def test_an_override_raising_the_rate_allows_more_starts_while_in_force(tmp_path: Path) -> None:
+    def run(story: Story, cleared: float) -> Report:
+        operator(story, "override", 0.5, cleared, rates="10/1000,100/60000")
+        for n, t in enumerate((1.0, 1.1, 1.2, 1.3, 1.4)):
+            quota_body(story, t, t + 0.05, f"r{n}")
+        return story.check()
+
+    assert invariants(run(Story(tmp_path / "raised"), 9)) == []
+    assert invariants(run(Story(tmp_path / "cleared"), 1.25)) == ["limit-window"]
+
+
+def test_a_wipe_of_the_server_explains_a_window_over_its_rate(story: Story) -> None:
+    for n, t in enumerate((1.0, 1.2, 1.4)):
+        quota_body(story, t, t + 0.05, f"r{n}")
+    story.add(1.5, "fault", role="nemesis", kind="restart", wipe=True, seconds=0.1)
+    report = quota_body(story, 1.8, 1.9, "r3").check()
+    assert invariants(report) == []
+    assert [item.kind for item in report.explained] == ["limit"]
+
+
+def test_no_body_of_a_paused_key_starts_while_it_is_paused(tmp_path: Path) -> None:
+    def run(story: Story, key: str | None, start: float, body_key: str = "t0") -> Report:
+        operator(story, "pause", 1.0, 4.0, key=key, until=None)
+        return quota_body(story, start, start + 0.5, "a", key=body_key).check()
+
+    inside = run(Story(tmp_path / "inside"), "t0", 2.0)
+    assert invariants(inside) == ["limit-pause"]
+    assert "paused" in inside.violations[0].message
+    assert invariants(run(Story(tmp_path / "group"), None, 2.0, "t2")) == ["limit-pause"]
+    assert invariants(run(Story(tmp_path / "other-key"), "t1", 2.0)) == []
+    assert invariants(run(Story(tmp_path / "after"), "t0", 4.1)) == []
+    assert invariants(run(Story(tmp_path / "as-it-is-written"), "t0", 1.015)) == []
+
+
+def test_a_pause_until_a_time_ends_then(story: Story) -> None:
+    operator(story, "pause", 1.0, None, until=1.5)
+    quota_body(story, 3.0, 3.5, "a")
+    assert invariants(story.check()) == []
+
+
+def test_a_wipe_of_the_server_explains_a_start_inside_a_pause(story: Story) -> None:
+    operator(story, "pause", 1.0, 6.0, until=None)
+    story.add(2.0, "fault", role="nemesis", kind="restart", wipe=True, seconds=0.1)
+    report = quota_body(story, 3.0, 3.5, "a").check()
+    assert invariants(report) == []
+    assert [item.kind for item in report.explained] == ["limit"]
+
+
+def backed_off(story: Story, **extra: Any) -> Story:
+    """Run ``a`` of key t0 backs off for 2 s at +1.5 (asked at +1.49, the pause set by +1.5), ending ``Backoff``."""
+    quota_body(story, 1.0, 1.5, "a", outcome="Backoff")
+    fields = {"group": limit_group_member(QUOTA, "t0"), "quota": QUOTA, "quota_key": "t0", **extra}
+    return story.add(1.5, "backoff", task_id="a", retry_after=2.0, asked=T0 + 1.49, **fields)
+
+
+def test_a_back_off_pauses_its_key_for_every_run(tmp_path: Path) -> None:
+    other = backed_off(Story(tmp_path / "other-run"))
+    quota_body(other, 3.6, 4, "a").call(0, "a", member="chaos.quota_a:ka")
+    assert invariants(quota_body(other, 2.0, 2.5, "b").check()) == ["limit-pause"]
+    other_key = backed_off(Story(tmp_path / "other-key"))
+    quota_body(other_key, 3.6, 4, "a").call(0, "a", member="chaos.quota_a:ka")
+    assert invariants(quota_body(other_key, 2.0, 2.5, "b", key="t1").check()) == []
+
+
+def test_a_back_off_the_library_could_not_write_pauses_nothing(story: Story) -> None:
+    backed_off(story)
+    story.add(1.5, "backoff_failed", task_id="a", message="could not pause group")
+    quota_body(story, 3.6, 4, "a").call(0, "a", member="chaos.quota_a:ka")
+    assert invariants(quota_body(story, 2.0, 2.5, "b").check()) == []
+
+
+def test_a_run_that_backed_off_must_come_back_and_end(tmp_path: Path) -> None:
+    lost = backed_off(Story(tmp_path / "lost")).call(0, "a", member="chaos.quota_a:ka")
+    report = lost.check()
+    assert invariants(report) == ["unresolved-run"]
+    assert "backed off" in report.violations[0].message
+    back = backed_off(Story(tmp_path / "back")).call(0, "a", member="chaos.quota_a:ka")
+    assert invariants(quota_body(back, 3.6, 4, "a").check()) == []
 
 
 def recovery_story(story: Story, *, acks_late: bool = True, member: str = MEMBER) -> Story:
