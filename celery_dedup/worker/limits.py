@@ -44,7 +44,7 @@ import redis
 
 from .. import decisions
 from ..exceptions import DedupError
-from ..header import GateHeader
+from ..header import DEFERS_OPTION, GateHeader
 from ..keys import WHOLE_GROUP, limit_group_member, limit_group_of, member_for, split_member
 from ..policy import LimitPolicy
 from ..store.limits import Denial, Grant, acquire, give_back, leave_line, note, release, renew_leases
@@ -226,7 +226,13 @@ def slot_lost(lease: SlotLease, why: str) -> None:
 
 
 def wait(task: KeyedTask, store: DedupStore, member: str | None, denial: Denial, limit: LimitPolicy) -> None:
-    """Re-publish the current run to come back when its turn should come, and note why."""
+    """Re-publish the current run to come back when its turn should come, and note why.
+
+    The re-publish is a deferred copy (:meth:`.delivery.Delivery.defer`): a
+    copy of a run whose body started elsewhere (a redelivery) and whose
+    record passed on to later runs pushes nothing; one whose run's key was
+    freed as it started leaves it free.
+    """
     request = task.request
     why = why_waiting(denial)
     countdown = denial.wait_ms / 1000 + random.uniform(0, 0.02)
@@ -237,7 +243,9 @@ def wait(task: KeyedTask, store: DedupStore, member: str | None, denial: Denial,
         except redis.RedisError:
             logger.exception("%s[%s]: could not record that it waits", task.name, request.id)
     decisions.log("limited", task.name, split_member(denial.group)[1], request.id, detail)
-    task.signature_from_request(request, countdown=countdown).apply_async()
+    # A copy of a delivery that has not started, as the guard's deferral is: the gate pushes it
+    # only while the key's record names its run, and does not hold a key the run freed as it started.
+    task.signature_from_request(request, countdown=countdown).apply_async(**{DEFERS_OPTION: True})
 
 
 def group_label(group: str) -> str:

@@ -25,11 +25,12 @@ from urllib.parse import urlparse
 
 import pytest
 import redis
+from kombu.utils.json import loads
 
 import celery_dedup.limits
 from celery_dedup import DedupTask
 from celery_dedup.exceptions import DedupArgumentError, DedupConfigError
-from celery_dedup.keys import KeySchema, limit_group_member, limit_group_namespace
+from celery_dedup.keys import KeySchema, limit_group_member, limit_group_namespace, member_for
 from celery_dedup.policy import LimitPolicy, Rate, parse_rate
 from celery_dedup.runtime import store_for
 from celery_dedup.store import limits as store_limits
@@ -39,7 +40,7 @@ from celery_dedup.worker.delivery import Delivery
 from chaos.proxy import FaultProxy
 
 from .. import limits_app
-from ..conftest import AppFactory, Server, WorkerProcess, wait_for
+from ..conftest import AppFactory, Server, WorkerProcess, in_process_worker, wait_for
 
 SCHEMA = KeySchema("dedup")
 
@@ -1095,3 +1096,66 @@ def test_a_named_groups_slot_comes_back_on_every_ending(
     assert "2:succeed:0" in starts, output
     if how == "retry":
         assert "1:retry:1" in starts, output
+
+
+def test_a_copy_of_a_started_run_refused_by_its_paused_group_does_not_come_back_as_a_new_run(
+    make_app: AppFactory, r: redis.Redis
+) -> None:
+    """until_executing in a named group: run A's body runs (the key freed as it started); B of the key is
+    accepted and ends (refused by A's lock); the group key is paused; then a copy of A's message arrives
+    (a redelivery: the visibility timeout passed while A ran). The limits refuse the copy before the guard
+    sees it and re-publish it as a deferred copy of A.
+
+    Proves: the re-publish pushes nothing and leaves the key's record (B's) as it was: no new `queued`
+    record for A, whose finish would end it; the key stays free, so the next call is a new run, which
+    runs once the key is resumed; A's body runs once, the copy never.
+    """
+    app = make_app(dedup_limit_groups={"tenants": {"concurrency": 2}})
+    ran, hold = "test:limits:copy:ran", "test:limits:copy:hold"
+
+    @app.task(
+        name="tests.limits.freeing",
+        base=DedupTask,
+        bind=True,
+        shared=False,
+        dedup_key="{tenant}:{n}",
+        dedup_mode="until_executing",
+        limit_group="tenants",
+        limit_key="{tenant}",
+    )
+    def freeing(self: DedupTask, n: int, tenant: str) -> str:
+        r.rpush(ran, str(self.request.id))
+        while r.sismember(hold, str(self.request.id)):
+            time.sleep(0.02)
+        return str(self.request.id)
+
+    member = member_for(freeing.name, "t:1")
+    record = SCHEMA.record(member)
+    waiting = SCHEMA.limit_waiting(limit_group_member("tenants", "t"))
+
+    def state() -> tuple[str, str]:
+        return tuple(v.decode() if v else "" for v in r.hmget(record, "task_id", "state"))  # type: ignore[return-value]
+
+    first = freeing.delay(1, "t")
+    copy = next(raw for raw in r.lrange("celery", 0, -1) if loads(raw)["headers"]["id"] == first.id)
+    r.sadd(hold, first.id)
+    with in_process_worker(app, pool="threads", concurrency=3):
+        wait_for(lambda: state() == (first.id, "started"), 15, "A's body to start")
+        second = freeing.delay(1, "t")
+        assert not second.deduplicated, "the key was freed as A started"
+        wait_for(lambda: state() == (second.id, "skipped"), 15, lambda: f"B to end (refused by A's lock): {state()}")
+        celery_dedup.limits.pause(app, "tenants", "t", by="test")
+        r.rpush("celery", copy)
+        wait_for(lambda: r.zscore(waiting, first.id) is not None, 15, "the copy to be refused by the pause")
+        time.sleep(0.5)  # its re-publish follows the refusal at once
+        assert state() == (second.id, "skipped"), "the copy's re-publish made a record for the running A"
+        assert not r.sismember(SCHEMA.held, member), "the copy's re-publish held the key"
+        third = freeing.delay(1, "t")
+        assert not third.deduplicated and third.id not in (first.id, second.id), "answered as a duplicate of A"
+        r.srem(hold, first.id)
+        assert first.get(timeout=15) == first.id
+        assert state() == (third.id, "queued"), "A's finish ended the record of another run"
+        assert celery_dedup.limits.resume(app, "tenants", "t")
+        assert third.get(timeout=20) == third.id
+    assert [entry.decode() for entry in r.lrange(ran, 0, -1)] == [first.id, third.id]
+    assert state() == (third.id, "succeeded")

@@ -227,3 +227,68 @@ def test_a_replacement_from_a_copy_that_lost_its_lock_leaves_a_later_calls_argum
         want_payload=True,
     )
     assert decision.run and decision.payload == "B", decision
+
+
+def _deferred_copy(store: DedupStore, task_id: str, nonce: str) -> tuple[bool, str]:
+    """A deferred copy of run ``task_id`` through the gate with its message (a limit or lock refusal's re-publish)."""
+    call = store.gate_call(
+        MEMBER,
+        task_id,
+        nonce,
+        hold_ms=60_000,
+        grace_ms=DAY_MS,
+        queue="celery",
+        message=f"copy of {task_id}",
+        continues=True,
+        defers=True,
+    )
+    outcome = store.run_gate(call)
+    return outcome.accepted, outcome.task_id
+
+
+@pytest.mark.parametrize("b_is", ["queued", "skipped", "started", "succeeded"])
+def test_a_deferred_copy_of_a_run_the_key_passed_from_pushes_nothing(
+    store: DedupStore, r: redis.Redis, b_is: str
+) -> None:
+    """until_executing: A started (its key freed), B was accepted since; a copy of A is deferred.
+
+    The copy continues a run that started, and whose record passed on to B:
+    there is nothing left to run. Whether B waits, was refused by A's lock,
+    runs (A's lock lapsed) or has ended, the gate pushes nothing and leaves
+    B's record and hold as they were; it neither makes a new record for A (a
+    `queued` record A's finish would then end) nor answers or counts the
+    copy as a duplicate of B.
+    """
+    store.gate(MEMBER, "A", "n-a", hold_ms=60_000, grace_ms=DAY_MS)
+    start(store, "A", "elsewhere:1:a", key_mode="release")
+    store.gate(MEMBER, "B", "n-b", hold_ms=60_000, grace_ms=DAY_MS)
+    if b_is == "skipped":  # B's delivery refused by A's lock, as the guard records it
+        assert decide(store, "B", "elsewhere:1:b", key_mode="release").code == StartDecision.LOCKED_BY_OTHER_RUN
+        store.finish(MEMBER, "B", "skipped", drop=True, record_ms=DAY_MS, role="report")
+    elif b_is != "queued":
+        r.delete(SCHEMA.lock(MEMBER))  # A's lock lapsed while its body ran
+        start(store, "B", "elsewhere:1:b", key_mode="release")
+    if b_is == "succeeded":
+        store.finish(MEMBER, "B", "succeeded", drop=True, record_ms=DAY_MS, role="run", token="elsewhere:1:b")
+    before = r.hgetall(SCHEMA.record(MEMBER))
+    held = r.sismember(SCHEMA.held, MEMBER)
+
+    assert _deferred_copy(store, "A", "n-copy") == (True, "A"), "the copy was answered as another run's"
+
+    assert r.hgetall(SCHEMA.record(MEMBER)) == before, "the copy changed the record of the key's current run"
+    assert r.sismember(SCHEMA.held, MEMBER) == held
+    assert r.llen("celery") == 0, "the copy of a run that started elsewhere was pushed"
+
+
+def test_a_deferred_copy_of_a_run_that_never_started_is_pushed_and_holds_its_key(
+    store: DedupStore, r: redis.Redis
+) -> None:
+    """The other side: the record still names A, queued (a run refused by its limits): its copy goes out again."""
+    store.gate(MEMBER, "A", "n-a", hold_ms=60_000, grace_ms=DAY_MS)
+    r.srem(SCHEMA.held, MEMBER)  # whatever freed it, the continuation of a run that has not started holds it
+
+    assert _deferred_copy(store, "A", "n-copy") == (True, "A")
+
+    assert r.lrange("celery", 0, -1) == [b"copy of A"]
+    assert r.hget(SCHEMA.record(MEMBER), "state") == b"queued"
+    assert r.sismember(SCHEMA.held, MEMBER)

@@ -17,8 +17,9 @@
 -- ARGV[10]  continuation: "1" if this publish continues its run (Task.retry, a
 --           replacement under the same key); "2" for a deferred copy of a run
 --           (it continues the run but does not hold again a key freed as the
---           run started: calls made while the body runs are new runs); "0" for
---           a call
+--           run started: calls made while the body runs are new runs; a copy
+--           of a run the record no longer names pushes nothing); "0" for a
+--           call
 -- ARGV[11]  max_followers: followers a run may carry ("0": this call has
 --           nothing to continue, so as a duplicate it is only answered, see
 --           "Followers" below)
@@ -91,8 +92,10 @@
 --                      names run `owner` itself; nothing written but the
 --                      record's duplicate (and mismatch) counters
 --   {2, task_id}       nothing pushed, as nothing is needed: this very publish
---                      was accepted before (a kombu retry), or it continues a
---                      run that has already ended (a late deferred copy)
+--                      was accepted before (a kombu retry), it continues a
+--                      run that has already ended (a late deferred copy), or
+--                      it is a deferred copy of a run whose record names
+--                      another run now (it started and the key passed on)
 --   {3, owner, fp}     debounce: joined the burst of run `owner`; nothing pushed
 --   {4, owner}         refused: run `owner` has max_followers already; nothing written
 --   {5, owner, fp}     a follower of run `owner` (a duplicate): parked
@@ -157,6 +160,13 @@ if owner[6] == nonce then
 end
 
 local same_run = owner_id == task_id
+if defers and owner_id and not same_run then
+  -- A deferred copy of a run its key's record no longer names: the run
+  -- started and the key passed on, or it ended, or another run took over its
+  -- hold (start.lua would skip it as superseded). Nothing left to run; the
+  -- key's current run is neither touched nor answered for.
+  return {2, task_id}
+end
 -- A deferred copy of a run that freed its key as it started (until_executing,
 -- debounce) leaves it free: a call made while the body runs is a run of its own.
 local stays_free = same_run and defers and owner_state == 'started' and tonumber(owner[3] or 0) == 0
