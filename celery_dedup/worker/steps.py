@@ -145,7 +145,11 @@ class Steps:
         key = step_key(member, delivery.run_id, name, scope=scope)
         field = STEP_FIELD_PREFIX[scope] + name
         lease = self._lease()
-        begun = self._begin(field, name, key, on_doubt)
+        try:
+            begun = self._begin(field, name, key, on_doubt)
+        except (SystemExit, KeyboardInterrupt):
+            self._forgo(field, name, key)  # told to exit as its begin answered: its function was never called
+            raise
         if begun.code == StepBeginCode.DONE:
             logger.debug("%s[%s] step %r done already: its stored value", task.name, delivery.run_id, name)
             return cast(T, self._decoded(name, begun.detail))
@@ -193,6 +197,32 @@ class Steps:
                 why="the step is recorded done, but another delivery holds the run's execution lock now",
             )
         return cast(T, self._decoded(name, payload))
+
+    def _forgo(self, field: str, name: str, key: str) -> None:
+        """The process exits before calling the step's function, maybe after the server began it: say it failed.
+
+        One try, no waiting (the process is going). ``step_end.lua`` records it
+        only while the step names this delivery, so a begin the server never
+        ran changes nothing; otherwise the next delivery calls the step as one
+        that failed, not as one in doubt.
+        """
+        delivery = self.delivery
+        try:
+            delivery.store.step_end(
+                delivery.member or "",
+                delivery.run_id,
+                delivery.token,
+                field,
+                name,
+                result="",
+                error="interrupted before its function was called",
+                lock_ms=delivery.lock_ms,
+                record_ms=delivery.record_ms,
+            )
+        except Exception:  # the store is unreachable: the step is in doubt once its lock runs out
+            logger.exception(
+                "%s[%s] step %r (idempotency key %r): left in doubt", delivery.task.name, delivery.run_id, name, key
+            )
 
     def _decoded(self, name: str, payload: str) -> Any:
         try:

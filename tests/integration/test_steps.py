@@ -28,6 +28,8 @@ from celery_dedup.keys import KeySchema, member_for
 from celery_dedup.store.commands import StepBeginCode
 from celery_dedup.store.scripts import load_script
 from celery_dedup.store.status import StepStatus
+from celery_dedup.store.store import DedupStore
+from celery_dedup.worker.steps import Steps
 from chaos.proxy import FaultProxy
 
 from .. import steps_app
@@ -546,3 +548,49 @@ def test_a_run_without_steps_writes_no_steps(make_app: AppFactory, r: redis.Redi
     task = eager_task(app, plain)
     assert task.delay(14).get() == 14
     assert not r.keys("dedup:steps:*")
+
+
+@pytest.mark.parametrize("where", ["as its begin answers", "before its function is called"])
+def test_a_delivery_told_to_exit_before_calling_a_step_leaves_it_failed_not_in_doubt(
+    make_app: AppFactory, r: redis.Redis, monkeypatch: pytest.MonkeyPatch, where: str
+) -> None:
+    """A warm shutdown raises SystemExit wherever the body is: after the server granted the step's begin, before
+    the function was called, the step is recorded failed (the function never ran), so the next delivery calls it
+    as a step that failed, not one in doubt (which, with on_doubt="raise", would fail the run for nothing)."""
+    app = make_app(task_always_eager=True, task_eager_propagates=True)
+    calls: list[str] = []
+    exiting = [True]
+
+    def call(key: str) -> str:
+        calls.append(key)
+        return "ok"
+
+    def charge(self: DedupTask, n: int) -> Any:
+        return self.dedup_once("charge", call, scope="key", on_doubt="raise")
+
+    if where == "as its begin answers":
+        begin = DedupStore.step_begin
+
+        def step_begin(self: DedupStore, *args: Any, **kwargs: Any) -> Any:
+            answer = begin(self, *args, **kwargs)
+            if exiting.pop() if exiting else False:
+                raise SystemExit(0)  # the signal handler's exit, as the reply was read
+            return answer
+
+        monkeypatch.setattr(DedupStore, "step_begin", step_begin)
+    else:
+        begin_step = Steps._begin
+
+        def begun(self: Steps, *args: Any, **kwargs: Any) -> Any:
+            answer = begin_step(self, *args, **kwargs)
+            if exiting.pop() if exiting else False:
+                raise SystemExit(0)  # the same exit, as the body goes on to call the function
+            return answer
+
+        monkeypatch.setattr(Steps, "_begin", begun)
+    task = eager_task(app, charge)
+    with pytest.raises(SystemExit):
+        task.delay(12)
+    found = steps(app, member_for(task.name, "order:12"))
+    assert (found["charge"].state, found["charge"].error) == ("failed", "interrupted before its function was called")
+    assert calls == []  # failed, a later delivery calls it (test_a_step_that_raised_is_called_again_by_the_next_run)
