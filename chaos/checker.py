@@ -126,7 +126,9 @@ violation is printed with an excerpt of the history around it.
 from __future__ import annotations
 
 import bisect
+import datetime
 import json
+import re
 from collections import Counter, defaultdict
 from collections.abc import Iterable
 from dataclasses import dataclass, field
@@ -210,6 +212,8 @@ EXPLAINED = {
     "continuation": "chains whose next step a kill lost after their run succeeded",
     "limit": "limit groups over N after a fault kept a body from renewing its slot, or over a window or inside a "
     "pause a wipe of the server's data took",
+    "transition": "transitions the schema does not allow, on a record a copy made again after a wipe took it while "
+    "its run's body ran",
 }
 #: How soon after resolving a chain's head its process must die to explain a next step never sent, seconds.
 SEND_WINDOW = 3.0
@@ -1593,19 +1597,70 @@ def check(run_dir: Path | str, seed: int | None = None) -> Report:
     )
 
 
+#: A transition the server logged, with the server's time: ``<pid>:M 27 Nov 2026 13:22:41.907 # <mark> ...``.
+_TRANSITION_LINE = re.compile(
+    r"^\d+:\w (\d{1,2} \w{3} \d{4} \d\d:\d\d:\d\d\.\d{3}) # "
+    + re.escape(schema.REPORT_MARK)
+    + r" (\S+) (\S+) (\S+) (.*)$",
+    re.M,
+)
+#: How soon after a body's end its ending's transition is logged, seconds (a sent ending, written again after a
+#: lost reply within the lock's TTL).
+ENDING_SLACK = LOCK_TTL + 2.0
+
+
 def transitions(run_dir: Path, checker: Checker) -> None:
-    """Every transition the scripts reported in the server's log must be one the store's schema allows."""
+    """Every transition the scripts reported in the server's log must be one the store's schema allows.
+
+    Explained: one on a record a copy of a run made again after a wipe took it while the run's body ran, logged
+    as that body ended (its ending then finds the record the copy made, ``queued``).
+    """
     log = run_dir / SERVER_LOG
     if not log.exists():
         return
-    reports = schema.reported(log.read_text(errors="replace"))
+    text = log.read_text(errors="replace")
+    reports = schema.reported(text)
     checker.checked["transition"] += len(reports)
-    for report in schema.unexpected(reports):
+    unexpected = {(r.script, r.old, r.new): r for r in schema.unexpected(reports)}
+    unexplained: dict[tuple[str, str, str], str] = {}
+    timed: set[tuple[str, str, str]] = set()
+    for stamp, script, old, new, member in _TRANSITION_LINE.findall(text):
+        if (script, old, new) not in unexpected:
+            continue
+        timed.add((script, old, new))
+        at = datetime.datetime.strptime(stamp, "%d %b %Y %H:%M:%S.%f").replace(tzinfo=datetime.timezone.utc).timestamp()
+        body = _wiped_under(checker.h, member, at)
+        if body is None:
+            unexplained.setdefault((script, old, new), member)
+            continue
+        checker.explained.append(
+            Explained(
+                "transition",
+                member,
+                f"{script} moved its record {old} -> {new} at {checker.h.rel(at)}: a wipe took the record of run "
+                f"{body.task_id} while its body ran ({checker.h.rel(body.start)}..{checker.h.rel(body.end)}), and a "
+                "copy of the run made it again",
+            )
+        )
+    for key, report in unexpected.items():
+        if key not in timed:  # logged in a form without a time: judged as reported
+            unexplained[key] = report.member
+    for (script, old, new), member in unexplained.items():
         checker.violations.append(
             Violation(
                 "transition",
-                report.member,
-                f"{report.script} moved a record {report.old} -> {report.new}, which the schema's table does not allow",
+                member,
+                f"{script} moved a record {old} -> {new}, which the schema's table does not allow",
                 0.0,
             )
         )
+
+
+def _wiped_under(h: History, member: str, at: float) -> Body | None:
+    """A body of ``member`` that a wipe of the server's data ran under, and that ended just before ``at``."""
+    for body in h.bodies:
+        if body.member != member or not body.end <= at + MS or at - body.end > ENDING_SLACK:
+            continue
+        if any(body.start <= crash and back <= body.end for crash, back in h.wipe_downs):
+            return body
+    return None

@@ -7,6 +7,7 @@ runs are in tests/integration/test_chaos_runs.py.
 
 from __future__ import annotations
 
+import datetime
 import json
 from pathlib import Path
 from typing import Any
@@ -1021,3 +1022,30 @@ def test_the_snapshot_hands_the_checker_format_1_strings_from_either_format() ->
 
 
 T1 = 1_700_000_000_000
+
+
+def server_line(t: float, script: str, old: str, new: str, member: str) -> str:
+    stamp = datetime.datetime.fromtimestamp(T0 + t, datetime.timezone.utc).strftime("%d %b %Y %H:%M:%S.%f")[:-3]
+    return f"1:M {stamp} # {schema.REPORT_MARK} {script} {old} {new} {member}\n"
+
+
+@pytest.mark.parametrize("wiped", [True, False])
+def test_a_record_a_copy_made_again_after_a_wipe_under_a_running_body_explains_its_ending(
+    tmp_path: Path, wiped: bool
+) -> None:
+    """A wipe took run a's record while its body ran; a copy of the run made it again (queued) before the body
+    ended, and the body's ending moved it queued -> succeeded: the wipe explains it. Without the wipe it is a
+    violation."""
+    story = Story(tmp_path / "run").call(0, "a").body(1, 5, "a")
+    if wiped:
+        story.add(2, "fault", role="nemesis", kind="restart", wipe=True, seconds=1.0)
+    (story.run_dir / SERVER_LOG).write_text(
+        server_line(0.01, "gate", "none", "queued", MEMBER)
+        + server_line(1.0, "start", "queued", "started", MEMBER)
+        + server_line(4.9, "gate", "none", "queued", MEMBER)
+        + server_line(5.01, "finish", "queued", "succeeded", MEMBER)
+    )
+    report = story.check()
+    found = [v.invariant for v in report.violations if v.invariant == "transition"]
+    assert found == ([] if wiped else ["transition"])
+    assert [e.kind for e in report.explained if e.kind == "transition"] == (["transition"] if wiped else [])
