@@ -374,6 +374,8 @@ class History:
         self.end: float = self.phases.get("stopped", events[-1]["t"] if events else 0.0)
         self.faults = [e for e in events if e["ev"] == "fault"]
         self.wipes = [e["t"] for e in self.faults if e["kind"] == "restart" and e.get("wipe")]
+        #: When the server's log says each key's run started (``start: ... -> started``), server time.
+        self.server_starts: dict[str, list[float]] = {}
         #: Each wipe's crash and the earliest the server can have been back: it stays down ``seconds``.
         self.wipe_downs = [
             (e["t"], e["t"] + float(e.get("seconds", 0.0)))
@@ -719,9 +721,11 @@ class History:
         return None
 
     def started_at(self, body: Body) -> float:
-        """When the server let ``body`` start (its ``started`` history entry), else a little before its event."""
+        """When the server let ``body`` start: its ``started`` history entry, else the server log's start of its
+        key just before its event (a busy key's kept history no longer reaches back), else a little before it."""
         entries = [e.t for e in self.entries(body.member, body.task_id) if e.state == "started" and e.t <= body.start]
-        return max(entries, default=body.start - 0.05)
+        logged = [t for t in self.server_starts.get(body.member, ()) if body.start - START_SLACK <= t <= body.start]
+        return max(entries or logged, default=body.start - 0.05)
 
     def fate(self, task_id: str, member: str) -> str | None:
         """How run ``task_id`` ended up: it executed, or an ending was recorded; None if neither."""
@@ -1577,6 +1581,7 @@ def check(run_dir: Path | str, seed: int | None = None) -> Report:
     final_path = run_dir / "final.json"
     final = json.loads(final_path.read_text()) if final_path.exists() else {}
     history = History(events, final)
+    history.server_starts = server_starts(run_dir)
     checker = Checker(history)
     checker.run()
     if seed is None:
@@ -1604,6 +1609,8 @@ _TRANSITION_LINE = re.compile(
     + r" (\S+) (\S+) (\S+) (.*)$",
     re.M,
 )
+#: How long before a body's own event its start can have been decided, seconds (a loaded machine).
+START_SLACK = 2.0
 #: How soon after a body's end its ending's transition is logged, seconds (a sent ending, written again after a
 #: lost reply within the lock's TTL).
 ENDING_SLACK = LOCK_TTL + 2.0
@@ -1628,7 +1635,7 @@ def transitions(run_dir: Path, checker: Checker) -> None:
         if (script, old, new) not in unexpected:
             continue
         timed.add((script, old, new))
-        at = datetime.datetime.strptime(stamp, "%d %b %Y %H:%M:%S.%f").replace(tzinfo=datetime.timezone.utc).timestamp()
+        at = _server_time(stamp)
         body = _wiped_under(checker.h, member, at)
         if body is None:
             unexplained.setdefault((script, old, new), member)
@@ -1654,6 +1661,21 @@ def transitions(run_dir: Path, checker: Checker) -> None:
                 0.0,
             )
         )
+
+
+def server_starts(run_dir: Path) -> dict[str, list[float]]:
+    """Each key's starts (``start`` moving its record to ``started``) in the server's log, server time."""
+    log = run_dir / SERVER_LOG
+    starts: dict[str, list[float]] = defaultdict(list)
+    if log.exists():
+        for stamp, script, _, new, member in _TRANSITION_LINE.findall(log.read_text(errors="replace")):
+            if script == "start" and new == "started":
+                starts[member].append(_server_time(stamp))
+    return starts
+
+
+def _server_time(stamp: str) -> float:
+    return datetime.datetime.strptime(stamp, "%d %b %Y %H:%M:%S.%f").replace(tzinfo=datetime.timezone.utc).timestamp()
 
 
 def _wiped_under(h: History, member: str, at: float) -> Body | None:
