@@ -46,7 +46,6 @@ from .. import decisions
 from ..exceptions import DedupError
 from ..header import DEFERS_OPTION, GateHeader
 from ..keys import WHOLE_GROUP, limit_group_member, limit_group_of, member_for, split_member
-from ..policy import LimitPolicy
 from ..store.limits import Denial, Grant, acquire, give_back, leave_line, note, release, renew_leases
 from ..store.store import DedupStore
 from . import processes
@@ -178,7 +177,7 @@ def admit(task: KeyedTask, store: DedupStore, member: str | None, token: str) ->
         if dead:
             answer = acquire(store, group, token, run_id, limit, lease_ms=lease_ms, task_name=task.name, evict=dead)
     if isinstance(answer, Denial):
-        wait(task, store, member, answer, limit)
+        wait(task, store, member, answer)
         return answer
     grant = answer
     if member is not None and grant.waited_ms:
@@ -225,7 +224,7 @@ def slot_lost(lease: SlotLease, why: str) -> None:
         logger.error("limit slot lost in group %r (%s)", lease.member, why)
 
 
-def wait(task: KeyedTask, store: DedupStore, member: str | None, denial: Denial, limit: LimitPolicy) -> None:
+def wait(task: KeyedTask, store: DedupStore, member: str | None, denial: Denial) -> None:
     """Re-publish the current run to come back when its turn should come, and note why.
 
     The re-publish is a deferred copy (:meth:`.delivery.Delivery.defer`): a
