@@ -453,7 +453,7 @@ def test_a_late_message_skipped_before_its_confirm_still_stands_for_the_newer_ru
 def test_a_message_published_past_its_lease_and_a_newer_call_run_one_at_a_time(
     make_app: AppFactory, server: Server, r: redis.Redis, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    """Lease 1 s, the first publish stuck 2.5 s: a newer call takes the key over; the late message is skipped.
+    """Lease 1 s, the first publish stuck until a newer call took the key over; the late message is skipped.
 
     The first caller learns the run that has the key; both runs are in the
     record's history, and the body runs once.
@@ -464,10 +464,11 @@ def test_a_message_published_past_its_lease_and_a_newer_call_run_one_at_a_time(
     charge = build(app)
     original = kombu_redis.Channel._put
     stuck = threading.local()
+    taken_over = threading.Event()
 
     def slow(self: Any, queue: str, message: Any, **kwargs: Any) -> None:
         if getattr(stuck, "on", False):
-            time.sleep(2.5)
+            taken_over.wait(20)
         original(self, queue, message, **kwargs)
 
     monkeypatch.setattr(kombu_redis.Channel, "_put", slow)
@@ -479,9 +480,10 @@ def test_a_message_published_past_its_lease_and_a_newer_call_run_one_at_a_time(
 
     caller = threading.Thread(target=first_call)
     caller.start()
-    wait_for(lambda: getattr(charge.dedup_status(7), "state", None) == "publishing", 5, "the first hold")
+    wait_for(lambda: getattr(charge.dedup_status(7), "state", None) == "publishing", 15, "the first hold")
     first_id = charge.dedup_status(7).task_id
-    newer = wait_for(lambda: (c := charge.delay(7)) and not c.deduplicated and c, 5, "the lease to pass")
+    newer = wait_for(lambda: (c := charge.delay(7)) and not c.deduplicated and c, 15, "the lease to pass")
+    taken_over.set()
     caller.join(10)
     monkeypatch.undo()
 
