@@ -191,7 +191,12 @@ KEY_KINDS = (
     KeyKind("reaper_missing", "{prefix}:reaper:missing", "ZSET", "member -> when its message was first seen missing"),
     KeyKind("limit_slots", "{prefix}:lim:slots:{group}", "ZSET", "token -> lease deadline (ms): the group's slots"),
     KeyKind("limit_starts", "{prefix}:lim:starts:{group}", "ZSET", "token -> start (ms): its rate window's log"),
-    KeyKind("limit_waiting", "{prefix}:lim:wait:{group}", "ZSET", "run id -> first arrival (ms): its waiting line"),
+    KeyKind(
+        "limit_waiting",
+        "{prefix}:lim:wait:{group}",
+        "ZSET",
+        "run id -> first arrival (ms, to the microsecond): its waiting line",
+    ),
     KeyKind("limit_deadlines", "{prefix}:lim:due:{group}", "ZSET", "run id -> when it must be back (ms)"),
     KeyKind("limit_info", "{prefix}:lim:info:{group}", "HASH", "slot start times, mean body time, last limits"),
     KeyKind("limit_groups", "{prefix}:lim:groups", "ZSET", "group -> last acquire (ms): the shard's limit groups"),

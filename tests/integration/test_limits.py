@@ -158,6 +158,17 @@ def test_slots_are_given_in_arrival_order(make_app: AppFactory, r: redis.Redis) 
     assert counts["limited"] == 3
 
 
+def test_runs_arriving_in_one_millisecond_keep_their_order_in_line(make_app: AppFactory, r: redis.Redis) -> None:
+    """Forty runs asking back to back (several per millisecond), named so that run id order is the reverse."""
+    store = store_for(make_app())
+    one = LimitPolicy(None, concurrency=1)
+    assert isinstance(_ask(store, "h:1:a", "run-holder", one), Grant)
+    asked = [f"run-{n:02d}" for n in reversed(range(40))]
+    for run in asked:
+        assert isinstance(_ask(store, f"h:1:{run}", run, one), Denial)
+    assert [m.decode() for m in r.zrange(SCHEMA.limit_waiting(GROUP), 0, -1)] == asked
+
+
 def test_rate_counts_starts_in_a_sliding_window_and_takes_back_unused_ones(
     make_app: AppFactory, r: redis.Redis
 ) -> None:

@@ -5,7 +5,7 @@
 --
 -- KEYS[1]  slots: ZSET token -> lease deadline (ms)
 -- KEYS[2]  starts: ZSET token -> start (ms), the sliding windows' log (trimmed at the longest period)
--- KEYS[3]  waiting: ZSET run id -> first arrival (ms), the line in arrival order
+-- KEYS[3]  waiting: ZSET run id -> first arrival (ms, to the microsecond), the line in arrival order
 -- KEYS[4]  deadlines: waiting deadlines ZSET, run id -> when it must be back (ms) to keep its place
 -- KEYS[5]  info: HASH "s:<token>" -> slot start (ms); avg_ms (mean body time,
 --          exponentially weighted); concurrency, rates, paused_until (the effective values
@@ -61,6 +61,9 @@ local PAUSE_POLL = 5000
 
 local clock = redis.call('TIME')
 local now = tonumber(clock[1]) * 1000 + math.floor(tonumber(clock[2]) / 1000)
+-- Arrivals are told apart to the microsecond: two runs arriving in one millisecond keep
+-- their order in line (a tie would be broken by run id, not by arrival).
+local arrival = tonumber(clock[1]) * 1000 + tonumber(clock[2]) / 1000
 
 local function drop_slot(tok)
   redis.call('ZREM', slots, tok)
@@ -142,7 +145,7 @@ local held = redis.call('ZSCORE', slots, token)
 local function refuse(wait, reason, count, limit_text, holders)
   wait = math.max(wait, MIN_WAIT)
   if arrived == 0 then
-    redis.call('ZADD', waiting, now, run)
+    redis.call('ZADD', waiting, arrival, run)
   end
   -- It keeps its place while it is expected back: its wait, and a lease for a busy worker.
   redis.call('ZADD', deadlines, now + wait + lease, run)
@@ -204,7 +207,7 @@ if held or (position < free_slots and position < free_starts) or passes then
   end
   local waited = 0
   if arrived > 0 then
-    waited = now - arrived
+    waited = math.max(0, math.floor(now - arrived))
     redis.call('ZREM', waiting, run)
     redis.call('ZREM', deadlines, run)
     redis.call('HINCRBY', stats, ns .. ':waited_ms', waited)
