@@ -998,7 +998,8 @@ class Checker:
             self.checked["unresolved-run"] += 1
             if any(e.state in FATES and e.t >= last.end - MS for e in h.entries(last.member, task_id)):
                 continue
-            if any(e["decision"] in SETTLING_DECISIONS and e["t"] >= last.end for e in h.decisions.get(task_id, [])):
+            # A skip logged while the body ran is its back-off's: a newer run had taken its key (and does its work).
+            if any(e["decision"] in SETTLING_DECISIONS and e["t"] >= last.start for e in h.decisions.get(task_id, [])):
                 continue
             if task_id in h.revoked:
                 continue

@@ -58,6 +58,8 @@ class Tasks:
     #: A keyed task of group ``single``, and one with deduplication off: they back off when told to.
     single: DedupTask
     single_off: DedupTask
+    #: A task of group ``single`` that frees its key as its body starts (``until_executing``).
+    single_started: DedupTask
     #: A task with limits of its own (no group).
     inline: DedupTask
 
@@ -94,6 +96,7 @@ def register(app: Celery) -> Tasks:
             "start": start,
             "end": server_ms(client),
             "retries": task.request.retries,
+            "id": task.request.id,
         }
         client.rpush(HOLDS, json.dumps(entry))
         return who
@@ -137,6 +140,20 @@ def register(app: Celery) -> Tasks:
         return body(self, f"{tenant}{n}", tenant)
 
     @app.task(
+        name="tests.limits_web_app.single_started",
+        base=DedupTask,
+        bind=True,
+        shared=False,
+        dedup_mode="until_executing",
+        dedup_key="call:{tenant}:{n}",
+        limit_group="single",
+        limit_key="{tenant}",
+        max_retries=0,
+    )
+    def single_started(self: DedupTask, n: int, tenant: str) -> str:
+        return body(self, f"{tenant}{n}", tenant)
+
+    @app.task(
         name="tests.limits_web_app.inline",
         base=DedupTask,
         bind=True,
@@ -147,7 +164,7 @@ def register(app: Celery) -> Tasks:
     def inline(self: DedupTask, n: int) -> str:
         return body(self, f"inline{n}", "")
 
-    return Tasks(partner, single, single_off, inline)
+    return Tasks(partner, single, single_off, single_started, inline)
 
 
 def build() -> Celery:

@@ -13,7 +13,11 @@ a task of a named limit group (``limit_group``), what Celery's
   keep their order behind it);
 - the run is **re-published** (same task id, ``request.retries`` unchanged:
   not a Celery retry, ``max_retries`` is not touched) with a countdown of
-  ``retry_after``, as a run waiting for its limits is;
+  ``retry_after``, as a run waiting for its limits is; a run that freed its
+  key as it started (``until_executing``, ``debounce``) and whose key a
+  newer call took since is answered by that run, as its ``Task.retry``
+  would be: it leaves the line and does not come back (a ``skipped``
+  decision says so), the newer run does the key's work;
 - it returns a :class:`Backoff`, a ``celery.exceptions.Retry``, for the body
   to raise: the delivery then ends as a retry does (the key stays held, the
   record says ``retry``, the result backend ``RETRY``). Its slot is given
@@ -38,7 +42,7 @@ from celery.exceptions import Retry
 from .. import decisions, runtime
 from ..exceptions import DedupArgumentError, DedupConfigError
 from ..keys import split_member
-from ..store.limits import back_off, note
+from ..store.limits import back_off, leave_line, note
 from ..store.store import DedupStore
 from .delivery import live, running
 from .limits import group_of
@@ -115,5 +119,26 @@ def backoff(task: KeyedTask, retry_after: Any) -> Backoff:
             logger.exception("%s[%s]: could not record that it backs off", task.name, run_id)
     decisions.log("limited", task.name, key, run_id, f"{why}; again in {seconds:g}s")
     # Back a moment after the pause ends (the server's clock), not a refusal before it.
-    task.signature_from_request(request, countdown=seconds + random.uniform(0.02, 0.05)).apply_async()
+    again = task.signature_from_request(request, countdown=seconds + random.uniform(0.02, 0.05)).apply_async()
+    if getattr(again, "deduplicated", False) and again.id != run_id:
+        _superseded(task, store, group, run_id, str(again.id), key)
     return exc
+
+
+def _superseded(task: KeyedTask, store: DedupStore, group: str | None, run_id: str, newer: str, key: str) -> None:
+    """The re-publish was answered by a newer run of the run's business key: that run does the key's work.
+
+    A run that freed its key as it started (``until_executing``,
+    ``debounce``) does not take it back from a call accepted since, as its
+    ``Task.retry`` would not: it gives up its place in line, so the newer
+    run is not kept waiting behind a run that never comes back. The pause
+    stays: it is the group key's.
+    """
+    if group is not None:
+        try:
+            leave_line(store, group, run_id)
+        except redis.RedisError:  # its place lapses with its deadline
+            logger.exception("%s[%s]: could not leave the line of group %r", task.name, run_id, group)
+    decisions.log(
+        "skipped", task.name, key, run_id, f"backed off after run {newer} took its key: that run does its work"
+    )

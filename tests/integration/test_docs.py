@@ -241,7 +241,12 @@ def test_limits_recipes_bind_and_run_as_written(server: Server, r: redis.Redis) 
         exec(compile(block, str(LIMITS_PAGE), "exec"), namespace)
     app.finalize()
     bound = [task for task in app.tasks.values() if isinstance(task, DedupTask)]
-    assert {task.name.rsplit(".", 1)[1] for task in bound} >= {"push_order", "pull_invoices", "send_sms"}
+    assert {task.name.rsplit(".", 1)[1] for task in bound} >= {
+        "push_order",
+        "pull_invoices",
+        "send_sms",
+        "push_shipment",
+    }
     assert all(type(task)._dedup_policy is not None for task in bound)
 
     (partner,) = [info for info in limits.describe(app) if info.name == "partner-api"]

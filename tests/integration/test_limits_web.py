@@ -357,6 +357,39 @@ def test_a_back_off_pauses_its_key_only_and_its_run_comes_back_first_costing_no_
 
 
 @pytest.mark.slow
+def test_a_run_that_backs_off_after_a_newer_call_took_its_key_leaves_the_work_to_that_run(
+    server: Server, r: redis.Redis, tasks: limits_web_app.Tasks
+) -> None:
+    """``until_executing`` run A0 frees its key as it starts; a call made meanwhile is run B; then A0 backs off.
+
+    A0's re-publish is answered by B, as its ``Task.retry`` would be: A0
+    leaves the key's line and does not come back (a ``skipped`` decision
+    says so), B runs once, after the pause, not kept waiting behind A0.
+    """
+    task = tasks.single_started
+    r.sadd(limits_web_app.BACKOFF, "A0")
+    r.sadd(limits_web_app.HOLD, "A0")
+    line = SCHEMA.limit_waiting(group_id("single", "A"))
+    with worker(server, "threads", concurrency=2) as process:
+        first = task.delay(0, "A")
+        wait_for(lambda: r.zcard(SCHEMA.limit_slots(group_id("single", "A"))) == 1, 30, "A0 holds the slot")
+        newer = task.delay(0, "A")
+        assert not newer.deduplicated and newer.id != first.id, "the key was free once A0 started"
+        r.delete(limits_web_app.HOLD)
+        wait_for(lambda: r.llen(limits_web_app.BACKED_OFF) == 1, 30, "A0 backed off")
+        (backed,) = [json.loads(raw) for raw in r.lrange(limits_web_app.BACKED_OFF, 0, -1)]
+        wait_for(lambda: r.llen(limits_web_app.HOLDS) == 1, 30, "run B ran")
+        assert newer.get(timeout=10) == "A0"
+        time.sleep(1.0)  # room for a copy of A0 that should not come
+        output = "".join(process.output)
+    (done,) = holds(r)
+    assert done["id"] == newer.id and done["start"] >= backed["start"] + 2000, (backed, done)
+    assert r.zscore(line, first.id) is None, "A0 left the line"
+    assert f"skipped: {task.name}[{first.id}]" in output and f"after run {newer.id} took its key" in output, output
+    assert first.state == "RETRY"
+
+
+@pytest.mark.slow
 def test_a_back_off_pauses_its_key_for_callers_too_with_places_free(
     server: Server, r: redis.Redis, app: Celery, tasks: limits_web_app.Tasks
 ) -> None:

@@ -719,6 +719,19 @@ def test_a_run_that_backed_off_must_come_back_and_end(tmp_path: Path) -> None:
     assert invariants(quota_body(back, 3.6, 4, "a").check()) == []
 
 
+def test_a_run_that_backed_off_after_a_newer_run_took_its_key_is_settled_by_its_skip(tmp_path: Path) -> None:
+    """The back-off's re-publish was answered by the newer run: the skip it logged, during the body, settles it."""
+    skip = "backed off after run b took its key: that run does its work"
+
+    def story_with_skip(name: str, at: float) -> Report:
+        story = backed_off(Story(tmp_path / name)).call(0, "a", member="chaos.quota_a:ka")
+        story.add(at, "decision", pid=100, decision="skipped", task_id="a", key="ka", message=skip)
+        return story.check()
+
+    assert invariants(story_with_skip("during", 1.49)) == []
+    assert invariants(story_with_skip("before", 0.9)) == ["unresolved-run"]
+
+
 def recovery_story(story: Story, *, acks_late: bool = True, member: str = MEMBER) -> Story:
     """Worker-0 (pid 99, child 100) runs run ``a``; worker-1 (pid 199) is ready throughout; worker-0 is killed."""
     story.add(0, "spawn", role="runner", slot="worker-0", generation=1, process=99, pool="prefork", acks_late=acks_late)
