@@ -224,6 +224,8 @@ TRANSIT_WINDOW = 30.0
 MAX_DELAY = 3.0
 #: Kills of a whole worker (main process and pool), by the ``why`` of their ``kill`` event.
 WHOLE_WORKER_KILLS = frozenset({"kill-worker", "restart-worker"})
+#: Kills (the runner's ``kill`` events, by why) that can take a message a worker fetched and recorded nowhere.
+TRANSIT_KILLS = frozenset({"kill-worker", "restart-worker", "kill-child"})
 #: How soon after its worker's SIGKILL a live run must be put back, seconds: before its lock (renewed every
 #: third of its TTL) expires, a reaper pass of another worker (every REAP_INTERVAL) proves the owner dead.
 RECOVERY_BOUND = LOCK_TTL + REAP_INTERVAL
@@ -373,6 +375,8 @@ class History:
         self.two_phase = any(e["ev"] == "phase" and e.get("store") == "apart" for e in events)
         self.end: float = self.phases.get("stopped", events[-1]["t"] if events else 0.0)
         self.faults = [e for e in events if e["ev"] == "fault"]
+        #: SIGKILLs of workers and pool children, when they happened (a restart-worker's, seconds after its fault).
+        self.worker_kills = [e for e in events if e["ev"] == "kill" and e.get("why") in TRANSIT_KILLS]
         self.wipes = [e["t"] for e in self.faults if e["kind"] == "restart" and e.get("wipe")]
         #: When the server's log says each key's run started (``start: ... -> started``), server time.
         self.server_starts: dict[str, list[float]] = {}
@@ -718,6 +722,11 @@ class History:
                 kind == "proxy" and (target == "all" or target.startswith("worker"))
             ):
                 return event
+        # A fault that began before ``since`` and killed a worker after it (restart-worker stops the old
+        # worker only once the new one is ready, and kills it a stop timeout later).
+        for event in self.worker_kills:
+            if since <= event["t"] <= until:
+                return {**event, "kind": event["why"]}
         return None
 
     def started_at(self, body: Body) -> float:

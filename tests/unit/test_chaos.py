@@ -206,6 +206,23 @@ def test_an_ungated_run_lost_in_transit_is_explained_only_by_a_fault(tmp_path: P
     assert [item.kind for item in report.explained] == ["transit"]
 
 
+def test_an_ungated_run_lost_to_a_kill_that_came_after_its_fault_began_is_explained(tmp_path: Path) -> None:
+    """A restart-worker fault starts at +0.2 and SIGKILLs the old worker at +1.2: a run accepted between is lost."""
+    ungated = "chaos.while_executing:k1"
+
+    def story_with(kill: float) -> Report:
+        story = Story(tmp_path / f"kill-{kill}")
+        story.add(0.2, "fault", role="nemesis", kind="restart-worker", slot="worker-0", pids=[99, 100])
+        story.call(0.5, "a", member=ungated)
+        return story.add(kill, "kill", role="runner", slot="worker-0", pids=[99, 100], why="restart-worker").check()
+
+    report = story_with(1.2)
+    assert invariants(report) == []
+    assert [item.kind for item in report.explained] == ["transit"]
+    assert "restart-worker" in report.explained[0].message
+    assert invariants(story_with(0.4)) == ["unresolved-run"], "killed before the run was accepted"
+
+
 def test_a_second_run_accepted_while_the_first_is_queued(story: Story) -> None:
     report = story.call(0, "a").call(1, "b").body(2, 3, "a").body(4, 5, "b").check()
     assert invariants(report) == ["double-accept"]
