@@ -28,7 +28,7 @@ from click.testing import CliRunner, Result
 
 from celery_dedup import DedupTask, runtime, testing
 from celery_dedup.keys import KeySchema, member_for
-from celery_dedup.ops import checks, cli
+from celery_dedup.ops import checks, cli, output
 
 from .._records import Records
 from ..conftest import ROOT, AppFactory, Server, WorkerProcess, wait_for
@@ -119,7 +119,7 @@ def test_help_documents_every_exit_code(dedup: Invoke) -> None:
 def test_usage_errors_exit_1_on_stderr(dedup: Invoke, args: tuple[str, ...]) -> None:
     result = dedup(*args)
 
-    assert result.exit_code == cli.USAGE
+    assert result.exit_code == output.USAGE
     assert "Error" in result.stderr
     assert result.stdout == ""
 
@@ -127,7 +127,7 @@ def test_usage_errors_exit_1_on_stderr(dedup: Invoke, args: tuple[str, ...]) -> 
 def test_unreachable_store_exits_1_with_the_reason(dedup: Invoke) -> None:
     result = dedup("list", app="unreachable")
 
-    assert result.exit_code == cli.USAGE
+    assert result.exit_code == output.USAGE
     assert "Redis: ConnectionError" in result.stderr
 
 
@@ -152,7 +152,7 @@ def test_entry_point_works_from_a_real_shell(apps: ModuleType, server: Server) -
     assert [rec["member"] for rec in json.loads(listed.stdout)["records"]] == [member("order:7")]
 
     missing = celery("show", "order:8", "--task", "cli.charge")
-    assert missing.returncode == cli.NOT_FOUND
+    assert missing.returncode == output.NOT_FOUND
     assert "has no record, hold or lock" in missing.stderr
     assert missing.stdout == ""
 
@@ -161,35 +161,35 @@ def test_entry_point_works_from_a_real_shell(apps: ModuleType, server: Server) -
 
 #: (setup, args, app, exit code): every command's failures; ``{member}`` is the member ``setup`` made.
 JSON_FAILURES = {
-    "unknown command": (None, ("nosuchcommand", "--json"), "", cli.USAGE),
-    "unknown option": (None, ("list", "--bogus", "--json"), "", cli.USAGE),
-    "list: bad --limit": (None, ("list", "--limit", "0", "--json"), "", cli.USAGE),
-    "list: bad --cursor": (None, ("list", "--cursor", "-1", "--json"), "", cli.USAGE),
-    "list: unreachable": (None, ("list", "--json"), "unreachable", cli.USAGE),
-    "show: no KEY": (None, ("show", "--json"), "", cli.USAGE),
-    "show: no task": (None, ("show", "no-colon-and-no-task", "--json"), "", cli.USAGE),
-    "show: unknown task": ("queued", ("show", "order:1", "--json"), "", cli.USAGE),
-    "show: nothing found": (None, ("show", "order:404", "--task", "cli.charge", "--json"), "", cli.NOT_FOUND),
-    "show: unreachable": (None, ("show", "order:1", "--task", "cli.charge", "--json"), "unreachable", cli.USAGE),
-    "release: no --yes": ("queued", ("release", "{member}", "--json"), "", cli.USAGE),
-    "release: --force, no --yes": ("started", ("release", "{member}", "--force", "--json"), "", cli.USAGE),
+    "unknown command": (None, ("nosuchcommand", "--json"), "", output.USAGE),
+    "unknown option": (None, ("list", "--bogus", "--json"), "", output.USAGE),
+    "list: bad --limit": (None, ("list", "--limit", "0", "--json"), "", output.USAGE),
+    "list: bad --cursor": (None, ("list", "--cursor", "-1", "--json"), "", output.USAGE),
+    "list: unreachable": (None, ("list", "--json"), "unreachable", output.USAGE),
+    "show: no KEY": (None, ("show", "--json"), "", output.USAGE),
+    "show: no task": (None, ("show", "no-colon-and-no-task", "--json"), "", output.USAGE),
+    "show: unknown task": ("queued", ("show", "order:1", "--json"), "", output.USAGE),
+    "show: nothing found": (None, ("show", "order:404", "--task", "cli.charge", "--json"), "", output.NOT_FOUND),
+    "show: unreachable": (None, ("show", "order:1", "--task", "cli.charge", "--json"), "unreachable", output.USAGE),
+    "release: no --yes": ("queued", ("release", "{member}", "--json"), "", output.USAGE),
+    "release: --force, no --yes": ("started", ("release", "{member}", "--force", "--json"), "", output.USAGE),
     "release: nothing found": (
         None,
         ("release", "order:404", "--task", "cli.charge", "-y", "--json"),
         "",
-        cli.NOT_FOUND,
+        output.NOT_FOUND,
     ),
-    "release: refused": ("started", ("release", "{member}", "--yes", "--json"), "", cli.REFUSED),
-    "release: nothing held": ("succeeded", ("release", "{member}", "--yes", "--json"), "", cli.NOT_HELD),
-    "purge: no --yes": ("succeeded", ("purge", "--state", "succeeded", "--json"), "", cli.USAGE),
-    "purge: unended state": (None, ("purge", "--state", "queued", "--yes", "--json"), "", cli.USAGE),
-    "purge: unreachable": (None, ("purge", "--state", "failed", "--yes", "--json"), "unreachable", cli.USAGE),
-    "reap: unreachable": (None, ("reap", "--json"), "unreachable", cli.USAGE),
-    "stats: unreachable": (None, ("stats", "--json"), "unreachable", cli.USAGE),
-    "limits: bad --limit": (None, ("limits", "--limit", "0", "--json"), "", cli.USAGE),
-    "limits: unreachable": (None, ("limits", "--json"), "unreachable", cli.USAGE),
-    "check: bad --countdown": (None, ("check", "--countdown", "-1", "--json"), "", cli.USAGE),
-    "check: found an error": (None, ("check", "--json"), "uninstalled", cli.CHECK_FAILED),
+    "release: refused": ("started", ("release", "{member}", "--yes", "--json"), "", output.REFUSED),
+    "release: nothing held": ("succeeded", ("release", "{member}", "--yes", "--json"), "", output.NOT_HELD),
+    "purge: no --yes": ("succeeded", ("purge", "--state", "succeeded", "--json"), "", output.USAGE),
+    "purge: unended state": (None, ("purge", "--state", "queued", "--yes", "--json"), "", output.USAGE),
+    "purge: unreachable": (None, ("purge", "--state", "failed", "--yes", "--json"), "unreachable", output.USAGE),
+    "reap: unreachable": (None, ("reap", "--json"), "unreachable", output.USAGE),
+    "stats: unreachable": (None, ("stats", "--json"), "unreachable", output.USAGE),
+    "limits: bad --limit": (None, ("limits", "--limit", "0", "--json"), "", output.USAGE),
+    "limits: unreachable": (None, ("limits", "--json"), "unreachable", output.USAGE),
+    "check: bad --countdown": (None, ("check", "--countdown", "-1", "--json"), "", output.USAGE),
+    "check: found an error": (None, ("check", "--json"), "uninstalled", output.CHECK_FAILED),
 }
 
 
@@ -222,9 +222,9 @@ def test_release_json_fails_at_once_from_a_real_shell_with_stdin_closed(apps: Mo
 
     refused = shell(server.url, "release", queued.member, "--json")
 
-    assert refused.returncode == cli.USAGE, refused.stderr
+    assert refused.returncode == output.USAGE, refused.stderr
     document = json.loads(refused.stdout)
-    assert document["code"] == cli.USAGE and "--yes" in document["error"]
+    assert document["code"] == output.USAGE and "--yes" in document["error"]
     assert "[y/N]" not in refused.stderr
     released = shell(server.url, "release", queued.member, "--json", "--yes")
     assert released.returncode == 0, released.stderr
@@ -283,7 +283,7 @@ def test_list_filters_and_pages_with_the_printed_cursor(apps: ModuleType, dedup:
     assert len(as_json(dedup("list", "--state", "queued", "--task", "cli.charge", "--json"))["records"]) == 4
     assert as_json(dedup("list", "--task", "cli.other", "--json"))["records"] == []
     assert dedup("list", "--state", "succeeded").stdout.startswith("no records\n")
-    assert dedup("list", "--cursor", "not-a-cursor").exit_code == cli.USAGE
+    assert dedup("list", "--cursor", "not-a-cursor").exit_code == output.USAGE
 
 
 def display_width(line: str) -> int:
@@ -321,7 +321,7 @@ def test_list_fits_a_default_width_when_its_output_is_no_terminal(apps: ModuleTy
 
     lines = dedup("list").stdout.splitlines()
 
-    assert max(len(line) for line in lines) <= cli.DEFAULT_WIDTH < 300
+    assert max(len(line) for line in lines) <= output.DEFAULT_WIDTH < 300
 
 
 def test_limits_fits_long_group_keys_to_the_terminal(apps: ModuleType, dedup: Invoke) -> None:
@@ -371,7 +371,7 @@ def test_show_prints_record_hold_lock_and_history(apps: ModuleType, dedup: Invok
 def test_show_unknown_key_exits_2(dedup: Invoke) -> None:
     result = dedup("show", "order:404", "--task", "cli.charge")
 
-    assert result.exit_code == cli.NOT_FOUND
+    assert result.exit_code == output.NOT_FOUND
     assert result.stdout == ""
     assert repr(member("order:404")) in result.stderr
 
@@ -383,11 +383,11 @@ def test_show_of_a_key_without_its_task_names_the_unknown_task_and_the_key_s_tas
 
     result = dedup("show", "order:42")
 
-    assert result.exit_code == cli.USAGE, result.stdout
+    assert result.exit_code == output.USAGE, result.stdout
     assert "no task 'order' in this app" in result.stderr
     assert "'order:42' is a key of cli.charge" in result.stderr
     document = json.loads(dedup("show", "order:42", "--json").stdout)
-    assert document["code"] == cli.USAGE and "no task 'order' in this app" in document["error"]
+    assert document["code"] == output.USAGE and "no task 'order' in this app" in document["error"]
 
 
 def test_show_with_a_misspelt_task_names_the_close_task_names(apps: ModuleType, dedup: Invoke) -> None:
@@ -397,11 +397,11 @@ def test_show_with_a_misspelt_task_names_the_close_task_names(apps: ModuleType, 
     as_member = dedup("show", member("order:42", "cli.chrage"))
 
     for result in (misspelt, as_member):
-        assert result.exit_code == cli.USAGE, result.stdout
+        assert result.exit_code == output.USAGE, result.stdout
         assert "no task 'cli.chrage' in this app" in result.stderr
         assert "close: cli.charge" in result.stderr
     absent = dedup("show", "order:404", "--task", "cli.chrage")
-    assert absent.exit_code == cli.USAGE and "close: cli.charge" in absent.stderr
+    assert absent.exit_code == output.USAGE and "close: cli.charge" in absent.stderr
     assert "is a key of" not in absent.stderr
 
 
@@ -412,7 +412,7 @@ def test_release_without_the_task_does_not_answer_nothing_found(
 
     result = dedup("release", "order:42", "--yes")
 
-    assert result.exit_code == cli.USAGE
+    assert result.exit_code == output.USAGE
     assert "no task 'order' in this app" in result.stderr and "cli.charge" in result.stderr
     assert r.sismember(SCHEMA.held, member("order:42"))
 
@@ -467,7 +467,7 @@ def test_stored_text_reaches_the_terminal_escaped(apps: ModuleType, dedup: Invok
     for result in (shown, listed, stats, refused):
         assert_inert(result.stdout)
         assert_inert(result.stderr)
-    assert shown.exit_code == 0 and listed.exit_code == 0 and refused.exit_code == cli.REFUSED
+    assert shown.exit_code == 0 and listed.exit_code == 0 and refused.exit_code == output.REFUSED
     assert "ValueError: \\x1b[2J\\x1b[H\\rstate  succeeded\\n\\x1b]0;owned\\x07\\u202e\\x9b" in shown.stdout
     assert re.search(r"^  worker +\\x1b\[2J", dedup("show", running).stdout, re.M)
     assert "order:\\x1b[2J" in listed.stdout and "\\x1b]0;owned" in stats.stdout
@@ -495,7 +495,7 @@ def test_release_frees_a_queued_key_after_confirmation(apps: ModuleType, dedup: 
     assert not r.sismember(SCHEMA.held, member("order:1"))
     history = as_json(dedup("show", member("order:1"), "--json"))["history"]
     assert history[0]["state"] == "released"
-    assert history[0]["note"] == f"released by {cli._operator()}"
+    assert history[0]["note"] == f"released by {output.operator_name()}"
     assert "@" in history[0]["note"]
     again = apps.charge.delay(1)
     assert not again.deduplicated and again.id != first.id
@@ -504,7 +504,7 @@ def test_release_frees_a_queued_key_after_confirmation(apps: ModuleType, dedup: 
 def test_release_unknown_key_exits_2(dedup: Invoke) -> None:
     result = dedup("release", "order:404", "--task", "cli.charge", "--yes")
 
-    assert result.exit_code == cli.NOT_FOUND
+    assert result.exit_code == output.NOT_FOUND
     assert "nothing to release" in result.stderr
 
 
@@ -514,7 +514,7 @@ def test_release_of_a_key_nothing_holds_exits_5_and_writes_nothing(apps: ModuleT
 
     result = dedup("release", run.member, "--yes")
 
-    assert result.exit_code == cli.NOT_HELD == 5
+    assert result.exit_code == output.NOT_HELD == 5
     assert "nothing to release" in result.stderr and "not held" in result.stderr and "succeeded" in result.stderr
     assert as_json(dedup("show", run.member, "--json"))["history"] == history
     assert "released" not in as_json(dedup("stats", "--json")).get("cli.charge", {})
@@ -526,7 +526,7 @@ def test_nothing_to_release_says_its_run_s_state_in_a_sentence(apps: ModuleType,
 
         result = dedup("release", run.member, "--yes")
 
-        assert result.exit_code == cli.NOT_HELD
+        assert result.exit_code == output.NOT_HELD
         assert f"(its run's state is {state})" in result.stderr
         assert "its run is" not in result.stderr
 
@@ -535,7 +535,7 @@ def test_release_refuses_a_live_lock_unless_forced(apps: ModuleType, dedup: Invo
     run = Records(apps.app, apps.charge).started(3)
 
     refused = dedup("release", "order:3", "--task", "cli.charge", "--yes")
-    assert refused.exit_code == cli.REFUSED
+    assert refused.exit_code == output.REFUSED
     assert "refused" in refused.stderr and run.token in refused.stderr
     assert r.get(SCHEMA.lock(run.member)) == run.token.encode()
     assert r.sismember(SCHEMA.held, run.member)
@@ -560,7 +560,7 @@ def test_release_of_a_key_a_real_worker_is_executing(apps: ModuleType, dedup: In
 
         lock = wait_for(executing, 30, "the worker to start cli.slow")
         refused = dedup("release", slow, "--yes")
-        assert refused.exit_code == cli.REFUSED
+        assert refused.exit_code == output.REFUSED
         assert lock["token"] in refused.stderr
 
         forced = as_json(dedup("release", slow, "--force", "--yes", "--json"))
@@ -643,7 +643,7 @@ def test_check_flags_an_evicting_policy_and_passes_noeviction(
     assert flagged.exit_code == 0  # warnings alone
     level, why = findings(flagged)["maxmemory-policy"]
     assert level == "warning" and "allkeys-lru" in why and "noeviction" in why
-    assert dedup("check", "--strict").exit_code == cli.CHECK_FAILED
+    assert dedup("check", "--strict").exit_code == output.CHECK_FAILED
 
     server_config("maxmemory-policy", "volatile-ttl")
     assert findings(dedup("check", "--json"))["maxmemory-policy"][0] == "warning"
@@ -692,7 +692,7 @@ def test_check_warns_that_a_server_without_persistence_forgets_keys_and_records(
 def test_check_errors_without_install(dedup: Invoke) -> None:
     result = dedup("check", "--json", app="uninstalled")
 
-    assert result.exit_code == cli.CHECK_FAILED
+    assert result.exit_code == output.CHECK_FAILED
     assert findings(result)["install"][0] == "error"
     assert json.loads(result.stdout)["failed"] is True
 
@@ -700,7 +700,7 @@ def test_check_errors_without_install(dedup: Invoke) -> None:
 def test_check_errors_on_a_task_with_bad_options(dedup: Invoke) -> None:
     result = dedup("check", "--json", app="bad_options")
 
-    assert result.exit_code == cli.CHECK_FAILED
+    assert result.exit_code == output.CHECK_FAILED
     level, why = findings(result)["tasks"]
     assert level == "error" and "cli.bad" in why and "dedup_mode='sometimes'" in why
     assert findings(result)["maxmemory-policy"][0] == "ok"  # the other checks still ran
@@ -709,7 +709,7 @@ def test_check_errors_on_a_task_with_bad_options(dedup: Invoke) -> None:
 def test_check_errors_when_the_store_is_unreachable(dedup: Invoke) -> None:
     result = dedup("check", "--json", app="unreachable")
 
-    assert result.exit_code == cli.CHECK_FAILED
+    assert result.exit_code == output.CHECK_FAILED
     assert findings(result)["server"][0] == "error"
 
 
@@ -766,10 +766,10 @@ def test_clock_offsets_beyond_a_second_are_reported() -> None:
 
 
 def test_human_time_shows_local_time_and_age() -> None:
-    assert cli.human_time("0") == "-"
-    assert cli.human_time(None) == "-"
-    assert cli.human_time("1700000000000", now=1700000090.0).endswith("(1m ago)")
-    assert cli.human_time("1700000000000", now=1699999990.0).endswith("(in 10s)")
+    assert output.human_time("0") == "-"
+    assert output.human_time(None) == "-"
+    assert output.human_time("1700000000000", now=1700000090.0).endswith("(1m ago)")
+    assert output.human_time("1700000000000", now=1699999990.0).endswith("(in 10s)")
 
 
 def test_limits_lists_each_groups_usage(apps: ModuleType, dedup: Invoke) -> None:
@@ -796,18 +796,18 @@ def test_limits_lists_each_groups_usage(apps: ModuleType, dedup: Invoke) -> None
 
 
 def test_values_are_shortened_to_terminal_columns_not_characters() -> None:
-    assert cli._shortened("order:42", 8) == "order:42"
-    assert cli._shortened("order:420", 8) == "order:4…"
-    assert cli._shortened("注文注文", 5) == "注文…"  # two columns each: a third would end in column 6
-    assert cli._shortened("注文注文", 6) == "注文…"
-    assert display_width(cli._shortened("e\u0301" * 20, 6)) == 6  # combining accents take no column
+    assert output.shortened("order:42", 8) == "order:42"
+    assert output.shortened("order:420", 8) == "order:4…"
+    assert output.shortened("注文注文", 5) == "注文…"  # two columns each: a third would end in column 6
+    assert output.shortened("注文注文", 6) == "注文…"
+    assert display_width(output.shortened("e\u0301" * 20, 6)) == 6  # combining accents take no column
 
 
 def test_the_widest_columns_are_cut_first_and_never_below_their_least() -> None:
-    assert cli._fitted([10, 300, 5], [10, 8, 5], 100) == [10, 81, 5]  # 100 less two gaps of 2, 10 and 5
-    assert cli._fitted([50, 60, 5], [8, 8, 5], 64) == [27, 28, 5]
-    assert cli._fitted([50, 60, 5], [20, 20, 5], 30) == [20, 20, 5], "wider than asked rather than below least"
-    assert cli._fitted([3, 4], [3, 4], 80) == [3, 4]
+    assert output.fitted_widths([10, 300, 5], [10, 8, 5], 100) == [10, 81, 5]  # 100 less two gaps of 2, 10 and 5
+    assert output.fitted_widths([50, 60, 5], [8, 8, 5], 64) == [27, 28, 5]
+    assert output.fitted_widths([50, 60, 5], [20, 20, 5], 30) == [20, 20, 5], "wider than asked rather than below least"
+    assert output.fitted_widths([3, 4], [3, 4], 80) == [3, 4]
 
 
 def test_show_lists_the_steps_of_a_key_with_their_idempotency_keys(
@@ -868,7 +868,7 @@ def test_limits_set_and_clear_override_a_named_group_for_a_key_or_the_whole_grou
     cleared = dedup("limits", "clear", "partner-api", "--key", "acme", app="grouped")
     assert (cleared.exit_code, cleared.stdout) == (0, "cleared the override of 'partner-api' key 'acme'\n")
     again = dedup("limits", "clear", "partner-api", "--key", "acme", app="grouped")
-    assert again.exit_code == cli.NOT_FOUND
+    assert again.exit_code == output.NOT_FOUND
     assert "no override of 'partner-api' key 'acme' to clear" in again.stderr
     assert as_json(dedup("limits", "clear", "partner-api", "--json", app="grouped"))["cleared"] is True
     (info,) = [g for g in limits.describe(apps.grouped) if g.name == "partner-api"]
@@ -909,8 +909,8 @@ def test_limits_pause_and_resume_a_named_group_for_a_time_or_until_resumed(apps:
     assert (resumed.exit_code, resumed.stdout) == (0, "resumed 'mailer' (all keys)\n")
     assert as_json(dedup("limits", "resume", "partner-api", "--key", "acme", "--json", app="grouped"))["resumed"]
     not_paused = dedup("limits", "resume", "mailer", "--json", app="grouped")
-    assert not_paused.exit_code == cli.NOT_FOUND
-    assert json.loads(not_paused.stdout) == {"error": "'mailer' (all keys) is not paused", "code": cli.NOT_FOUND}
+    assert not_paused.exit_code == output.NOT_FOUND
+    assert json.loads(not_paused.stdout) == {"error": "'mailer' (all keys) is not paused", "code": output.NOT_FOUND}
     named = {g.name: g for g in limits.describe(apps.grouped)}
     assert named["mailer"].paused_until is None
     assert named["partner-api"].keys.get("acme") is None or named["partner-api"].keys["acme"].paused_until is None
@@ -933,12 +933,12 @@ def test_limits_changes_with_bad_values_fail_with_the_typed_error_naming_group_a
 ) -> None:
     result = dedup("limits", *args, app="grouped")
 
-    assert result.exit_code == cli.USAGE, (result.stdout, result.stderr)
+    assert result.exit_code == output.USAGE, (result.stdout, result.stderr)
     assert named in result.stderr
     if "no-such-group" not in args:
         assert "partner-api" in result.stderr
     failure = json.loads(dedup("limits", *args, "--json", app="grouped").stdout)
-    assert failure["code"] == cli.USAGE and named in failure["error"]
+    assert failure["code"] == output.USAGE and named in failure["error"]
 
 
 @pytest.mark.parametrize(
@@ -958,7 +958,7 @@ def test_limits_changes_refuse_usage_errors_before_changing_anything(
 
     result = dedup("limits", *args, app="grouped")
 
-    assert result.exit_code == cli.USAGE
+    assert result.exit_code == output.USAGE
     assert says in result.stderr
     (info,) = [g for g in limits.describe(apps.grouped) if g.name == "partner-api"]
     assert (info.override, info.paused_until, info.keys) == (None, None, {})
