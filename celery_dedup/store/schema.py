@@ -211,7 +211,8 @@ KEY_KINDS = (
 
 #: The fields of a ``limit_conf`` hash. Group-wide: these names; for one key of the group: ``k:<key>:<name>``.
 #: ``concurrency``: slots; ``rates``: ``"count/period_ms,count/period_ms"``; ``paused_until``: ms on the server
-#: clock, -1 until resumed. A key's value wins over the group's, the group's over the declared; either pause holds.
+#: clock, -1 until resumed (the next admission deletes a pause that ended). A key's value wins over the group's,
+#: the group's over the declared; either pause holds.
 LIMIT_CONF_FIELDS = ("concurrency", "rates", "paused_until")
 KEY_KIND = {kind.name: kind for kind in KEY_KINDS}
 

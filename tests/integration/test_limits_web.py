@@ -8,6 +8,7 @@ allows at once), and what they leave behind from the group's keys.
 
 from __future__ import annotations
 
+import datetime
 import json
 import os
 import signal
@@ -242,6 +243,23 @@ def test_a_back_off_pauses_the_key_and_puts_the_run_first_in_line(r: redis.Redis
     r.hset(conf, "k:acme:paused_until", -1)
     assert store_limits.back_off(store, group, "run-3", after_ms=100, lease_ms=60_000) == -1
     assert [m.decode() for m in r.zrange(SCHEMA.limit_waiting(group), 0, -1)] == ["run-3", "run-1", "run-2"]
+
+
+def test_a_pause_that_ended_leaves_no_field_in_the_groups_conf(r: redis.Redis, app: Celery) -> None:
+    """Each key that ever backed off would otherwise keep a ``k:<key>:paused_until`` field for good."""
+    store = store_for(app)
+    conf = SCHEMA.limit_conf(group_id("single").partition(":")[0])
+    one = LimitPolicy(None, concurrency=1)
+    for tenant in ("acme", "globex"):
+        store_limits.back_off(store, group_id("single", tenant), f"run-{tenant}", after_ms=100, lease_ms=60_000)
+    limits.pause(app, "single", until=datetime.datetime.now(datetime.timezone.utc) + datetime.timedelta(seconds=0.1))
+    assert {f.decode() for f in r.hkeys(conf)} >= {"paused_until", "k:acme:paused_until", "k:globex:paused_until"}
+    time.sleep(0.3)
+    grant = store_limits.acquire(
+        store, group_id("single", "acme"), "h:1:a", "run-acme", one, lease_ms=60_000, task_name="t"
+    )
+    assert isinstance(grant, store_limits.Grant)
+    assert {f.decode() for f in r.hkeys(conf)} == {"k:globex:paused_until"}, "acme's and the group's pause ended"
 
 
 # --- with real workers -------------------------------------------------------------------------

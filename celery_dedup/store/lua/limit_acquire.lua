@@ -16,7 +16,8 @@
 -- KEYS[8]  conf: the shard's copy of the group namespace's conf HASH (schema.LIMIT_CONF_FIELDS):
 --          group-wide `concurrency`, `rates`, `paused_until`, and `k:<key>:...` for this
 --          group's key; a key's value wins over the group's, the group's over the declared;
---          either pause holds (absent for a task's own limits: nothing overridden)
+--          either pause holds; a pause that ended is deleted here (absent for a task's own
+--          limits: nothing overridden)
 -- ARGV[1]  group: the group id, "<namespace>:<group key>" (a task's or a named group's)
 -- ARGV[2]  token: token of this delivery (unique per delivery)
 -- ARGV[3]  run: run id (the task id), its place in line survives its re-publishes
@@ -106,6 +107,17 @@ for _, until_ms in ipairs({tonumber(set[3] or 0) or 0, tonumber(set[6] or 0) or 
   elseif until_ms > now then
     paused_until = math.max(paused_until, until_ms)
   end
+end
+-- A pause that has ended leaves no field behind (a back-off writes one per key of the group).
+local ended = {}
+for i, field in pairs({[3] = 'paused_until', [6] = 'k:' .. key .. ':paused_until'}) do
+  local until_ms = tonumber(set[i] or 0) or 0
+  if until_ms > 0 and until_ms <= now then
+    ended[#ended + 1] = field
+  end
+end
+if #ended > 0 then
+  redis.call('HDEL', conf, unpack(ended))
 end
 -- The log keeps what the longest window needs, declared or overridden (a cleared override finds it whole).
 local longest = math.max(longest_of(windows), longest_of(windows_of(rates)))
