@@ -51,6 +51,7 @@ from .store.limits import Grant, GroupState, groups
 from .worker.limits import current
 
 __all__ = [
+    "ALL_KEYS",
     "Grant",
     "GroupInfo",
     "GroupState",
@@ -76,12 +77,23 @@ logger = logging.getLogger("celery_dedup")
 UNTIL_RESUMED = -1
 
 
+#: How the admin and the CLI name a group-wide value or pause (never a key, which is text).
+ALL_KEYS = "(all keys)"
+
+
 @dataclass(frozen=True)
 class Override:
     """Values set at run time over a group's declared ones (None: that value is not overridden)."""
 
     concurrency: int | None
     rates: tuple[Rate, ...] | None
+
+    def __str__(self) -> str:
+        """``concurrency 1, rate 10/s, 10000/d``: the values it sets, as the admin and the CLI show them."""
+        parts = [] if self.concurrency is None else [f"concurrency {self.concurrency}"]
+        if self.rates:
+            parts.append("rate " + ", ".join(str(rate) for rate in self.rates))
+        return ", ".join(parts)
 
 
 @dataclass(frozen=True)

@@ -19,7 +19,7 @@ from celery import Celery
 
 from .. import limits as climits
 from .. import runtime
-from ..limits import GroupInfo, Override, Rate
+from ..limits import ALL_KEYS, GroupInfo, Override
 from ..store import limits as limit_groups
 from ..store.status import from_ms
 from .output import (
@@ -34,21 +34,10 @@ from .output import (
     printable,
 )
 
-#: How a key's row names the whole group (its group-wide override or pause): never a key, which is text.
-ALL_KEYS = "(all keys)"
-
-
-def _rates(rates: Sequence[Rate] | None) -> str:
-    return ", ".join(str(rate) for rate in rates) if rates else "-"
-
 
 def _override(override: Override | None) -> str:
     """``concurrency 1, rate 10/s``; ``-`` for none."""
-    if override is None:
-        return "-"
-    parts = [] if override.concurrency is None else [f"concurrency {override.concurrency}"]
-    parts += [] if override.rates is None else [f"rate {_rates(override.rates)}"]
-    return ", ".join(parts) or "-"
+    return str(override) if override is not None and str(override) else "-"
 
 
 def _paused(until: int | None, now_ms: int) -> str:

@@ -17,22 +17,12 @@ from celery import Celery
 from django.utils import timezone
 
 from celery_dedup import limits
-from celery_dedup.limits import GroupInfo, GroupState, Override, Rate
-
-#: What a row of a named group's own values says in its key column.
-ALL_KEYS = "(all keys)"
-
-
-def rates_text(rates: Sequence[Rate] | None) -> str:
-    return ", ".join(str(rate) for rate in rates) if rates else "-"
+from celery_dedup.limits import ALL_KEYS, GroupInfo, GroupState, Override
 
 
 def override_text(override: Override | None) -> str:
     """``concurrency 1, rate 10/s``; empty for none."""
-    if override is None:
-        return ""
-    parts = [] if override.concurrency is None else [f"concurrency {override.concurrency}"]
-    return ", ".join([*parts, *([] if override.rates is None else [f"rate {rates_text(override.rates)}"])])
+    return "" if override is None else str(override)
 
 
 def paused_text(until: int | None, now_ms: int) -> str:
