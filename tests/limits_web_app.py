@@ -22,7 +22,7 @@ import sys
 import threading
 import time
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, cast
 
 import redis
 from celery import Celery
@@ -113,45 +113,27 @@ def register(app: Celery) -> Tasks:
     def partner(self: DedupTask, n: int, tenant: str) -> str:
         return body(self, f"task:{n}", tenant)
 
-    @app.task(
-        name="tests.limits_web_app.single",
-        base=DedupTask,
-        bind=True,
-        shared=False,
-        dedup_key="call:{tenant}:{n}",
-        limit_group="single",
-        limit_key="{tenant}",
-        max_retries=0,
-    )
-    def single(self: DedupTask, n: int, tenant: str) -> str:
-        return body(self, f"{tenant}{n}", tenant)
+    def of_single(name: str, **options: Any) -> DedupTask:
+        """A task of group ``single`` (limit key: its tenant) that backs off when told to; no Celery retry."""
 
-    @app.task(
-        name="tests.limits_web_app.single_off",
-        base=DedupTask,
-        bind=True,
-        shared=False,
-        dedup_mode="off",
-        limit_group="single",
-        limit_key="{tenant}",
-        max_retries=0,
-    )
-    def single_off(self: DedupTask, n: int, tenant: str) -> str:
-        return body(self, f"{tenant}{n}", tenant)
+        def run(self: DedupTask, n: int, tenant: str) -> str:
+            return body(self, f"{tenant}{n}", tenant)
 
-    @app.task(
-        name="tests.limits_web_app.single_started",
-        base=DedupTask,
-        bind=True,
-        shared=False,
-        dedup_mode="until_executing",
-        dedup_key="call:{tenant}:{n}",
-        limit_group="single",
-        limit_key="{tenant}",
-        max_retries=0,
-    )
-    def single_started(self: DedupTask, n: int, tenant: str) -> str:
-        return body(self, f"{tenant}{n}", tenant)
+        decorate = app.task(
+            name=f"tests.limits_web_app.{name}",
+            base=DedupTask,
+            bind=True,
+            shared=False,
+            limit_group="single",
+            limit_key="{tenant}",
+            max_retries=0,
+            **options,
+        )
+        return cast(DedupTask, decorate(run))
+
+    single = of_single("single", dedup_key="call:{tenant}:{n}")
+    single_off = of_single("single_off", dedup_mode="off")
+    single_started = of_single("single_started", dedup_mode="until_executing", dedup_key="call:{tenant}:{n}")
 
     @app.task(
         name="tests.limits_web_app.inline",
