@@ -141,7 +141,8 @@ def test_double_click_pay_leaves_one_succeeded_record(demo: DemoProcess, page: A
     page.goto(f"{demo.base}/admin/shop/order/{order_id}/change/")
     record = page.locator(".field-dedup_records").inner_text()
     assert "state=succeeded" in record
-    assert f"duplicates={duplicates}" in record
+    # The summary leaves out fields the record does not have: no duplicate (one press reached the server), none.
+    assert (f"duplicates={duplicates}" in record) if duplicates else ("duplicates=" not in record), record
 
     processes = demo.descendants()
     assert demo.stop(signal.SIGTERM) == 0, demo.output()
