@@ -9,6 +9,8 @@ one Lua script that holds the key and LPUSHes the message together.
 
 from __future__ import annotations
 
+import logging
+import threading
 from functools import cached_property
 from typing import Any
 
@@ -25,6 +27,52 @@ from ..publish.ticket import report
 from ..store.scripts import Scripts
 from ..store.store import DedupStore, GateCall
 
+logger = logging.getLogger("celery_dedup")
+
+
+#: Delivery tags a closing channel could not put back on their queues (its server did not answer), by
+#: server and unacknowledged hash. kombu would leave them there until ``visibility_timeout`` (an hour by
+#: default); the next channel this process opens to that server puts them back (see :class:`RestoringQoS`).
+_UNRESTORED: dict[tuple[Any, ...], set[str]] = {}
+_UNRESTORED_LOCK = threading.Lock()
+
+
+def _server_of(params: dict[str, Any]) -> tuple[Any, ...]:
+    """Which server (and database) connection parameters reach: the key of :data:`_UNRESTORED`."""
+    return tuple(params.get(name) for name in ("host", "port", "path", "db", "virtual_host", "service_name"))
+
+
+class RestoringQoS(kombu_redis.QoS):
+    """kombu's Redis QoS, whose messages a broker restart does not strand until the visibility timeout.
+
+    A worker that loses its broker closes the connection, and each channel
+    puts its unacknowledged messages (prefetched, or running with
+    ``acks_late``) back as it closes. With the server down that fails, and
+    kombu leaves them in its unacknowledged hash until ``visibility_timeout``
+    has passed: an hour by default, however soon the server is back. Their
+    tags are kept instead, and the channel Celery opens once it reconnects
+    puts them back then (``restore_by_tag``: a transaction, so a message
+    another worker's visibility restore took is not put back twice).
+    """
+
+    channel: Any
+
+    def restore_unacked(self, client: Any = None) -> None:
+        try:
+            super().restore_unacked(client)
+        except (redis.ConnectionError, redis.TimeoutError) as exc:
+            delivered: dict[str, Any] = self._delivered or {}
+            tags = set(delivered)
+            delivered.clear()
+            key = (_server_of(self.channel._connparams()), self.channel.unacked_key)
+            with _UNRESTORED_LOCK:
+                _UNRESTORED.setdefault(key, set()).update(tags)
+            logger.warning(
+                "could not put back %d unacknowledged message(s) (%s); they go back as this process reconnects",
+                len(tags),
+                exc,
+            )
+
 
 class GatedChannelMixin:
     """Overrides ``basic_publish``: the single entry point of every publish.
@@ -38,6 +86,44 @@ class GatedChannelMixin:
     global_keyprefix: str
     priority_steps: list[int]
     unacked_key: str
+    connection: Any  # the channel's transport
+
+    def _put_back_unrestored(self) -> None:
+        """Put back what a closed channel to this server could not (:class:`RestoringQoS`); a failure waits."""
+        key = (_server_of(self._connparams()), self.unacked_key)
+        with _UNRESTORED_LOCK:
+            tags = _UNRESTORED.pop(key, set())
+        if not tags:
+            return
+        qos: Any = self.qos  # type: ignore[attr-defined]
+        left = set(tags)
+        try:
+            for tag in tags:
+                qos.restore_by_tag(tag)  # to the head of its queue, as kombu's restore at close
+                left.discard(tag)
+        except redis.RedisError:
+            with _UNRESTORED_LOCK:
+                _UNRESTORED.setdefault(key, set()).update(left)
+            return
+        logger.warning("put back %d unacknowledged message(s) a lost connection had left behind", len(tags))
+
+    def _connparams(self, asynchronous: bool = False) -> dict[str, Any]:
+        """kombu's connection parameters, remembered: a channel closing after its connection let go still has them.
+
+        A worker that loses its broker closes the connection, and each channel
+        puts its unacknowledged messages back as it closes. With the server
+        down the first try fails; by the next, kombu's connection has let go
+        of its transport (``transport.client`` is None), where kombu reads the
+        server's address: the worker died of an ``AttributeError``. With the
+        address kept, the messages go back once the server answers; while it
+        is still down, :class:`RestoringQoS` keeps them for the next channel.
+        """
+        kept: dict[bool, dict[str, Any]] = self.__dict__.setdefault("_dedup_connparams", {})
+        if self.connection.client is None and asynchronous in kept:
+            return dict(kept[asynchronous])
+        params: dict[str, Any] = super()._connparams(asynchronous)  # type: ignore[misc]
+        kept[asynchronous] = dict(params)
+        return params
 
     @cached_property
     def _dedup_client(self) -> redis.Redis:
@@ -139,6 +225,12 @@ class GatedChannelMixin:
 class Channel(GatedChannelMixin, kombu_redis.Channel):
     """kombu's Redis channel with the gate."""
 
+    QoS = RestoringQoS
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        self._put_back_unrestored()
+
 
 class Transport(kombu_redis.Transport):
     """kombu's Redis transport with the gate (``broker_url="redis://..."``)."""
@@ -148,6 +240,12 @@ class Transport(kombu_redis.Transport):
 
 class SentinelChannel(GatedChannelMixin, kombu_redis.SentinelChannel):
     """kombu's Sentinel channel with the gate."""
+
+    QoS = RestoringQoS
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        self._put_back_unrestored()
 
 
 class SentinelTransport(kombu_redis.SentinelTransport):
