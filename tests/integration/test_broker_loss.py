@@ -19,7 +19,12 @@ import redis
 from celery_dedup.testing import RedisServer
 
 from ..conftest import Server, WorkerProcess, new_app, wait_for
-from ..proj import executions_key
+
+
+def executions_key(key: str) -> str:
+    """Where ``tests.proj``'s tasks count their executions (not imported: its module-level tasks are shared, and
+    every app finalized later in this process would bind them)."""
+    return f"test:executions:{key}"
 
 
 def test_a_worker_whose_broker_restarts_with_prefetched_messages_puts_them_back_and_lives_on(tmp_path: Path) -> None:
