@@ -42,8 +42,9 @@ def test_a_worker_whose_broker_restarts_with_prefetched_messages_puts_them_back_
         publisher.close()
         client = redis.Redis.from_url(url)
         wait_for(lambda: client.get(executions_key("order:701")), 20, "the first body")
+        # The other three fetched, unacknowledged (kombu's unacknowledged hash; the first was acknowledged as it began).
+        wait_for(lambda: client.hlen("unacked") == 3, 10, lambda: f"{client.hlen('unacked')} of 3 prefetched")
         client.close()
-        time.sleep(0.5)  # the other three fetched, unacknowledged
         first.stop()
         time.sleep(1.0)
         second = RedisServer(port, extra=persist).start()
