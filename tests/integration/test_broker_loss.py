@@ -11,12 +11,14 @@ gated transport's channels keep their server's address.
 
 from __future__ import annotations
 
+import json
 import time
 from pathlib import Path
 
 import redis
 
 from celery_dedup.testing import RedisServer
+from celery_dedup.transports import redis as gated
 
 from ..conftest import Server, WorkerProcess, new_app, wait_for
 
@@ -62,6 +64,49 @@ def test_a_worker_whose_broker_restarts_with_prefetched_messages_puts_them_back_
         client.close()
     finally:
         worker.stop()
+        first.stop()
+        if second is not None:
+            second.stop()
+
+
+def test_a_message_another_worker_put_back_meanwhile_is_not_put_back_twice(tmp_path: Path) -> None:
+    """Two messages fetched and not acknowledged; the server goes down as the connection closes; meanwhile (as a
+    visibility restore of another worker would) one of them is put back by someone else. The next channel puts
+    back only the other: each message is once on its queue."""
+    persist = ("--dir", str(tmp_path), "--appendonly", "yes", "--appendfsync", "always")
+    first = RedisServer(extra=persist).start()
+    port, url = first.port, first.url
+    second: RedisServer | None = None
+    try:
+        connection = gated.Connection(url)
+        queue = connection.SimpleQueue("broker-loss")
+        for n in (1, 2):
+            queue.put({"n": n})
+        fetched = [queue.get(timeout=5) for _ in range(2)]
+        tags = [str(message.delivery_tag) for message in fetched]
+        assert redis.Redis.from_url(url).hlen("unacked") == 2
+        first.stop()
+        connection.release()  # the restore fails: the server is down; the tags are kept
+        second = RedisServer(port, extra=persist).start()
+        client = redis.Redis.from_url(url)
+        kept = client.hget("unacked", tags[0])
+        assert kept is not None, "the server kept what was unacknowledged"
+        message, _exchange, routing_key = json.loads(kept)
+        with client.pipeline() as pipe:  # what kombu's restore_by_tag does, from another process
+            pipe.hdel("unacked", tags[0])
+            pipe.zrem("unacked_index", tags[0])
+            pipe.rpush(routing_key, json.dumps(message))
+            pipe.execute()
+        again = gated.Connection(url)
+        again.default_channel  # noqa: B018 - opening it puts back what the closed channel could not
+        bodies = sorted(json.loads(raw)["body"] for raw in client.lrange("broker-loss", 0, -1))
+        assert len(bodies) == 2 and len(set(bodies)) == 2, bodies
+        assert client.hlen("unacked") == 0
+        received = again.SimpleQueue("broker-loss")
+        assert sorted(received.get(timeout=5).payload["n"] for _ in range(2)) == [1, 2]
+        again.release()
+        client.close()
+    finally:
         first.stop()
         if second is not None:
             second.stop()
