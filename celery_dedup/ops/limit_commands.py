@@ -37,7 +37,7 @@ from .output import (
 
 def _override(override: Override | None) -> str:
     """``concurrency 1, rate 10/s``; ``-`` for none."""
-    return str(override) if override is not None and str(override) else "-"
+    return (str(override) if override is not None else "") or "-"
 
 
 def _paused(until: int | None, now_ms: int) -> str:

@@ -88,6 +88,10 @@ class GatedChannelMixin:
     unacked_key: str
     connection: Any  # the channel's transport
 
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)  # kombu's channel: connects, or raises
+        self._put_back_unrestored()
+
     def _put_back_unrestored(self) -> None:
         """Put back what a closed channel to this server could not (:class:`RestoringQoS`); a failure waits."""
         key = (_server_of(self._connparams()), self.unacked_key)
@@ -227,10 +231,6 @@ class Channel(GatedChannelMixin, kombu_redis.Channel):
 
     QoS = RestoringQoS
 
-    def __init__(self, *args: Any, **kwargs: Any) -> None:
-        super().__init__(*args, **kwargs)
-        self._put_back_unrestored()
-
 
 class Transport(kombu_redis.Transport):
     """kombu's Redis transport with the gate (``broker_url="redis://..."``)."""
@@ -242,10 +242,6 @@ class SentinelChannel(GatedChannelMixin, kombu_redis.SentinelChannel):
     """kombu's Sentinel channel with the gate."""
 
     QoS = RestoringQoS
-
-    def __init__(self, *args: Any, **kwargs: Any) -> None:
-        super().__init__(*args, **kwargs)
-        self._put_back_unrestored()
 
 
 class SentinelTransport(kombu_redis.SentinelTransport):
